@@ -1,0 +1,58 @@
+"""Full attention with grouped KV heads, q/k norm, partial rotary, output gate, paged KV."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.config import ModelConfig
+from backend.model.batch import ForwardBatch
+from backend.model.norm import RMSNorm
+from backend.model.rotary import apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, attn_index: int) -> None:
+        super().__init__()
+        self.attn_index = attn_index  # index among attention layers: selects the KV buffer
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
+        # q_proj emits the query and the output gate interleaved per head: [H, 2 * Dh].
+        self.q_proj = nn.Linear(D, self.num_heads * Dh * 2, bias=bias)
+        self.k_proj = nn.Linear(D, self.num_kv_heads * Dh, bias=bias)
+        self.v_proj = nn.Linear(D, self.num_kv_heads * Dh, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * Dh, D, bias=bias)
+        self.q_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch | None
+    ) -> torch.Tensor:
+        """x: [B, T, D]; cos, sin: [B, T, R] -> [B, T, D]."""
+        B, T, _ = x.shape
+        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, -1)), cos, sin)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        kv = batch.kv if batch is not None else None
+        if kv is not None:
+            rows, slots = batch.write_rows, batch.write_slots
+            kv.k[self.attn_index].index_copy_(0, slots, k.reshape(B * T, *k.shape[2:])[rows])
+            kv.v[self.attn_index].index_copy_(0, slots, v.reshape(B * T, *v.shape[2:])[rows])
+        if kv is None or batch.fresh:
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                is_causal=T > 1, enable_gqa=True,
+            )
+        else:
+            k_ctx = kv.k[self.attn_index][batch.read_slots]  # [B, Ctx, Hkv, Dh]
+            v_ctx = kv.v[self.attn_index][batch.read_slots]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+                attn_mask=batch.attn_mask, enable_gqa=True,
+            )
+        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        return self.o_proj(out)

@@ -1,0 +1,124 @@
+"""Per-forward metadata: which tokens each sequence adds, where its KV and states live."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from backend.model.kv_cache import PagedKV, StateSlots, token_slots
+
+
+class Capture(NamedTuple):
+    """Where to copy group-entry hidden states during a forward.
+
+    src: [N] flat indices into the batch's [B * T] token rows; dst: [N] rows of each group's
+    buffer; buffers: [G, R, D] (one [R, D] buffer per group). One indexed copy per group.
+    """
+
+    src: torch.Tensor
+    dst: torch.Tensor
+    buffers: torch.Tensor
+
+
+@dataclass
+class SeqInput:
+    """One sequence of a batch: `token_ids` follow `start` tokens already in KV / states."""
+
+    token_ids: list[int] | torch.Tensor
+    start: int = 0
+    page_table: torch.Tensor | None = None  # pages covering [0, start + len(token_ids))
+    state_slot: int | None = None
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [B, T], right-padded with 0
+    positions: torch.Tensor  # [B, T]
+    lengths: torch.Tensor  # [B]
+    starts: list[int]
+    valid: torch.Tensor | None  # [B, T] bool; None when no row is padded
+    kv: PagedKV | None = None
+    states: StateSlots | None = None
+    state_slots: torch.Tensor | None = None  # [B]
+    write_rows: torch.Tensor | None = None  # [N] flat rows of real tokens in [B * T]
+    write_slots: torch.Tensor | None = None  # [N] their KV slots
+    read_slots: torch.Tensor | None = None  # [B, Ctx]
+    attn_mask: torch.Tensor | None = None  # [B, 1, T, Ctx] bool
+    capture: Capture | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Every sequence starts at 0: attention needs only this forward's own K/V."""
+        return all(s == 0 for s in self.starts)
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    @classmethod
+    def build(
+        cls,
+        seqs: list[SeqInput],
+        kv: PagedKV | None = None,
+        states: StateSlots | None = None,
+        capture: Capture | None = None,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        if not seqs:
+            raise ValueError("a forward batch needs at least one sequence")
+        lens = [len(s.token_ids) for s in seqs]
+        if min(lens) < 1:
+            raise ValueError(f"every sequence must add at least one token, got lengths {lens}")
+        B, T = len(seqs), max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            ids[b, : lens[b]] = torch.as_tensor(s.token_ids, dtype=torch.long)
+        starts = [s.start for s in seqs]
+        lengths = torch.tensor(lens)
+        ar = torch.arange(T)
+        positions = torch.tensor(starts).unsqueeze(1) + ar
+        valid = None if min(lens) == T else ar.unsqueeze(0) < lengths.unsqueeze(1)
+        batch = cls(ids, positions, lengths, starts, valid, kv, states, capture=capture)
+        if kv is not None:
+            batch._plan_kv(seqs, lens, T)
+        if states is not None:
+            if any(s.state_slot is None for s in seqs):
+                raise ValueError("every sequence needs a state_slot when states are given")
+            batch.state_slots = torch.tensor([s.state_slot for s in seqs])
+        elif any(s > 0 for s in starts):
+            raise ValueError(f"sequences continue at {starts} but no state slots were given")
+        return batch.to(device)
+
+    def _plan_kv(self, seqs: list[SeqInput], lens: list[int], T: int) -> None:
+        ps = self.kv.page_size
+        rows, slots, reads = [], [], []
+        for b, (s, n) in enumerate(zip(seqs, lens)):
+            if s.page_table is None:
+                raise ValueError(f"sequence {b} has no page table but a KV cache is in use")
+            need = -(-(s.start + n) // ps)
+            if s.page_table.numel() < need:
+                raise ValueError(
+                    f"sequence {b}: page table has {s.page_table.numel()} pages, "
+                    f"{need} are needed for {s.start + n} tokens"
+                )
+            rows.append(torch.arange(n) + b * T)
+            slots.append(token_slots(s.page_table, s.start, s.start + n, ps))
+            reads.append(token_slots(s.page_table, 0, s.start + n, ps))
+        self.write_rows = torch.cat(rows)
+        self.write_slots = torch.cat(slots)
+        if not self.fresh:
+            ctx = max(r.numel() for r in reads)
+            pad = torch.nn.functional.pad
+            self.read_slots = torch.stack([pad(r, (0, ctx - r.numel())) for r in reads])
+            key_pos = torch.arange(ctx).view(1, 1, 1, ctx)
+            self.attn_mask = key_pos <= self.positions.view(len(seqs), 1, T, 1)
+
+    def to(self, device: torch.device | str) -> ForwardBatch:
+        for name in ("input_ids", "positions", "lengths", "valid", "state_slots", "write_rows",
+                     "write_slots", "read_slots", "attn_mask"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self

@@ -1,0 +1,101 @@
+"""The gated delta rule: a recurrent step form (also the reference) and a chunked form.
+
+Shapes (fla convention): q, k: [B, T, H, K]; v: [B, T, H, V]; g (log decay, <= 0) and beta:
+[B, T, H]; state: [B, H, K, V] in fp32. q and k are expected L2-normalised and already
+expanded to the value heads. Per token t the state is updated as
+
+    S <- S * exp(g_t);  S <- S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale * q_t)
+
+Positions with g = 0 and beta = 0 leave the state untouched, so sequences of a batch may be
+right-padded with such positions and their final states stay exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token form: the definition, used for decode and as the test oracle."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None, None]
+        k_t = k[:, t]  # [B, H, K]
+        kv = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, V]
+        delta = (v[:, t] - kv) * beta[:, t, :, None]
+        S = S + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append((q[:, t].unsqueeze(-2) @ S).squeeze(-2) * scale)
+    return torch.stack(outs, dim=1).to(out_dtype), S
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked (parallel within a chunk, sequential across chunks) form; differentiable.
+
+    Within a chunk the T sequential rank-one updates are folded into one lower-triangular
+    solve (the WY / UT transform), then the chunk reads and writes the carried state once.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    # [B, H, T, *] in fp32
+    q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))
+    g, beta = (x.transpose(1, 2).float() for x in (g, beta))
+    pad = (-T) % C
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
+    N = (T + pad) // C
+    q = q.reshape(B, H, N, C, K) * scale
+    k = k.reshape(B, H, N, C, K)
+    v = v.reshape(B, H, N, C, V)
+    beta = beta.reshape(B, H, N, C, 1)
+    gc = g.reshape(B, H, N, C).cumsum(-1)  # log decay from chunk start to each position
+
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    decay = (gc.unsqueeze(-1) - gc.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+    k_beta = k * beta
+    # Strictly lower part of (beta k k^T) * decay couples each update to the earlier ones.
+    coupling = ((k_beta @ k.transpose(-1, -2)) * decay).tril(-1)
+    system = coupling + torch.eye(C, dtype=q.dtype, device=q.device)
+    rhs = torch.cat((v * beta, k_beta * gc.exp().unsqueeze(-1)), dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = sol[..., :V], sol[..., V:]  # u: new values; w: how much each reads the old state
+
+    intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal incl. diagonal
+    q_decayed = q * gc.exp().unsqueeze(-1)
+    k_to_end = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
+    chunk_decay = gc[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    outs = []
+    for n in range(N):
+        v_new = u[:, :, n] - w[:, :, n] @ S
+        outs.append(q_decayed[:, :, n] @ S + intra[:, :, n] @ v_new)
+        S = S * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
+    return o.transpose(1, 2).to(out_dtype), S

@@ -1,0 +1,76 @@
+"""Gated DeltaNet token mixer (the linear-attention layer of Qwen3.5)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.config import ModelConfig
+from backend.model.conv import causal_conv1d
+from backend.model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from backend.model.norm import GatedRMSNorm
+
+LinearState = tuple[torch.Tensor, torch.Tensor]  # (conv [B, C, W - 1], recurrent [B, H, K, V])
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D = cfg.hidden_size
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = cfg.linear_key_dim, cfg.linear_value_dim
+        self.conv_dim = cfg.conv_dim
+        W = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, W, groups=self.conv_dim, bias=False,
+                                padding=W - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(1, 16)))
+        self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
+        self.in_proj_qkv = nn.Linear(D, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: LinearState | None = None,
+        valid: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, LinearState]:
+        """x: [B, T, D]; state: initial (conv, recurrent) or None for zeros.
+
+        valid: [B, T] marks real tokens of a right-padded batch (padding leaves states
+        untouched); lengths: [B] real lengths. Returns the output and the final states.
+        """
+        B, T, _ = x.shape
+        if valid is not None:
+            x = x * valid.unsqueeze(-1).to(x.dtype)
+        conv_state, rec_state = state if state is not None else (None, None)
+        mixed, new_conv = causal_conv1d(
+            self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), conv_state, lengths
+        )
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
+        k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
+        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
+        if self.num_v_heads != self.num_k_heads:
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        if valid is not None:
+            keep = valid.unsqueeze(-1)
+            beta, g = beta * keep, g * keep
+        rule = recurrent_gated_delta_rule if T == 1 else chunk_gated_delta_rule
+        out, new_rec = rule(q, k, v, g, beta, initial_state=rec_state)
+        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
+        out = self.norm(out, z).reshape(B, T, self.value_dim)
+        return self.out_proj(out), (new_conv, new_rec)

@@ -1,0 +1,175 @@
+"""The hybrid decoder: layer layout, groups, full forward, capture and group replay.
+
+Parameter names follow the Hugging Face Qwen3.5 checkpoints (`model.layers.N.linear_attn...`),
+so a checkpoint's state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from backend.config import LINEAR, ModelConfig
+from backend.model.attention import Attention
+from backend.model.batch import Capture, ForwardBatch, SeqInput
+from backend.model.gated_deltanet import GatedDeltaNet, LinearState
+from backend.model.mlp import SwiGLU
+from backend.model.norm import RMSNorm
+from backend.model.rotary import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.is_linear = cfg.layer_types[layer_id] == LINEAR
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg)
+            self.state_index = cfg.linear_layer_ids.index(layer_id)
+        else:
+            self.self_attn = Attention(cfg, cfg.attention_layer_ids.index(layer_id))
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def mix_linear(
+        self, x: torch.Tensor, state: LinearState | None, valid, lengths
+    ) -> tuple[torch.Tensor, LinearState]:
+        h, new_state = self.linear_attn(self.input_layernorm(x), state, valid, lengths)
+        return self._ffn(x + h), new_state
+
+    def mix_attention(self, x, cos, sin, batch: ForwardBatch | None) -> torch.Tensor:
+        return self._ffn(x + self.self_attn(self.input_layernorm(x), cos, sin, batch))
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridTextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+
+class HybridForCausalLM(nn.Module):
+    """Qwen3.5-family hybrid LM. Public entry points: `logits`, `forward_batch`, `replay_group`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = HybridTextModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        self._entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    # Plain prefill -------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [B, T] -> logits [B, T, V] of a full prefill from empty state (trainable)."""
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        return self.lm_head(self._run_layers(input_ids, positions, None))
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, V] logits of a plain full prefill."""
+        return self.forward(input_ids.to(self.device))
+
+    # Cached, batched forward ------------------------------------------------------------
+    @torch.inference_mode()
+    def forward_batch(self, batch: ForwardBatch, last_only: bool = True) -> torch.Tensor:
+        """Runs one step over variable-length sequences reading/writing paged KV and states.
+
+        Returns logits [B, V] at each sequence's last new token (or [B, T, V] if not last_only).
+        """
+        hidden = self._run_layers(batch.input_ids, batch.positions, batch)
+        if last_only:
+            hidden = hidden[torch.arange(batch.batch_size, device=hidden.device), batch.lengths - 1]
+        return self.lm_head(hidden)
+
+    def _run_layers(self, ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        x = self.model.embed_tokens(ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        valid = batch.valid if batch is not None else None
+        lengths = batch.lengths if valid is not None else None
+        for i, layer in enumerate(self.model.layers):
+            if batch is not None and batch.capture is not None and i in self._entry_to_group:
+                self._capture(x, batch.capture, self._entry_to_group[i])
+            if layer.is_linear:
+                state = self._read_state(layer.state_index, batch)
+                x, new_state = layer.mix_linear(x, state, valid, lengths)
+                self._write_state(layer.state_index, batch, new_state)
+            else:
+                x = layer.mix_attention(x, cos, sin, batch)
+        return self.model.norm(x)
+
+    @staticmethod
+    def _capture(x: torch.Tensor, capture, group: int) -> None:
+        rows = x.reshape(-1, x.shape[-1])[capture.src]
+        capture.buffers[group].index_copy_(0, capture.dst, rows.to(capture.buffers.dtype))
+
+    @staticmethod
+    def _read_state(index: int, batch) -> LinearState | None:
+        if batch is None or batch.states is None or batch.fresh:
+            return None
+        slots = batch.state_slots
+        conv, rec = batch.states.conv[index][slots], batch.states.rec[index][slots]
+        fresh_rows = torch.tensor(batch.starts, device=slots.device) == 0
+        if fresh_rows.any():
+            conv[fresh_rows] = 0
+            rec[fresh_rows] = 0
+        return conv, rec
+
+    @staticmethod
+    def _write_state(index: int, batch, state: LinearState) -> None:
+        if batch is None or batch.states is None:
+            return
+        conv = batch.states.conv[index]
+        conv.index_copy_(0, batch.state_slots, state[0].to(conv.dtype))
+        batch.states.rec[index].index_copy_(0, batch.state_slots, state[1])
+
+    # Suffix replay primitive ------------------------------------------------------------
+    @torch.inference_mode()
+    def replay_group(
+        self, group: int, hidden: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> list[LinearState]:
+        """Runs only group `group`'s linear layers (with their MLPs) from zero state.
+
+        hidden: [B, T, D] entry hidden states (right-padded; `lengths` [B] when ragged).
+        Returns the final (conv, recurrent) states of each layer of the group, in order.
+        """
+        B, T, _ = hidden.shape
+        valid = None
+        if lengths is not None and int(lengths.min()) < T:
+            valid = torch.arange(T, device=hidden.device).unsqueeze(0) < lengths.unsqueeze(1)
+        else:
+            lengths = None
+        x = hidden.to(self.dtype)
+        states = []
+        for layer_id in self.config.groups[group]:
+            x, st = self.model.layers[layer_id].mix_linear(x, None, valid, lengths)
+            states.append(st)
+        return states
+
+    @torch.inference_mode()
+    def capture_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Entry hidden states of every group at `positions` of a full prefill: [G, B, N, D]."""
+        B, T = input_ids.shape
+        N = positions.shape[-1]
+        src = (torch.arange(B).unsqueeze(1) * T + positions.view(B, N)).reshape(-1)
+        D = self.config.hidden_size
+        buffers = torch.zeros(self.config.num_groups, B * N, D, dtype=self.dtype)
+        batch = ForwardBatch.build([SeqInput(row) for row in input_ids.tolist()])
+        batch.capture = Capture(src, torch.arange(B * N), buffers)
+        self._run_layers(batch.input_ids, batch.positions, batch)
+        return buffers.view(-1, B, N, self.config.hidden_size)

@@ -1,0 +1,121 @@
+"""Hugging Face-format checkpoint directory -> HybridForCausalLM (memory-mapped safetensors)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from backend.config import ModelConfig
+from backend.model.hybrid import HybridForCausalLM
+
+# Prefixes real checkpoints put in front of the text model's names, and parts we never load.
+_NAME_PREFIXES = ("model.language_model.", "language_model.model.")
+_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file and tensor."""
+
+
+def _canonical(name: str) -> str | None:
+    if name.startswith(_IGNORED_PREFIXES):
+        return None
+    for prefix in _NAME_PREFIXES:
+        if name.startswith(prefix):
+            return "model." + name[len(prefix):]
+    if name.startswith("language_model.lm_head."):
+        return name[len("language_model."):]
+    return name
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
+        return [path / f for f in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if not single.exists():
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return [single]
+
+
+def _read_tensors(files: list[Path]) -> dict[str, tuple[Path, str]]:
+    """Canonical parameter name -> (file, name in file)."""
+    found: dict[str, tuple[Path, str]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                names = list(st.keys())
+        except (OSError, SafetensorError) as e:
+            raise CheckpointError(f"{f}: unreadable safetensors file ({e})") from e
+        for n in names:
+            canon = _canonical(n)
+            if canon is not None:
+                found[canon] = (f, n)
+    return found
+
+
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> HybridForCausalLM:
+    """Loads config.json + safetensors weights from an HF-format directory."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise CheckpointError(f"{cfg_file}: missing")
+    try:
+        cfg = ModelConfig.from_file(cfg_file)
+    except (ValueError, FileNotFoundError) as e:
+        raise CheckpointError(str(e)) from e
+    with torch.device("meta"):
+        model = HybridForCausalLM(cfg)
+    expected = {n: p for n, p in model.named_parameters()}
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    found = _read_tensors(_weight_files(path))
+    if cfg.tie_word_embeddings:
+        found.pop("lm_head.weight", None)
+    _check_names(path, expected, found)
+    state = {}
+    handles: dict[Path, object] = {}
+    for name, param in expected.items():
+        f, key = found[name]
+        if f not in handles:
+            handles[f] = safe_open(str(f), framework="pt")
+        tensor = handles[f].get_tensor(key)
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"{f}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(param.shape)}"
+            )
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = model.rotary.__class__(cfg.rotary_dim, cfg.rope_theta).to(device)
+    return model.eval()
+
+
+def _check_names(path: Path, expected: dict, found: dict) -> None:
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        raise CheckpointError(
+            f"{path}: missing tensors {missing[:5]}" + (" ..." if len(missing) > 5 else "")
+        )
+    unexpected = sorted(set(found) - set(expected))
+    if unexpected:
+        where = found[unexpected[0]][0]
+        raise CheckpointError(
+            f"{where}: unexpected tensors {unexpected[:5]}"
+            + (" ..." if len(unexpected) > 5 else "")
+        )

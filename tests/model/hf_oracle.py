@@ -1,0 +1,81 @@
+"""Builders for tests that compare the model against transformers' Qwen3_5ForCausalLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_CONFIGS = {
+    # id: overrides of the base config below
+    "base-g3": {},
+    "g1-tied-rope50": {
+        "layer_types": ["linear_attention", "full_attention"] * 3,
+        "num_hidden_layers": 6,
+        "tie_word_embeddings": True,
+        "partial_rotary_factor": 0.5,
+    },
+    "heads-dk-ne-dv": {
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "head_dim": 24,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 6,
+        "linear_key_head_dim": 12,
+        "linear_value_head_dim": 20,
+        "partial_rotary_factor": 1.0,
+    },
+}
+
+
+def hf_config_dict(**overrides) -> dict:
+    cfg = {
+        "model_type": "qwen3_5_text",
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "vocab_size": 97,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 8,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"]
+        + ["linear_attention"] * 3 + ["full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25},
+    }
+    prf = overrides.pop("partial_rotary_factor", None)
+    cfg.update(overrides)
+    if prf is not None:
+        cfg["rope_parameters"]["partial_rotary_factor"] = prf
+    return cfg
+
+
+def make_hf_checkpoint(path: Path, seed: int = 0, **overrides):
+    """Saves a randomly initialised HF Qwen3.5 model (with non-trivial norms) to `path`."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    raw = hf_config_dict(**overrides)
+    raw.pop("model_type")
+    raw.pop("architectures")
+    config = Qwen3_5TextConfig(**raw)
+    model = Qwen3_5ForCausalLM(config).eval()
+    with torch.no_grad():
+        # Default init leaves norms at identity and A_log / dt_bias constant: perturb them
+        # so that every parameter's role is visible in the logits.
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "dt_bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if "conv1d" in name or "embed_tokens" in name:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    return model
