@@ -6,7 +6,7 @@ Byte tokenizer layout (vocab_size 260): ids 0..255 are the byte values themselve
 merges over the GPT-2 byte-to-unicode alphabet, so `tokenizers.Tokenizer.from_file` and
 `transformers.PreTrainedTokenizerFast(tokenizer_file=...)` load it unchanged.
 
-`python -m backend.tokenizer --write DIR` writes DIR/tokenizer.json.
+`python -m backend.tokenizer --write DIR` writes DIR/tokenizer.json and tokenizer_config.json.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from backend.detokenize import IncrementalDecoder
+from backend.detokenize import DEFAULT_CONTEXT_LEN, IncrementalDecoder
 
 NUM_BYTES = 256
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
@@ -29,6 +29,12 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Fallbacks for tokenizer.json files that come without a tokenizer_config.json.
 _EOS_CANDIDATES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>")
 _PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|endoftext|>")
+# Qwen's ChatML layout, spelled with the byte tokenizer's special tokens.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -111,9 +117,11 @@ class Tokenizer:
         """Text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+    def incremental_decoder(
+        self, skip_special_tokens: bool = True, context_len: int = DEFAULT_CONTEXT_LEN
+    ) -> IncrementalDecoder:
         """A streaming detokenizer fed one or more ids at a time."""
-        return IncrementalDecoder(self.decode, skip_special_tokens=skip_special_tokens)
+        return IncrementalDecoder(self.decode, skip_special_tokens, context_len)
 
     def _first_known(self, candidates: tuple[str, ...]) -> str | None:
         return next((t for t in candidates if self.tok.token_to_id(t) is not None), None)
@@ -159,12 +167,25 @@ def _token_text(entry: object) -> str | None:
     return entry if isinstance(entry, str) else None
 
 
+def byte_tokenizer_config() -> dict[str, object]:
+    """tokenizer_config.json for transformers' AutoTokenizer (Triton's OpenAI frontend uses it)."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|pad|>",
+        "model_max_length": 1 << 20,
+        "chat_template": CHATML_TEMPLATE,
+    }
+
+
 def write_byte_tokenizer(directory: str | Path) -> Path:
-    """Write the byte tokenizer's tokenizer.json into `directory` (created if needed)."""
+    """Write tokenizer.json and tokenizer_config.json into `directory` (created if needed)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     file = directory / TOKENIZER_FILE
     build_byte_tokenizer().save(str(file), pretty=True)
+    config = json.dumps(byte_tokenizer_config(), indent=2, ensure_ascii=False)
+    (directory / TOKENIZER_CONFIG_FILE).write_text(config + "\n", encoding="utf-8")
     return file
 
 

@@ -1,0 +1,1 @@
+"""Serving through Triton: server launcher, and the logic behind the model repository's models."""

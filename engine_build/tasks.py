@@ -1,0 +1,98 @@
+"""Synthetic long-context tasks (bytes in, bytes out), generated deterministically from a seed.
+
+Each task makes a `TaskExample`: a prompt of about `context_len` bytes whose answer depends on
+something far back in it, and the answer bytes. Three kinds:
+- `kv`: key-value retrieval over many `key NNNNN: VVVVV` lines;
+- `needle`: one `The secret code is NNNN.` line hidden in filler prose;
+- `vars`: Python-style variable assignment chains mixed with distractor assignments.
+The answers are all digits, so accuracy is an exact match of the greedy answer bytes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+TASKS = ("kv", "needle", "vars")
+_WORDS = (
+    "the of and to in is was for on that with as by it at from this be are or an which "
+    "river stone market window garden morning silver letter engine valley harbor paper "
+    "quiet green early small bright open distant ancient simple heavy narrow"
+).split()
+
+
+@dataclass(frozen=True)
+class TaskExample:
+    kind: str
+    prompt: str
+    answer: str
+
+    @property
+    def text(self) -> str:
+        return self.prompt + self.answer + "\n"
+
+
+def make_example(kind: str, context_len: int, rng: random.Random) -> TaskExample:
+    if kind == "kv":
+        return _kv(context_len, rng)
+    if kind == "needle":
+        return _needle(context_len, rng)
+    if kind == "vars":
+        return _vars(context_len, rng)
+    raise ValueError(f"unknown task {kind!r}; expected one of {TASKS}")
+
+
+def _kv(context_len: int, rng: random.Random) -> TaskExample:
+    head = "Key-value store. Remember every value.\n"
+    pairs: dict[str, str] = {}
+    size = len(head)
+    while size < context_len - 40:
+        key = f"{rng.randrange(10**5):05d}"
+        if key in pairs:
+            continue
+        pairs[key] = f"{rng.randrange(10**5):05d}"
+        size += len(f"key {key}: {pairs[key]}\n")
+    keys = list(pairs)
+    asked = rng.choice(keys)
+    body = "".join(f"key {k}: {pairs[k]}\n" for k in keys)
+    return TaskExample("kv", f"{head}{body}Question: what is the value of key {asked}?\n"
+                             f"Answer: ", pairs[asked])
+
+
+def _filler_sentence(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS) for _ in range(rng.randint(6, 12))]
+    return " ".join(words).capitalize() + ". "
+
+
+def _needle(context_len: int, rng: random.Random) -> TaskExample:
+    code = f"{rng.randrange(10**4):04d}"
+    needle = f"The secret code is {code}. "
+    sentences = []
+    size = len(needle)
+    while size < context_len - 50:
+        s = _filler_sentence(rng)
+        sentences.append(s)
+        size += len(s)
+    sentences.insert(rng.randint(0, len(sentences)), needle)
+    return TaskExample("needle", "".join(sentences) + "\nWhat is the secret code? ", code)
+
+
+def _vars(context_len: int, rng: random.Random) -> TaskExample:
+    names = [f"v{i}" for i in rng.sample(range(1000), 200)]
+    target_value = f"{rng.randrange(10**5):05d}"
+    chain = names[:3]  # two hops: v_a = value; v_b = v_a; v_c = v_b
+    lines = [f"{chain[0]} = {target_value}"] + [f"{b} = {a}" for a, b in zip(chain, chain[1:])]
+    distractors = names[3:]
+    body: list[str] = []
+    size = 0
+    while size < context_len - 80:
+        line = f"{rng.choice(distractors)} = {rng.randrange(10**5):05d}"
+        body.append(line)
+        size += len(line) + 1
+    # Chain links keep their order but are spread through the whole context.
+    slots = sorted(rng.sample(range(len(body) + 1), len(lines)))
+    for offset, (slot, line) in enumerate(zip(slots, lines)):
+        body.insert(slot + offset, line)
+    code = "\n".join(body)
+    return TaskExample("vars", f"# variable tracking\n{code}\nprint({chain[-1]})  # prints ",
+                       target_value)

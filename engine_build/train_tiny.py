@@ -1,0 +1,191 @@
+"""Trains the project's default model: a byte-level Qwen3.5-architecture hybrid on this CPU.
+
+Deterministic (seeded), resumable (`--resume` continues from the last checkpoint in
+`--work-dir`), with a tqdm bar and a loss-curve PNG. Data: the interpreter's standard library
+(held-out files excluded) mixed with synthetic long-context tasks (engine_build/tasks.py).
+Sequence length grows over training (512 -> 4096 bytes) at a constant number of tokens per
+step, so the full-attention layers learn retrieval at the lengths the tasks are measured at.
+
+    python -m engine_build.train_tiny                  # about 40 minutes on 2 cores
+    python -m engine_build.train_tiny --steps 5 --out /tmp/m   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from backend.config import FULL, LINEAR, ModelConfig
+from backend.model.hybrid import HybridForCausalLM
+from engine_build.corpus import EOT, MixedSampler, load_split, to_ids
+from engine_build.hf_export import save_hf_directory
+
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+# (fraction of training at which the phase starts, sequence length); tokens per step fixed.
+PHASES = ((0.0, 512), (0.25, 1024), (0.7, 2048), (0.92, 4096))
+
+
+def tiny_config(hidden: int = 256, layers: int = 8) -> ModelConfig:
+    return ModelConfig(
+        vocab_size=260, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(layers)),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        rope_theta=10_000.0, partial_rotary_factor=0.25, max_position_embeddings=8192,
+        tie_word_embeddings=True, eos_token_id=EOT,
+    )
+
+
+def init_weights(model: HybridForCausalLM, seed: int) -> None:
+    torch.manual_seed(seed)
+    depth_scale = 1 / math.sqrt(2 * model.config.num_hidden_layers)
+    for name, p in model.named_parameters():
+        if name.endswith(("norm.weight",)) or "A_log" in name or "dt_bias" in name:
+            continue  # norms at identity, decay parameters as constructed
+        if "conv1d" in name:
+            torch.nn.init.normal_(p, std=0.3)
+        elif p.dim() >= 2:
+            std = 0.02 * (depth_scale if name.endswith(("out_proj.weight", "o_proj.weight",
+                                                        "down_proj.weight")) else 1.0)
+            torch.nn.init.normal_(p, std=std)
+
+
+def seq_len_at(step: int, steps: int) -> int:
+    frac = step / max(steps, 1)
+    return [n for start, n in PHASES if frac >= start][-1]
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int = 100) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = (step - warmup) / max(steps - warmup, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def loss_fn(model: HybridForCausalLM, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(ids[:, :-1])
+    nll = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                          reduction="none")
+    w = weights.reshape(-1)
+    return (nll * w).sum() / w.sum()
+
+
+def train(args: argparse.Namespace) -> Path:
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    ckpt_file = work / "checkpoint.pt"
+    cfg = tiny_config(args.hidden, args.layers)
+    model = HybridForCausalLM(cfg)
+    init_weights(model, args.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
+                            weight_decay=0.1)
+    sampler = MixedSampler(to_ids(load_split(held_out=False, max_bytes=args.max_corpus_bytes)),
+                           seed=args.seed)
+    history: list[dict] = []
+    step, elapsed = 0, 0.0
+    if args.resume and ckpt_file.exists():
+        state = torch.load(ckpt_file, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sampler.rng.setstate(state["sampler_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        step, elapsed, history = state["step"], state["elapsed"], state["history"]
+    model.train()
+    bar = tqdm(total=args.steps, initial=step, desc="train", unit="step")
+    t0 = time.time() - elapsed
+    while step < args.steps:
+        seq_len = seq_len_at(step, args.steps)
+        ids, weights = sampler.sample(max(args.batch_tokens // seq_len, 1), seq_len)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr)
+        loss = loss_fn(model, ids, weights)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        history.append({"step": step, "loss": loss.item(), "seq_len": seq_len,
+                        "time": time.time() - t0})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", len=seq_len)
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "elapsed": time.time() - t0, "history": history,
+                        "sampler_rng": sampler.rng.getstate(),
+                        "torch_rng": torch.get_rng_state()}, ckpt_file)
+        if args.max_minutes and time.time() - t0 > args.max_minutes * 60:
+            tqdm.write(f"time cap of {args.max_minutes} min reached at step {step}")
+            break
+    bar.close()
+    model.eval()
+    out = save_hf_directory(model, args.out)
+    summary = {"steps": step, "train_seconds": round(time.time() - t0, 1),
+               "final_loss": history[-1]["loss"] if history else None,
+               "tokens_seen": sum(args.batch_tokens // h["seq_len"] * h["seq_len"]
+                                  for h in history),
+               "config": {k: v for k, v in asdict(cfg).items() if k != "extra"},
+               "args": vars(args)}
+    (work / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    (work / "loss_history.json").write_text(json.dumps(history))
+    plot_loss(history, out / "loss_curve.png")
+    return out
+
+
+def plot_loss(history: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not history:
+        return
+    steps = [h["step"] for h in history]
+    losses = [h["loss"] / math.log(2) for h in history]
+    k = max(len(losses) // 50, 1)
+    smooth = [sum(losses[max(0, i - k):i + 1]) / len(losses[max(0, i - k):i + 1])
+              for i in range(len(losses))]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, losses, alpha=0.3, label="per step")
+    ax.plot(steps, smooth, label=f"moving mean ({k + 1} steps)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("weighted training loss (bits per byte)")
+    ax.set_title("tiny Qwen3.5-architecture model: training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="HF-format output directory")
+    p.add_argument("--work-dir", default="runs/tiny", help="checkpoint, history, summary")
+    p.add_argument("--steps", type=int, default=1600)
+    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--max-minutes", type=float, default=45.0)
+    p.add_argument("--max-corpus-bytes", type=int, default=None)
+    p.add_argument("--resume", action="store_true")
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    print(train(parse_args()))

@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from backend.triton import install
+from backend.triton.install import find_tritonserver, prepare_backend_dir, server_env
+from backend.triton.launcher import parse_args, start_server
+from tests.triton.conftest import TOKENIZER_FILES, copy_models, free_ports
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def wheel_install() -> install.TritonInstall:
+    try:
+        found = find_tritonserver()
+    except FileNotFoundError as exc:
+        pytest.skip(f"no tritonserver: {exc}")
+    if not found.from_wheel:
+        pytest.skip(f"{found.binary} is a system install, not the nvidia-pytriton wheel")
+    return found
+
+
+def test_explicit_binary_must_exist(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRITONSERVER", str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="TRITONSERVER=.*nope"):
+        find_tritonserver()
+
+
+def test_backend_dir_holds_the_stub_for_this_python(tmp_path):
+    found = wheel_install()
+    backend_dir = prepare_backend_dir(found, tmp_path)
+    stub = backend_dir / "python" / install.STUB_NAME
+    assert stub.resolve() == found.stub_path(install.python_version()).resolve()
+    assert (backend_dir / "python" / "libtriton_python.so").exists()
+
+
+def test_missing_stub_version_lists_available():
+    found = wheel_install()
+    with pytest.raises(FileNotFoundError, match=r"Python 2\.7 .*available: \['3\."):
+        found.stub_path("2.7")
+
+
+def test_env_puts_this_interpreter_first():
+    env = server_env(wheel_install(), base={"PATH": "/usr/bin"})
+    assert env["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(install.PROJECT_ROOT)
+    libpython = install.libpython_dir()
+    if libpython is not None:
+        assert env["LD_LIBRARY_PATH"].split(os.pathsep)[0] == str(libpython)
+
+
+def test_ports_and_address_come_from_env(monkeypatch):
+    monkeypatch.setenv("HTTP_PORT", "9100")
+    monkeypatch.setenv("BIND_ADDRESS", "0.0.0.0")
+    monkeypatch.setenv("MODEL_REPO", "elsewhere")
+    args = parse_args([])
+    assert (args.http_port, args.grpc_port, args.bind_address) == (9100, 8001, "0.0.0.0")
+    assert args.model_repository == "elsewhere"
+    monkeypatch.setenv("GRPC_PORT", "x")
+    with pytest.raises(ValueError, match="GRPC_PORT must be an integer port, got 'x'"):
+        parse_args([])
+
+
+def read_lines(stream, lines: queue.Queue) -> None:
+    for line in iter(stream.readline, ""):
+        lines.put(line)
+
+
+@pytest.mark.slow
+def test_cli_prints_urls_and_stops_on_sigint(tmp_path):
+    wheel_install()
+    repo = copy_models(["preprocessing"], tmp_path / "repo", TOKENIZER_FILES)
+    http, grpc, metrics = free_ports(3)
+    env = {
+        **os.environ,
+        "HTTP_PORT": str(http),
+        "GRPC_PORT": str(grpc),
+        "METRICS_PORT": str(metrics),
+        "MODEL_REPO": str(repo),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "backend.triton.launcher",
+        "--",
+        "--model-control-mode=explicit",
+        "--load-model=preprocessing",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        text=True,
+        errors="replace",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=read_lines, args=(proc.stdout, lines), daemon=True).start()
+    output = []
+    deadline = time.monotonic() + 120
+    try:
+        while not any("/v2/models/ensemble/generate" in line for line in output):
+            assert time.monotonic() < deadline, "".join(output)
+            output.append(lines.get(timeout=120))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    text = "".join(output)
+    assert f"HTTP    http://127.0.0.1:{http}" in text
+    assert f"gRPC    127.0.0.1:{grpc}" in text
+    assert '"max_tokens": 32' in text
+
+
+@pytest.mark.slow
+def test_bad_parameter_fails_the_model_load_naming_it(tmp_path):
+    wheel_install()
+    repo = copy_models(["preprocessing"], tmp_path / "repo", TOKENIZER_FILES)
+    config = repo / "preprocessing" / "config.pbtxt"
+    text = config.read_text(encoding="utf-8")
+    config.write_text(text.replace("hybrid_llm/1/tiny_qwen3_5", "missing_dir"), encoding="utf-8")
+    server = start_server(repo, *free_ports(3), log_path=tmp_path / "server.log")
+    try:
+        with pytest.raises(RuntimeError, match="exited with code 1") as exc:
+            server.wait_ready(60)
+    finally:
+        server.stop()
+    assert "parameter tokenizer_dir='missing_dir'" in str(exc.value)
