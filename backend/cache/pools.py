@@ -6,7 +6,7 @@ checkpoint slots) and indexes them with these ids.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class PagePool:
@@ -78,3 +78,37 @@ class PagePool:
 
     def __repr__(self) -> str:
         return f"PagePool({self.name}, used={self.num_used}/{self.capacity})"
+
+
+class HeldIds:
+    """The ids of one pool that callers hold: allocated, and neither adopted by a tree node
+    nor freed yet. The store keeps (invariant P2) pool.allocated == referenced + held."""
+
+    def __init__(self, pool: PagePool, what: str) -> None:
+        self.pool = pool
+        self.what = what
+        self.ids: set[int] = set()
+
+    def alloc(self, num: int) -> list[int] | None:
+        ids = self.pool.alloc(num)
+        if ids:
+            self.ids.update(ids)
+        return ids
+
+    def free(self, ids: Iterable[int]) -> None:
+        ids = list(ids)
+        self.check(ids)
+        self.pool.free(ids)
+        self.ids.difference_update(ids)
+
+    def adopt(self, page_id: int) -> None:
+        """A node now references `page_id`: it is no longer the caller's to free."""
+        self.ids.remove(page_id)
+
+    def check(self, ids: list[int], owned: Sequence[int | None] = ()) -> None:
+        """Raises ValueError unless each ids[i] is held or equals owned[i] (the tree's own)."""
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"{self.what} ids supplied twice: {ids}")
+        for i, page_id in enumerate(ids):
+            if page_id not in self.ids and not (i < len(owned) and owned[i] == page_id):
+                raise ValueError(f"{self.what} {page_id} is not held by the caller")

@@ -1,0 +1,133 @@
+"""Eviction mechanics of the prefix store: take victims from the policy's heaps, ask the tier
+backend what each page becomes (demoted or dropped), return the freed device ids to the pools.
+
+Only unlocked device leaves leave the device (invariants R2, E1 in `invariants.py`); a
+dropped node takes its lower-tier descendants with it, since they are unreachable without it.
+"""
+
+from __future__ import annotations
+
+from backend.cache.base import EvictAction, Tier, TierBackend
+from backend.cache.policy import LookaheadLRU, has_evictable_state, is_evictable_leaf
+from backend.cache.pools import PagePool
+from backend.cache.radix import PageNode, RadixTree
+from backend.cache.stats import WITH_PAGE, CacheStats
+
+
+class Evictor:
+    """Evicts pages and checkpoints of one store (shares its tree, pools, policy and stats)."""
+
+    def __init__(
+        self,
+        tree: RadixTree,
+        pools: tuple[PagePool, PagePool, PagePool],
+        policy: LookaheadLRU,
+        tier: TierBackend,
+        stats: CacheStats,
+        uses_anchors: bool,
+    ) -> None:
+        self.tree = tree
+        self.kv_pool, self.anchor_pool, self.state_pool = pools
+        self.policy = policy
+        self.tier = tier
+        self.stats = stats
+        self.uses_anchors = uses_anchors
+
+    def evict_pages(self, num_pages: int, reason: str) -> int:
+        """Up to `num_pages` device leaves in policy order; returns how many went."""
+        evicted = 0
+        try:
+            while evicted < num_pages:
+                node = self.policy.leaves.pop()
+                if node is None:
+                    break
+                try:
+                    self._evict_leaf(node)
+                except Exception:
+                    self.policy.leaves.push(node)  # a refused victim stays in view (E1)
+                    raise
+                evicted += 1
+        finally:
+            self.policy.leaves.end_pass()
+            self.stats.page_evictions_by_reason[reason] += evicted
+            self.stats.protected_pages_passed_over = self.policy.num_passed_over
+        return evicted
+
+    def evict_states(self, num_slots: int, reason: str) -> int:
+        """Up to `num_slots` checkpoints in their own LRU order (their pages stay)."""
+        evicted = 0
+        try:
+            while evicted < num_slots:
+                node = self.policy.states.pop()
+                if node is None:
+                    break
+                self.drop_state(node, reason)
+                evicted += 1
+        finally:
+            self.policy.states.end_pass()
+            self.stats.protected_pages_passed_over = self.policy.num_passed_over
+        return evicted
+
+    def drop_state(self, node: PageNode, reason: str) -> None:
+        self.state_pool.free([node.state_slot])
+        node.state_slot = None
+        self.stats.checkpoint_evictions_by_reason[reason] += 1
+
+    def push_leaf(self, node: PageNode) -> None:
+        """Puts `node` (back) in view of the page LRU if it is a candidate now."""
+        if is_evictable_leaf(node):
+            self.policy.leaves.push(node)
+            if len(self.policy.leaves) > 2 * self.tree.num_nodes + 1024:
+                self.policy.leaves.compact(
+                    n for n in self.tree.iter_nodes() if is_evictable_leaf(n)
+                )
+
+    def push_state(self, node: PageNode) -> None:
+        if has_evictable_state(node):
+            self.policy.states.push(node)
+            if len(self.policy.states) > 2 * self.state_pool.num_used + 1024:
+                self.policy.states.compact(
+                    n for n in self.tree.iter_nodes() if has_evictable_state(n)
+                )
+
+    def _evict_leaf(self, node: PageNode) -> None:
+        decision = self.tier.on_evict(node)
+        if decision.action == EvictAction.DEMOTE:
+            self._check_demotion(decision.kv_location, decision.anchor_location)
+        parent = node.parent
+        self._release_device_ids(node)
+        parent.num_device_children -= 1
+        if decision.action == EvictAction.DROP:
+            self._remove_subtree(node)
+        else:
+            node.kv_location = decision.kv_location
+            node.anchor_location = decision.anchor_location if self.uses_anchors else None
+            self.stats.pages_demoted += 1
+        self.push_leaf(parent)
+
+    def _check_demotion(self, kv_tier: Tier | None, anchor_tier: Tier | None) -> None:
+        if kv_tier is None or kv_tier == Tier.DEVICE:
+            raise ValueError(f"DEMOTE must name a lower tier for the KV, got {kv_tier}")
+        if self.uses_anchors and (anchor_tier is None or anchor_tier == Tier.DEVICE):
+            raise ValueError(f"DEMOTE must name a lower tier for the anchors, got {anchor_tier}")
+
+    def _release_device_ids(self, node: PageNode) -> None:
+        self.kv_pool.free([node.kv_page])
+        node.kv_page = None
+        node.kv_location = None
+        if node.anchor_block is not None:
+            self.anchor_pool.free([node.anchor_block])
+            node.anchor_block = None
+            node.anchor_location = None
+        if node.state_slot is not None:
+            self.drop_state(node, WITH_PAGE)
+
+    def _remove_subtree(self, node: PageNode) -> None:
+        # None of these is locked: a node's lock_ref bounds the sum of its children's, and
+        # `node` itself is unlocked.
+        for child in list(node.children.values()):
+            self._remove_subtree(child)
+        if node.state_slot is not None:
+            self.drop_state(node, WITH_PAGE)
+        self.tier.on_remove(node)
+        self.tree.remove_leaf(node)

@@ -1,0 +1,1 @@
+"""Client side: CLI client and benchmarks."""

@@ -1,0 +1,1 @@
+"""Benchmarks: workloads, runners and reports (each writes JSON under results/)."""
