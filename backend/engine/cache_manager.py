@@ -1,0 +1,147 @@
+"""Glue between sequences and the prefix store: match + state restore, page growth, insert,
+release. Runs on the engine thread only (the store is not thread-safe).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.cache.store import PrefixStore
+from backend.engine.config import EngineConfig
+from backend.engine.executor import TorchExecutor
+from backend.engine.sequence import Sequence
+from backend.replay.anchors import AnchorLayout
+from backend.replay.budget import replay_budget
+
+
+class CacheManager:
+    def __init__(self, config: EngineConfig, store: PrefixStore, executor: TorchExecutor) -> None:
+        self.config = config
+        self.store = store
+        self.executor = executor
+        self.page_size = config.page_size
+        self.policy = config.cache.policy
+        self.layout = AnchorLayout(config.page_size, config.cache.anchors_per_page,
+                                   config.replay.sampling)
+        self.snapshots = self.policy != "none" and (
+            config.replay.live_state or self.policy == "checkpoint"
+        )
+        self.num_replayed_anchors = 0
+        self.num_live_state_hits = 0
+
+    # Admission --------------------------------------------------------------------------
+    def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
+        """Matches the sequence's prefix, locks it, restores linear states at the match end
+        (live state, or a replay queued into `replays`), and plans state snapshots."""
+        salt = seq.request.cache_salt
+        match = self.store.match_prefix(seq.tokens[:-1], salt)
+        n = len(match.kv_pages)
+        if self.store.uses_anchors:
+            n = min(n, len(match.anchor_blocks))
+        nodes = match.nodes[:n]
+        live = match.live_state if n == match.num_matched_pages else None
+        if self.policy == "suffixreplay" and not self.config.replay.live_state:
+            live = None
+        if n and self.policy == "checkpoint" and live is None:
+            n, nodes = 0, []  # the checkpoint sat on a page that is not on the device
+        self.store.lock(nodes)
+        seq.locked_nodes = nodes
+        seq.page_table = list(match.kv_pages[:n])
+        seq.anchor_blocks = list(match.anchor_blocks[:n]) if self.store.uses_anchors else []
+        seq.num_tree_pages = n
+        seq.num_computed = seq.cached_tokens = n * self.page_size
+        if n == 0:
+            self.executor.reset_state(seq.run_slot)
+        elif live is not None:
+            self.executor.load_state(live, seq.run_slot)
+            self.num_live_state_hits += 1
+        else:
+            k = replay_budget(seq.num_computed, self.config.replay,
+                              n * self.layout.anchors_per_page)
+            replays.append((seq.run_slot, self.layout.last_rows(seq.anchor_blocks, k)))
+            seq.replayed_anchors = k
+            self.num_replayed_anchors += k
+        seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
+        self._plan_snapshots(seq)
+
+    def _plan_snapshots(self, seq: Sequence) -> None:
+        if not self.snapshots:
+            return
+        positions = set(self.store.checkpoint_positions(len(seq.tokens), seq.num_computed))
+        end = len(seq.tokens) // self.page_size * self.page_size
+        if end > seq.num_computed:
+            positions.add(end)
+        seq.capture_positions = positions
+
+    # Growth -----------------------------------------------------------------------------
+    def ensure_pages(self, seq: Sequence, end: int) -> int:
+        """Allocates pages so tokens [0, end) have KV slots; returns the end covered."""
+        need = -(-end // self.page_size) - len(seq.page_table)
+        if need > 0:
+            alloc = self.store.alloc_pages(need)
+            if alloc is None:
+                return len(seq.page_table) * self.page_size
+            seq.page_table.extend(alloc.kv_pages)
+            seq.anchor_blocks.extend(alloc.anchor_blocks)
+        return end
+
+    def capture_plan(self, seq: Sequence, start: int, end: int):
+        """(offsets in [0, end - start), anchor rows) of the anchors among [start, end)."""
+        if not self.store.uses_anchors:
+            return None
+        return self.layout.capture_plan(start, end, seq.anchor_blocks)
+
+    def after_forward(self, seq: Sequence) -> None:
+        """Saves states where planned (checkpoints, page-boundary live state)."""
+        pos = seq.num_computed
+        if not self.snapshots:
+            return
+        is_checkpoint = pos in seq.capture_positions
+        at_boundary = pos % self.page_size == 0 and pos > seq.num_tree_pages * self.page_size
+        if not (is_checkpoint or (at_boundary and pos >= len(seq.tokens))):
+            return
+        slots = self.store.alloc_state_slots(1)
+        if slots is None:
+            return  # an optimisation only: no free slot, no snapshot
+        self.executor.save_state(seq.run_slot, slots[0])
+        old = seq.live_position
+        if old is not None and old in seq.pending_states and old not in seq.capture_positions:
+            self.store.free_state_slots([seq.pending_states.pop(old)])
+        seq.pending_states[pos] = slots[0]
+        seq.live_position = pos
+
+    # Insert and release -----------------------------------------------------------------
+    def insert(self, seq: Sequence, num_tokens: int) -> None:
+        """Caches the whole pages of tokens [0, num_tokens) and moves the lock onto them."""
+        num_pages = num_tokens // self.page_size
+        if self.policy == "none" or num_pages <= seq.num_tree_pages:
+            return
+        end = num_pages * self.page_size
+        states = {p: s for p, s in seq.pending_states.items() if p <= end}
+        anchors = seq.anchor_blocks[:num_pages] if self.store.uses_anchors else ()
+        result = self.store.insert(seq.tokens[:end], seq.request.cache_salt,
+                                   seq.page_table[:num_pages], anchors, states)
+        for i, node in enumerate(result.nodes):
+            seq.page_table[i] = node.kv_page
+            if self.store.uses_anchors:
+                seq.anchor_blocks[i] = node.anchor_block
+        self.store.free_pages(result.duplicate_kv_pages, result.duplicate_anchor_blocks)
+        self.store.free_state_slots(result.duplicate_state_slots)
+        for p in states:
+            del seq.pending_states[p]
+        self.store.lock(result.nodes)
+        self.store.unlock(seq.locked_nodes)
+        seq.locked_nodes = result.nodes
+        seq.num_tree_pages = num_pages
+
+    def release(self, seq: Sequence, cache: bool) -> None:
+        """Frees what the sequence holds; with `cache`, its computed pages are inserted."""
+        if cache:
+            self.insert(seq, seq.num_computed)
+        private = seq.page_table[seq.num_tree_pages:]
+        anchors = seq.anchor_blocks[seq.num_tree_pages:] if self.store.uses_anchors else []
+        self.store.free_pages(private, anchors)
+        self.store.free_state_slots(list(seq.pending_states.values()))
+        self.store.unlock(seq.locked_nodes)
+        seq.page_table, seq.anchor_blocks, seq.locked_nodes = [], [], []
+        seq.pending_states, seq.num_tree_pages, seq.live_position = {}, 0, None

@@ -1,0 +1,104 @@
+"""`EngineConfig`: scheduler limits, cache and replay settings; parsed from Triton parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from backend.cache.config import CacheConfig
+from backend.replay.budget import ReplayConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 16
+    max_tokens_per_step: int = 512  # token budget of one step (prefill chunks + decodes)
+    max_context_len: int = 8192
+    executor: str = "torch"
+    dtype: str = "float32"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_tokens_per_step < self.cache.page_size:
+            raise ValueError(
+                f"max_tokens_per_step={self.max_tokens_per_step} must be >= page_size="
+                f"{self.cache.page_size}"
+            )
+        if self.max_context_len < 2:
+            raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
+        if self.executor not in ("torch",):
+            raise ValueError(f"executor must be 'torch', got {self.executor!r}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.cache.anchor_density != self.replay.anchor_density:
+            raise ValueError(
+                f"cache.anchor_density={self.cache.anchor_density} differs from "
+                f"replay.anchor_density={self.replay.anchor_density}"
+            )
+
+    @property
+    def page_size(self) -> int:
+        return self.cache.page_size
+
+    @classmethod
+    def from_params(cls, params: dict[str, str]) -> EngineConfig:
+        """Builds the config from string parameters (config.pbtxt); unknown keys are errors.
+
+        Keys are field names of EngineConfig, CacheConfig (e.g. `cache_policy` for `policy`,
+        `num_kv_pages`) and ReplayConfig (`anchor_density`, `k_max`, ...).
+        """
+        engine, cache, replay = {}, {}, {}
+        targets = (
+            (engine, cls, {}),
+            (cache, CacheConfig, {"cache_policy": "policy"}),
+            (replay, ReplayConfig, {"anchor_sampling": "sampling"}),
+        )
+        for key, raw in params.items():
+            if key in ("anchor_density",):
+                cache[key] = replay[key] = _parse(key, raw, float)
+                continue
+            for out, kind, aliases in targets:
+                name = aliases.get(key, key)
+                types = {f.name: f.type for f in fields(kind)}
+                if name in types and name not in ("cache", "replay"):
+                    out[name] = _parse(key, raw, _py_type(types[name]))
+                    break
+            else:
+                raise ValueError(f"unknown engine parameter {key!r} (value {raw!r})")
+        try:
+            base = cls(cache=CacheConfig(**cache), replay=ReplayConfig(**replay))
+            return replace(base, **engine)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"invalid engine parameters: {e}") from e
+
+
+def _py_type(annotation: str) -> type:
+    text = str(annotation)
+    if text.startswith("int | None"):
+        return _optional_int
+    for name, t in (("bool", _bool), ("int", int), ("float", float)):
+        if text.startswith(name):
+            return t
+    return str
+
+
+def _optional_int(raw: str) -> int | None:
+    return None if raw.strip().lower() in ("", "none", "inf", "infinity") else int(raw)
+
+
+def _bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {raw!r}")
+
+
+def _parse(key: str, raw: str, kind):
+    try:
+        return kind(raw)
+    except ValueError as e:
+        raise ValueError(f"engine parameter {key!r}: cannot parse {raw!r} ({e})") from e

@@ -1,0 +1,223 @@
+"""The engine: a prefix store, an executor and a scheduler behind a thread-safe API.
+
+Used in-process by benchmarks and tests (`generate`, or `submit` + `step`) and by the Triton
+`hybrid_llm` model, which starts the engine thread and streams outputs from callbacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from backend.cache.store import PrefixStore
+from backend.engine.cache_manager import CacheManager
+from backend.engine.config import EngineConfig
+from backend.engine.executor import TorchExecutor
+from backend.engine.request import Request, RequestOutput, SamplingParams
+from backend.engine.scheduler import Scheduler
+from backend.engine.sequence import Sequence
+from backend.model import HybridForCausalLM, load_model
+from backend.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class Engine:
+    def __init__(self, model: HybridForCausalLM, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.model = model
+        self.tokenizer = tokenizer
+        cache_cfg = self.config.cache
+        self.store = PrefixStore(cache_cfg)
+        self.executor = TorchExecutor(
+            model, cache_cfg.num_kv_pages, cache_cfg.page_size, self.config.max_num_seqs,
+            cache_cfg.num_checkpoint_slots, cache_cfg.anchor_pool_size * cache_cfg.anchors_per_page,
+        )
+        self.cache = CacheManager(self.config, self.store, self.executor)
+        self.scheduler = Scheduler(self.config, self.cache, self.executor)
+        self.eos_token_id = model.config.eos_token_id
+        self.max_context_len = min(self.config.max_context_len,
+                                   model.config.max_position_embeddings)
+        self._lock = threading.Condition()
+        self._inbox: deque[Sequence] = deque()
+        self._cancels: set[str] = set()
+        self._live: dict[str, Sequence] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+        config = config or EngineConfig()
+        model = load_model(path, dtype=DTYPES[config.dtype])
+        return cls(model, config, load_tokenizer(path))
+
+    # Requests ---------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queues a request; raises ValueError (with the offending values) for bad ones."""
+        self._validate(request)
+        params = request.sampling
+        if params.end_id is None and self.eos_token_id is not None:
+            request.sampling = replace(params, end_id=self.eos_token_id)
+        seq = Sequence(request, list(request.prompt_ids), len(request.prompt_ids))
+        with self._lock:
+            if request.request_id in self._live:
+                raise ValueError(f"request id {request.request_id!r} is already in flight")
+            self._live[request.request_id] = seq
+            self._inbox.append(seq)
+            self._lock.notify()
+
+    def _validate(self, request: Request) -> None:
+        ids = request.prompt_ids
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        total = len(ids) + request.sampling.max_tokens
+        if total > self.max_context_len:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens plus max_tokens={request.sampling.max_tokens} is "
+                f"{total} tokens, more than the context limit of {self.max_context_len}"
+            )
+        pages = -(-total // self.config.page_size)
+        if pages > self.config.cache.num_kv_pages:
+            raise ValueError(
+                f"the request needs {pages} KV pages, the pool holds "
+                f"{self.config.cache.num_kv_pages}"
+            )
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._live:
+                self._cancels.add(request_id)
+                self._lock.notify()
+
+    # Stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Drains new requests and cancellations, runs one scheduler step, delivers outputs."""
+        outputs = self._drain()
+        try:
+            outputs.extend(self.scheduler.step())
+        except Exception as e:  # a failed step fails its requests, never the engine
+            log.exception("engine step failed")
+            outputs.extend(self._fail_all(f"internal error: {e}"))
+        for out in outputs:
+            self._deliver(out)
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        with self._lock:
+            new, self._inbox = list(self._inbox), deque()
+            cancels, self._cancels = self._cancels, set()
+        self.scheduler.waiting.extend(new)
+        outputs = []
+        for rid in cancels:
+            seq = self._live.get(rid)
+            if seq is not None:
+                outputs.append(self.scheduler.cancel(seq))
+        return outputs
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.cancel(seq)
+            outputs.append(seq.output([], True, "error", error=message))
+        return outputs
+
+    def _deliver(self, out: RequestOutput) -> None:
+        seq = self._live.get(out.request_id)
+        if out.finished:
+            with self._lock:
+                self._live.pop(out.request_id, None)
+        callback = seq.request.on_output if seq is not None else None
+        if callback is not None:
+            try:
+                callback(out)
+            except Exception:
+                log.exception("output callback of %s failed", out.request_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._inbox or self._cancels or self.scheduler.has_work)
+
+    # Thread -----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._cancels
+                           or self.scheduler.has_work):
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            self.step()
+
+    # Convenience ------------------------------------------------------------------------
+    def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
+                 cache_salt: str = "", session_id: str | None = None,
+                 request_id: str | None = None) -> RequestOutput:
+        """Blocking: runs one request to completion and returns all its tokens."""
+        done = threading.Event()
+        tokens: list[int] = []
+        final: list[RequestOutput] = []
+
+        def collect(out: RequestOutput) -> None:
+            tokens.extend(out.new_token_ids)
+            if out.finished:
+                final.append(out)
+                done.set()
+
+        rid = request_id or f"generate-{id(done)}"
+        self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
+                            session_id, collect))
+        if self._thread is None:
+            while not done.is_set():
+                self.step()
+        done.wait()
+        out = final[0]
+        out.new_token_ids = tokens
+        return out
+
+    def stats(self) -> dict:
+        store, sched = self.store, self.scheduler
+        return {
+            "page_size": self.config.page_size,
+            "kv_pages_total": store.kv_pool.capacity,
+            "kv_pages_free": store.kv_pool.num_free,
+            "kv_pages_used": store.kv_pool.capacity - store.kv_pool.num_free,
+            "cached_pages": store.num_cached_pages,
+            "state_slots_total": store.state_pool.capacity,
+            "state_slots_free": store.state_pool.num_free,
+            "max_num_seqs": self.config.max_num_seqs,
+            "active_requests": len(sched.running),
+            "waiting_requests": len(sched.waiting),
+            "finished_requests": sched.num_finished,
+            "steps": sched.num_steps,
+            "preemptions": sched.num_preemptions,
+            "replayed_anchors": self.cache.num_replayed_anchors,
+            "live_state_hits": self.cache.num_live_state_hits,
+            "cache": store.stats.as_dict(),
+        }

@@ -1,0 +1,78 @@
+"""Executors own the device buffers and run the model: forward steps, replay, state copies.
+
+`TorchExecutor` runs the PyTorch model (CPU here, CUDA where present). Buffers:
+- kv: paged full-attention KV, indexed by the prefix store's KV page ids;
+- run_states: one linear-state slot per running sequence;
+- saved_states: the store's checkpoint slots (checkpoint baseline and live states);
+- anchors: [G, num_anchor_blocks * anchors_per_page, D], indexed by anchor block ids.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.model import Capture, ForwardBatch, HybridForCausalLM, PagedKV, SeqInput, StateSlots
+
+
+class TorchExecutor:
+    def __init__(
+        self,
+        model: HybridForCausalLM,
+        num_kv_pages: int,
+        page_size: int,
+        num_run_slots: int,
+        num_saved_slots: int,
+        num_anchor_rows: int,
+    ) -> None:
+        cfg, dtype, device = model.config, model.dtype, model.device
+        self.model = model
+        self.page_size = page_size
+        self.kv = PagedKV.allocate(cfg, num_kv_pages, page_size, dtype, device)
+        self.run_states = StateSlots.allocate(cfg, num_run_slots, dtype, device)
+        self.saved_states = StateSlots.allocate(cfg, num_saved_slots, dtype, device)
+        self.anchors = torch.zeros(cfg.num_groups, num_anchor_rows, cfg.hidden_size, dtype=dtype,
+                                   device=device)
+
+    def forward(
+        self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
+        capture_dst: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One batched step; returns last-token logits [B, V] (fp32)."""
+        capture = None
+        if capture_src is not None and capture_src.numel():
+            capture = Capture(capture_src, capture_dst, self.anchors)
+        batch = ForwardBatch.build(seqs, self.kv, self.run_states, capture,
+                                   device=self.model.device)
+        return self.model.forward_batch(batch).float()
+
+    def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:
+        """Rebuilds linear states into run slots `slots` from anchor rows, one packed batch
+        per group (sequence b replays anchors `anchor_rows[b]`, in position order)."""
+        cfg = self.model.config
+        lengths = torch.tensor([r.numel() for r in anchor_rows])
+        T = int(lengths.max())
+        index = torch.zeros(len(slots), T, dtype=torch.long)
+        for b, rows in enumerate(anchor_rows):
+            index[b, : rows.numel()] = rows
+        slot_ids = torch.tensor(slots, device=self.model.device)
+        for g, layers in enumerate(cfg.groups):
+            hidden = self.anchors[g][index]  # [B, T, D]
+            states = self.model.replay_group(g, hidden, lengths)
+            for layer_id, (conv, rec) in zip(layers, states):
+                li = cfg.linear_layer_ids.index(layer_id)
+                self.run_states.conv[li].index_copy_(0, slot_ids, conv)
+                self.run_states.rec[li].index_copy_(0, slot_ids, rec)
+
+    def save_state(self, run_slot: int, saved_slot: int) -> None:
+        _copy_slot(self.run_states, run_slot, self.saved_states, saved_slot)
+
+    def load_state(self, saved_slot: int, run_slot: int) -> None:
+        _copy_slot(self.saved_states, saved_slot, self.run_states, run_slot)
+
+    def reset_state(self, run_slot: int) -> None:
+        self.run_states.zero(run_slot)
+
+
+def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:
+    for s, d in zip(src.conv + src.rec, dst.conv + dst.rec):
+        d[j].copy_(s[i])

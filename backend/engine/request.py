@@ -1,0 +1,71 @@
+"""What a client asks for and what the engine streams back."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Decoding controls (TensorRT-LLM names). top_k = 1 or temperature = 0 is greedy."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+    end_id: int | None = None
+    stop_words: tuple[tuple[int, ...], ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        for name in ("stop_words", "bad_words"):
+            if any(len(w) == 0 for w in getattr(self, name)):
+                raise ValueError(f"{name} contains an empty word")
+
+    @property
+    def greedy(self) -> bool:
+        return self.top_k == 1 or self.temperature == 0
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache_salt: str = ""
+    session_id: str | None = None
+    # Called from the engine thread with each step's output; must not block.
+    on_output: Callable[[RequestOutput], None] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "eos" | "cancelled" | "error"
+    num_input_tokens: int = 0
+    num_output_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix store
+    replayed_anchors: int = 0  # anchors replayed to rebuild linear states
+    recomputed_tokens: int = 0  # prompt tokens prefilled
+    error: str | None = None
+    ttft_s: float | None = None  # set on the first output

@@ -1,0 +1,180 @@
+"""Continuous batching: FCFS admission, chunked prefill under a per-step token budget mixed
+with decode steps, sampling, stop rules, preemption by recompute when pages run out.
+
+One `step()` = schedule -> (replay) -> forward -> postprocess, on the engine thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.cache_manager import CacheManager
+from backend.engine.config import EngineConfig
+from backend.engine.executor import TorchExecutor
+from backend.engine.request import RequestOutput
+from backend.engine.sampling import finish_reason, make_generator, sample
+from backend.engine.sequence import SeqStatus, Sequence
+from backend.model import SeqInput
+
+
+@dataclass
+class Chunk:
+    seq: Sequence
+    start: int
+    end: int
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, cache: CacheManager, executor: TorchExecutor) -> None:
+        self.config = config
+        self.cache = cache
+        self.executor = executor
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(config.max_num_seqs))
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_finished = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # One iteration ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        self._admit()
+        self.cache.store.protect((s.tokens, s.request.cache_salt) for s in self.waiting)
+        chunks = self._plan()
+        if not chunks:
+            return outputs
+        logits = self._forward(chunks)
+        self.num_steps += 1
+        done = [c for c in chunks if c.end == len(c.seq.tokens)]
+        for c in chunks:
+            c.seq.num_computed = c.end
+            self.cache.after_forward(c.seq)
+        if done:
+            rows = [chunks.index(c) for c in done]
+            outputs.extend(self._sample([c.seq for c in done], logits[rows]))
+        return outputs
+
+    def _admit(self) -> None:
+        replays: list[tuple[int, torch.Tensor]] = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.run_slot = self.free_slots.pop()
+            if seq.generator is None:
+                seq.generator = make_generator(seq.request.sampling.seed)
+            self.cache.admit(seq, replays)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+        if replays:
+            self.executor.replay([s for s, _ in replays], [r for _, r in replays])
+
+    def _plan(self) -> list[Chunk]:
+        budget = self.config.max_tokens_per_step
+        chunks: list[Chunk] = []
+        decodes = [s for s in self.running if s.num_computed == len(s.tokens) - 1]
+        prefills = [s for s in self.running if s.num_computed < len(s.tokens) - 1]
+        for seq in decodes:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted while planning this step
+            end = self._grow(seq, seq.num_computed + 1)
+            if end is not None and seq.status is SeqStatus.RUNNING:
+                chunks.append(Chunk(seq, seq.num_computed, end))
+                budget -= 1
+        chunks = [c for c in chunks if c.seq.status is SeqStatus.RUNNING]
+        for seq in prefills:
+            if budget <= 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            end = min(len(seq.tokens), seq.num_computed + budget)
+            later = [p for p in seq.capture_positions if seq.num_computed < p < end]
+            end = min(later, default=end)
+            end = self.cache.ensure_pages(seq, end)
+            if end > seq.num_computed:
+                chunks.append(Chunk(seq, seq.num_computed, end))
+                budget -= end - seq.num_computed
+        return chunks
+
+    def _grow(self, seq: Sequence, end: int) -> int | None:
+        """Pages for a decode step; preempts the youngest other sequence when none are free."""
+        while self.cache.ensure_pages(seq, end) < end:
+            victims = [s for s in self.running if s is not seq]
+            if not victims:
+                self._preempt(seq)
+                return None
+            self._preempt(max(victims, key=lambda s: s.arrival))
+        return end
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Releases everything; the sequence re-enters the queue and recomputes (its pages
+        were inserted, so it will mostly hit)."""
+        self.cache.release(seq, cache=True)
+        self.running.remove(seq)
+        self.free_slots.append(seq.run_slot)
+        seq.run_slot, seq.num_computed, seq.status = None, 0, SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        seqs, src, dst = [], [], []
+        T = max(c.end - c.start for c in chunks)
+        for b, c in enumerate(chunks):
+            table = torch.tensor(c.seq.page_table)
+            seqs.append(SeqInput(c.seq.tokens[c.start:c.end], c.start, table, c.seq.run_slot))
+            plan = self.cache.capture_plan(c.seq, c.start, c.end)
+            if plan is not None:
+                src.append(plan[0] + b * T)
+                dst.append(plan[1])
+        if src:
+            return self.executor.forward(seqs, torch.cat(src), torch.cat(dst))
+        return self.executor.forward(seqs)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+        params = [s.request.sampling for s in seqs]
+        tokens = sample(logits, params, [s.generator for s in seqs],
+                        [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs])
+        now = time.perf_counter()
+        outputs = []
+        for seq, token in zip(seqs, tokens.tolist()):
+            if not seq.prefix_inserted:
+                self.cache.insert(seq, len(seq.tokens))
+                seq.prefix_inserted = True
+            seq.tokens.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq)
+            new_ids = [] if reason == "eos" else [token]
+            if reason is not None:
+                self._finish(seq)
+            outputs.append(seq.output(new_ids, reason is not None, reason))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        reason = finish_reason(seq.output_ids, seq.request.sampling)
+        if reason is None and len(seq.tokens) >= self.config.max_context_len:
+            reason = "length"
+        return reason
+
+    def _finish(self, seq: Sequence) -> None:
+        self.cache.release(seq, cache=True)
+        self.running.remove(seq)
+        self.free_slots.append(seq.run_slot)
+        seq.status = SeqStatus.FINISHED
+        self.num_finished += 1
+
+    def cancel(self, seq: Sequence) -> RequestOutput:
+        if seq.status is SeqStatus.RUNNING:
+            self.cache.release(seq, cache=False)
+            self.running.remove(seq)
+            self.free_slots.append(seq.run_slot)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        return seq.output([], True, "cancelled")
+

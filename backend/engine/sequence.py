@@ -1,0 +1,75 @@
+"""Runtime state of one request inside the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from backend.engine.request import Request, RequestOutput
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Tokens [0, num_computed) have KV in `page_table` and linear states in `run_slot`.
+
+    page_table[:num_tree_pages] belong to the prefix store (their path is locked in
+    `locked_nodes`); the rest are private to this sequence and freed when it leaves.
+    `pending_states` maps a token position to a checkpoint slot this sequence holds (states
+    saved after that many tokens) that is not yet inserted into the store.
+    """
+
+    request: Request
+    tokens: list[int]
+    num_prompt_tokens: int
+    arrival: float = field(default_factory=time.perf_counter)
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0
+    run_slot: int | None = None
+    page_table: list[int] = field(default_factory=list)
+    anchor_blocks: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    locked_nodes: list = field(default_factory=list)
+    pending_states: dict[int, int] = field(default_factory=dict)
+    capture_positions: set[int] = field(default_factory=set)
+    live_position: int | None = None
+    generator: torch.Generator | None = None
+    cached_tokens: int = 0
+    replayed_anchors: int = 0
+    recomputed_tokens: int = 0
+    first_token_time: float | None = None
+    prefix_inserted: bool = False
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.tokens) - self.num_prompt_tokens
+
+    def output(self, new_ids: list[int], finished: bool = False, reason: str | None = None,
+               error: str | None = None) -> RequestOutput:
+        ttft = None
+        if self.first_token_time is not None:
+            ttft = self.first_token_time - self.arrival
+        return RequestOutput(
+            request_id=self.request_id, new_token_ids=new_ids, finished=finished,
+            finish_reason=reason, num_input_tokens=self.num_prompt_tokens,
+            num_output_tokens=self.num_output_tokens, cached_tokens=self.cached_tokens,
+            replayed_anchors=self.replayed_anchors, recomputed_tokens=self.recomputed_tokens,
+            error=error, ttft_s=ttft,
+        )

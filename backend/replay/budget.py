@@ -1,0 +1,51 @@
+"""How many anchors a hit replays: k = min(ceil(fraction * n), k_max)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SAMPLINGS = ("dense_tail", "uniform")
+ANCHOR_DTYPES = ("model", "int8")
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Anchor density and sampling, replay budget, anchor storage dtype.
+
+    Exact mode (`ReplayConfig.exact()`): every token is an anchor and every anchor before the
+    boundary is replayed, so replay reproduces a full prefill's states.
+    """
+
+    anchor_density: float = 1 / 16
+    sampling: str = "dense_tail"
+    budget_fraction: float = 0.05
+    k_max: int | None = 512  # None: unbounded
+    anchor_dtype: str = "model"
+    live_state: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"sampling must be one of {SAMPLINGS}, got {self.sampling!r}")
+        if not 0 < self.budget_fraction <= 1:
+            raise ValueError(f"budget_fraction must be in (0, 1], got {self.budget_fraction}")
+        if self.k_max is not None and self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1 or None, got {self.k_max}")
+        if self.anchor_dtype not in ANCHOR_DTYPES:
+            raise ValueError(f"anchor_dtype must be one of {ANCHOR_DTYPES}, got {self.anchor_dtype!r}")
+        if not 0 < self.anchor_density <= 1:
+            raise ValueError(f"anchor_density must be in (0, 1], got {self.anchor_density}")
+
+    @classmethod
+    def exact(cls) -> ReplayConfig:
+        return cls(anchor_density=1.0, budget_fraction=1.0, k_max=None)
+
+
+def replay_budget(num_tokens: int, config: ReplayConfig, num_available: int) -> int:
+    """Anchors to replay for a hit of `num_tokens` tokens with `num_available` anchors."""
+    if num_tokens <= 0:
+        return 0
+    k = math.ceil(config.budget_fraction * num_tokens - 1e-9)
+    if config.k_max is not None:
+        k = min(k, config.k_max)
+    return max(1, min(k, num_available))
