@@ -178,27 +178,34 @@ class Engine:
     # Convenience ------------------------------------------------------------------------
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", session_id: str | None = None,
-                 request_id: str | None = None) -> RequestOutput:
+                 request_id: str | None = None, return_first_logits: bool = False,
+                 ) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
         final: list[RequestOutput] = []
 
+        first_logits: list = []
+
         def collect(out: RequestOutput) -> None:
             tokens.extend(out.new_token_ids)
+            if out.first_logits is not None:
+                first_logits.append(out.first_logits)
             if out.finished:
                 final.append(out)
                 done.set()
 
         rid = request_id or f"generate-{id(done)}"
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
-                            session_id, collect))
+                            session_id, collect, return_first_logits))
         if self._thread is None:
             while not done.is_set():
                 self.step()
         done.wait()
         out = final[0]
         out.new_token_ids = tokens
+        if first_logits:
+            out.first_logits = first_logits[0]
         return out
 
     def stats(self) -> dict:
@@ -208,6 +215,7 @@ class Engine:
             "kv_pages_total": store.kv_pool.capacity,
             "kv_pages_free": store.kv_pool.num_free,
             "kv_pages_used": store.kv_pool.capacity - store.kv_pool.num_free,
+            "kv_pages_held_by_requests": len(store.kv.ids),
             "cached_pages": store.num_cached_pages,
             "state_slots_total": store.state_pool.capacity,
             "state_slots_free": store.state_pool.num_free,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
 
@@ -25,7 +26,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
-            raise ValueError(f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}")
+            raise ValueError(
+                f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
@@ -54,6 +57,8 @@ class Request:
     session_id: str | None = None
     # Called from the engine thread with each step's output; must not block.
     on_output: Callable[[RequestOutput], None] | None = None
+    # Attach the logits that chose the first token (quality measurements, tests).
+    return_first_logits: bool = False
 
 
 @dataclass
@@ -69,3 +74,4 @@ class RequestOutput:
     recomputed_tokens: int = 0  # prompt tokens prefilled
     error: str | None = None
     ttft_s: float | None = None  # set on the first output
+    first_logits: Any = None  # [V] fp32 tensor, only with Request.return_first_logits

@@ -141,7 +141,8 @@ class Scheduler:
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs])
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(seqs, tokens.tolist()):
+        for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            first = seq.first_token_time is None
             if not seq.prefix_inserted:
                 self.cache.insert(seq, len(seq.tokens))
                 seq.prefix_inserted = True
@@ -152,7 +153,10 @@ class Scheduler:
             new_ids = [] if reason == "eos" else [token]
             if reason is not None:
                 self._finish(seq)
-            outputs.append(seq.output(new_ids, reason is not None, reason))
+            out = seq.output(new_ids, reason is not None, reason)
+            if first and seq.request.return_first_logits:
+                out.first_logits = logits[row].clone()
+            outputs.append(out)
         return outputs
 
     def _finish_reason(self, seq: Sequence) -> str | None:

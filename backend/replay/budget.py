@@ -32,7 +32,9 @@ class ReplayConfig:
         if self.k_max is not None and self.k_max < 1:
             raise ValueError(f"k_max must be >= 1 or None, got {self.k_max}")
         if self.anchor_dtype not in ANCHOR_DTYPES:
-            raise ValueError(f"anchor_dtype must be one of {ANCHOR_DTYPES}, got {self.anchor_dtype!r}")
+            raise ValueError(
+                f"anchor_dtype must be one of {ANCHOR_DTYPES}, got {self.anchor_dtype!r}"
+            )
         if not 0 < self.anchor_density <= 1:
             raise ValueError(f"anchor_density must be in (0, 1], got {self.anchor_density}")
 

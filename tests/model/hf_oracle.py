@@ -59,8 +59,12 @@ def hf_config_dict(**overrides) -> dict:
     return cfg
 
 
-def make_hf_checkpoint(path: Path, seed: int = 0, **overrides):
-    """Saves a randomly initialised HF Qwen3.5 model (with non-trivial norms) to `path`."""
+def make_hf_checkpoint(path: Path, seed: int = 0, slow_decay: bool = False, **overrides):
+    """Saves a randomly initialised HF Qwen3.5 model (with non-trivial norms) to `path`.
+
+    slow_decay: linear layers forget slowly (small A, negative dt bias), so truncating the
+    history (suffix replay) visibly changes their states.
+    """
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
@@ -77,5 +81,9 @@ def make_hf_checkpoint(path: Path, seed: int = 0, **overrides):
                 p.add_(0.1 * torch.randn_like(p))
             if "conv1d" in name or "embed_tokens" in name:
                 p.mul_(4.0)
+            if slow_decay and "A_log" in name:
+                p.fill_(-3.0)
+            if slow_decay and "dt_bias" in name:
+                p.fill_(-2.0)
     model.save_pretrained(path)
     return model

@@ -1,0 +1,34 @@
+"""Builders for engine tests: a small random HF checkpoint and engines over it."""
+
+from __future__ import annotations
+
+import torch
+
+from backend.cache.config import CacheConfig
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.replay.budget import ReplayConfig
+
+GREEDY = SamplingParams(max_tokens=12, top_k=1)
+PAGE = 16
+
+
+def make_engine(model, policy="suffixreplay", replay=None, num_kv_pages=256, interval=64,
+                max_tokens_per_step=96, max_num_seqs=8, num_checkpoint_slots=32) -> Engine:
+    replay = replay or ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8)
+    cache = CacheConfig(page_size=PAGE, policy=policy, checkpoint_interval=interval,
+                        num_kv_pages=num_kv_pages, anchor_density=replay.anchor_density,
+                        num_checkpoint_slots=num_checkpoint_slots)
+    return Engine(model, EngineConfig(max_num_seqs=max_num_seqs,
+                                      max_tokens_per_step=max_tokens_per_step,
+                                      cache=cache, replay=replay))
+
+
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_no_leak(engine: Engine) -> None:
+    store = engine.store
+    store.assert_invariants()
+    assert not store.kv.ids and not store.anchors.ids and not store.states.ids
+    assert engine.stats()["active_requests"] == 0

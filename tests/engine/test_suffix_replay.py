@@ -1,0 +1,165 @@
+"""SuffixReplay through the engine: exact mode, budgeted replay against a slow reference,
+packed replay, live state, branches between checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import GREEDY, PAGE, assert_no_leak, make_engine, random_prompt
+from hf_oracle import make_hf_checkpoint
+
+from backend.model import load_model
+from backend.model.generate import PagedSession, greedy_generate
+from backend.replay.anchors import AnchorLayout
+from backend.replay.budget import ReplayConfig
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("engine-model")
+    make_hf_checkpoint(path, seed=21, slow_decay=True)
+    return load_model(path)
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return random_prompt(300, model.config.vocab_size, seed=9)
+
+
+def _branch(prompt, at):
+    return prompt[:at] + [(t + 1) % 97 for t in prompt[at:at + 40]]
+
+
+def test_exact_mode_equals_no_cache(model, prompt):
+    plain = make_engine(model, policy="none")
+    exact = make_engine(model, replay=ReplayConfig.exact())
+    exact.generate(prompt, GREEDY)  # fills the cache
+    for at in (250, 100, 17):
+        want = plain.generate(_branch(prompt, at), GREEDY, return_first_logits=True)
+        got = exact.generate(_branch(prompt, at), GREEDY, return_first_logits=True)
+        assert got.cached_tokens == at // PAGE * PAGE > 0
+        assert got.replayed_anchors == got.cached_tokens
+        assert got.new_token_ids == want.new_token_ids
+        torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-4, rtol=1e-4)
+    assert_no_leak(exact)
+
+
+def test_budgeted_replay_equals_slow_reference(model, prompt):
+    replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8, live_state=False)
+    engine = make_engine(model, replay=replay)
+    engine.generate(prompt, GREEDY)
+    branch = _branch(prompt, 130)
+    got = engine.generate(branch, GREEDY, return_first_logits=True)
+    assert (got.cached_tokens, got.replayed_anchors) == (128, 8)
+
+    # Reference, the slow way: full prefill for KV; states from replaying the 8 anchors
+    # (dense tail: last 4 tokens of pages 6 and 7) captured from a plain prefill.
+    layout = AnchorLayout(PAGE, 4)
+    positions = torch.cat([p * PAGE + layout.offsets for p in (6, 7)])
+    hidden = model.capture_hidden(torch.tensor([prompt[:128]]), positions.unsqueeze(0))
+    session = PagedSession(model, batch_size=1, max_tokens=len(branch), page_size=PAGE)
+    session.step([branch[:128]])
+    cfg = model.config
+    for g, layers in enumerate(cfg.groups):
+        for layer_id, (conv, rec) in zip(layers, model.replay_group(g, hidden[g])):
+            li = cfg.linear_layer_ids.index(layer_id)
+            session.states.conv[li][0] = conv[0]
+            session.states.rec[li][0] = rec[0]
+    want = session.step([branch[128:]])[0]
+    torch.testing.assert_close(got.first_logits, want, atol=1e-5, rtol=1e-5)
+    # Replay is an approximation here: it must differ from the exact state.
+    exact = make_engine(model, policy="none").generate(branch, GREEDY, return_first_logits=True)
+    assert (got.first_logits - exact.first_logits).abs().max() > 1e-3
+
+
+def test_packed_replay_equals_one_by_one(model, prompt):
+    engine = make_engine(model)
+    engine.generate(prompt, GREEDY)
+    ex, layout = engine.executor, engine.cache.layout
+    blocks = [n.anchor_block for n in engine.store.match_prefix(prompt).nodes]
+    rows = [layout.last_rows(blocks[:n], k) for n, k in ((18, 8), (5, 3), (9, 8))]
+    ex.replay([0, 1, 2], rows)
+    together = [s.clone() for s in ex.run_states.rec + ex.run_states.conv]
+    for slot, r in enumerate(rows):
+        ex.reset_state(slot)
+        ex.replay([slot], [r])
+    for a, b in zip(together, ex.run_states.rec + ex.run_states.conv):
+        torch.testing.assert_close(a[:3], b[:3], atol=1e-5, rtol=1e-5)
+
+
+def test_live_state_and_replay_agree_in_exact_mode(model, prompt):
+    results = []
+    for live in (True, False):
+        replay = ReplayConfig(anchor_density=1.0, budget_fraction=1.0, k_max=None, live_state=live)
+        engine = make_engine(model, replay=replay)
+        first = engine.generate(prompt[:200], GREEDY)
+        follow_up = prompt[:200] + first.new_token_ids + prompt[200:260]
+        out = engine.generate(follow_up, GREEDY, return_first_logits=True)
+        assert engine.stats()["live_state_hits"] == (1 if live else 0)
+        assert out.cached_tokens == (200 + 11) // PAGE * PAGE
+        results.append(out)
+        assert_no_leak(engine)
+    assert results[0].new_token_ids == results[1].new_token_ids
+    assert results[0].replayed_anchors == 0 and results[1].replayed_anchors > 0
+    torch.testing.assert_close(results[0].first_logits, results[1].first_logits,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_branch_between_checkpoints_hits_only_under_suffix_replay(model, prompt):
+    branch = _branch(prompt, 170)  # page boundary 160 is not a multiple of the interval 64
+    hits = {}
+    for policy in ("suffixreplay", "checkpoint"):
+        engine = make_engine(model, policy=policy, interval=64)
+        engine.generate(prompt, GREEDY)
+        hits[policy] = engine.generate(branch, GREEDY).cached_tokens
+        assert_no_leak(engine)
+    assert hits == {"suffixreplay": 160, "checkpoint": 128}
+
+
+def test_concurrent_requests_match_sequential_greedy(model, prompt):
+    engine = make_engine(model, max_tokens_per_step=48, num_kv_pages=64)
+    prompts = [prompt[:n] for n in (40, 130, 300)] + [_branch(prompt, 70)]
+    want = greedy_generate(model, prompts, max_new_tokens=12, page_size=PAGE)
+    outs = {}
+    from backend.engine import Request
+
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"r{i}", p, GREEDY, on_output=lambda o: outs.setdefault(
+            o.request_id, []).extend(o.new_token_ids)))
+    while engine.has_work:
+        engine.step()
+    assert [outs[f"r{i}"] for i in range(4)] == want
+    assert_no_leak(engine)
+
+
+def test_preemption_under_page_pressure_keeps_outputs(model, prompt):
+    # 40 pages cannot hold four 300-token sequences at once: some must be preempted.
+    engine = make_engine(model, num_kv_pages=40, max_tokens_per_step=320)
+    prompts = [_branch(prompt, at) for at in (20, 90, 150, 230)]
+    want = greedy_generate(model, prompts, max_new_tokens=60, page_size=PAGE)
+    from backend.engine import Request, SamplingParams
+
+    outs = {}
+    params = SamplingParams(max_tokens=60, top_k=1)
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"p{i}", p, params, on_output=lambda o: outs.setdefault(
+            o.request_id, []).extend(o.new_token_ids)))
+    while engine.has_work:
+        engine.step()
+    assert engine.stats()["preemptions"] > 0
+    assert [outs[f"p{i}"] for i in range(4)] == want
+    assert_no_leak(engine)
+
+
+def test_cancel_releases_pages(model, prompt):
+    engine = make_engine(model)
+    from backend.engine import Request, SamplingParams
+
+    engine.submit(Request("c", prompt, SamplingParams(max_tokens=50, top_k=1)))
+    for _ in range(6):
+        engine.step()
+    assert engine.stats()["kv_pages_held_by_requests"] > 0
+    engine.cancel("c")
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "cancelled")]
+    assert_no_leak(engine)
