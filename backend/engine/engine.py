@@ -39,6 +39,7 @@ class Engine:
         self.executor = TorchExecutor(
             model, cache_cfg.num_kv_pages, cache_cfg.page_size, self.config.max_num_seqs,
             cache_cfg.num_checkpoint_slots, cache_cfg.anchor_pool_size * cache_cfg.anchors_per_page,
+            int8_anchors=self.config.replay.anchor_dtype == "int8",
         )
         self.cache = CacheManager(self.config, self.store, self.executor)
         self.scheduler = Scheduler(self.config, self.cache, self.executor)

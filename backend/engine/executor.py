@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from backend.model import Capture, ForwardBatch, HybridForCausalLM, PagedKV, SeqInput, StateSlots
+from backend.model.quant import dequantize_int8
 
 
 class TorchExecutor:
@@ -23,6 +24,7 @@ class TorchExecutor:
         num_run_slots: int,
         num_saved_slots: int,
         num_anchor_rows: int,
+        int8_anchors: bool = False,
     ) -> None:
         cfg, dtype, device = model.config, model.dtype, model.device
         self.model = model
@@ -30,8 +32,12 @@ class TorchExecutor:
         self.kv = PagedKV.allocate(cfg, num_kv_pages, page_size, dtype, device)
         self.run_states = StateSlots.allocate(cfg, num_run_slots, dtype, device)
         self.saved_states = StateSlots.allocate(cfg, num_saved_slots, dtype, device)
-        self.anchors = torch.zeros(cfg.num_groups, num_anchor_rows, cfg.hidden_size, dtype=dtype,
-                                   device=device)
+        anchor_dtype = torch.int8 if int8_anchors else dtype
+        self.anchors = torch.zeros(cfg.num_groups, num_anchor_rows, cfg.hidden_size,
+                                   dtype=anchor_dtype, device=device)
+        self.anchor_scales = None
+        if int8_anchors:
+            self.anchor_scales = torch.zeros(cfg.num_groups, num_anchor_rows, device=device)
 
     def forward(
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
@@ -40,7 +46,7 @@ class TorchExecutor:
         """One batched step; returns last-token logits [B, V] (fp32)."""
         capture = None
         if capture_src is not None and capture_src.numel():
-            capture = Capture(capture_src, capture_dst, self.anchors)
+            capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, capture,
                                    device=self.model.device)
         return self.model.forward_batch(batch).float()
@@ -57,6 +63,8 @@ class TorchExecutor:
         slot_ids = torch.tensor(slots, device=self.model.device)
         for g, layers in enumerate(cfg.groups):
             hidden = self.anchors[g][index]  # [B, T, D]
+            if self.anchor_scales is not None:
+                hidden = dequantize_int8(hidden, self.anchor_scales[g][index], self.model.dtype)
             states = self.model.replay_group(g, hidden, lengths)
             for layer_id, (conv, rec) in zip(layers, states):
                 li = cfg.linear_layer_ids.index(layer_id)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from backend.model.kv_cache import PagedKV, StateSlots, token_slots
+from backend.model.quant import quantize_int8
 
 
 class Capture(NamedTuple):
@@ -15,11 +16,23 @@ class Capture(NamedTuple):
 
     src: [N] flat indices into the batch's [B * T] token rows; dst: [N] rows of each group's
     buffer; buffers: [G, R, D] (one [R, D] buffer per group). One indexed copy per group.
+    With `scales` [G, R] the buffers are int8 and each row is stored with its own scale.
     """
 
     src: torch.Tensor
     dst: torch.Tensor
     buffers: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    def write(self, group: int, hidden: torch.Tensor) -> None:
+        """hidden: [B, T, D] entering the group's first layer."""
+        rows = hidden.reshape(-1, hidden.shape[-1])[self.src]
+        if self.scales is None:
+            self.buffers[group].index_copy_(0, self.dst, rows.to(self.buffers.dtype))
+            return
+        q, scale = quantize_int8(rows)
+        self.buffers[group].index_copy_(0, self.dst, q)
+        self.scales[group].index_copy_(0, self.dst, scale)
 
 
 @dataclass

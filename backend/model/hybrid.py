@@ -104,7 +104,7 @@ class HybridForCausalLM(nn.Module):
         lengths = batch.lengths if valid is not None else None
         for i, layer in enumerate(self.model.layers):
             if batch is not None and batch.capture is not None and i in self._entry_to_group:
-                self._capture(x, batch.capture, self._entry_to_group[i])
+                batch.capture.write(self._entry_to_group[i], x)
             if layer.is_linear:
                 state = self._read_state(layer.state_index, batch)
                 x, new_state = layer.mix_linear(x, state, valid, lengths)
@@ -112,11 +112,6 @@ class HybridForCausalLM(nn.Module):
             else:
                 x = layer.mix_attention(x, cos, sin, batch)
         return self.model.norm(x)
-
-    @staticmethod
-    def _capture(x: torch.Tensor, capture, group: int) -> None:
-        rows = x.reshape(-1, x.shape[-1])[capture.src]
-        capture.buffers[group].index_copy_(0, capture.dst, rows.to(capture.buffers.dtype))
 
     @staticmethod
     def _read_state(index: int, batch) -> LinearState | None:

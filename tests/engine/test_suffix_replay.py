@@ -163,3 +163,18 @@ def test_cancel_releases_pages(model, prompt):
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "cancelled")]
     assert_no_leak(engine)
+
+
+def test_int8_anchors_replay_close_to_model_dtype_anchors(model, prompt):
+    outs = {}
+    for dtype in ("model", "int8"):
+        replay = ReplayConfig(anchor_density=1.0, budget_fraction=1.0, k_max=None,
+                              anchor_dtype=dtype, live_state=False)
+        engine = make_engine(model, replay=replay)
+        engine.generate(prompt, GREEDY)
+        outs[dtype] = engine.generate(_branch(prompt, 200), GREEDY, return_first_logits=True)
+        assert outs[dtype].replayed_anchors == 192
+        assert engine.executor.anchors.dtype == (torch.int8 if dtype == "int8" else model.dtype)
+    diff = (outs["int8"].first_logits - outs["model"].first_logits).abs().max()
+    scale = outs["model"].first_logits.abs().max()
+    assert 0 < diff < 0.05 * scale

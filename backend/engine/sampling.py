@@ -1,0 +1,143 @@
+"""Token sampling in plain PyTorch: temperature, top-k, top-p, per-request seeds, min_tokens,
+bad words; plus the stop rules the engine applies after each sampled token.
+
+Rules (TensorRT-LLM semantics):
+- Greedy (argmax) when `top_k == 1` or `temperature == 0`; otherwise logits / temperature,
+  then top-k, then top-p (nucleus: the smallest set of most likely tokens whose probability
+  reaches top_p; the most likely token is always kept), then one draw.
+- A request with a seed owns a `torch.Generator` seeded once (`make_generator`) and used for
+  every one of its draws, so the same seed and prompt give the same tokens whatever else shares
+  the batch. Without a seed the draw uses the global generator.
+- Before `min_tokens` tokens were generated the end id cannot be drawn (its logit is masked)
+  and stop words do not end the request (`finish_reason` ignores them).
+- Bad words are never produced: a one-token bad word is always masked; a longer one has its
+  last token masked whenever the generated tokens end with all its other tokens.
+- Stop words are matched against the generated tokens only (never the prompt); the matched
+  tokens stay in the output, as TensorRT-LLM returns them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from backend.engine.request import SamplingParams
+
+MIN_TEMPERATURE = 1e-6
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The per-request generator: seeded once at admission, None for unseeded requests."""
+    if seed is None:
+        return None
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    output_lens: Sequence[int],
+    histories: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Next token per row.
+
+    logits: [B, V] (any float dtype); params, generators, output_lens: one per row, output_lens
+    counting the tokens generated so far; histories: the generated ids per row (needed only for
+    multi-token bad words). Returns LongTensor [B] on the logits' device.
+    """
+    B, V = logits.shape
+    if not len(params) == len(generators) == len(output_lens) == B:
+        raise ValueError(
+            f"sample got {B} rows of logits but {len(params)} params, {len(generators)} "
+            f"generators and {len(output_lens)} output_lens"
+        )
+    if histories is not None and len(histories) != B:
+        raise ValueError(f"sample got {B} rows of logits but {len(histories)} histories")
+    logits = logits.float().clone()
+    for i, p in enumerate(params):
+        history = histories[i] if histories is not None else ()
+        mask_banned(logits[i], p, output_lens[i], history)
+    next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    if greedy:
+        next_ids[greedy] = logits[greedy].argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if sampled:
+        probs, order = filtered_probs(logits[sampled], [params[i] for i in sampled])
+        for row, i in enumerate(sampled):
+            pick = torch.multinomial(probs[row], 1, generator=generators[i])  # index into order
+            next_ids[i] = order[row, pick[0]]
+    return next_ids
+
+
+def mask_banned(
+    row: torch.Tensor, params: SamplingParams, output_len: int, history: Sequence[int]
+) -> None:
+    """In place on one row of logits [V]: -inf for the end id before min_tokens and bad words."""
+    V = row.shape[0]
+    if params.end_id is not None and output_len < params.min_tokens and 0 <= params.end_id < V:
+        row[params.end_id] = float("-inf")
+    for word in params.bad_words:
+        if len(word) == 1 or _ends_with(history, word[:-1]):
+            if 0 <= word[-1] < V:
+                row[word[-1]] = float("-inf")
+
+
+def filtered_probs(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature, top-k and top-p over rows of logits [N, V].
+
+    Returns (probs [N, V] over tokens sorted by decreasing logit, order [N, V]: the token id of
+    each sorted position). Filtered tokens have probability 0.
+    """
+    N, V = logits.shape
+    device = logits.device
+    # A tiny temperature must not overflow logits / temperature into inf - inf = nan.
+    temperature = torch.tensor([max(p.temperature, MIN_TEMPERATURE) for p in params], device=device)
+    temperature = temperature.unsqueeze(1)
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < V else V for p in params], device=device)
+    # top_p = 1 keeps everything; rounding in the cumulative sum must not drop the tail.
+    top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], device=device)
+    top_p = top_p.unsqueeze(1)
+    # stable: equal logits keep id order, so the kept set matches argmax's tie-breaking.
+    sorted_logits, order = torch.sort(logits / temperature, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(V, device=device).expand(N, V)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    # Drop a token when the tokens before it already reach top_p (the first one always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True), order
+
+
+def match_stop(output_ids: Sequence[int], stop_words: Sequence[Sequence[int]]) -> bool:
+    """True when the generated ids end with one of the stop words."""
+    return any(_ends_with(output_ids, word) for word in stop_words if word)
+
+
+def finish_reason(output_ids: Sequence[int], params: SamplingParams) -> str | None:
+    """Why a request ends after its latest token ("eos", "stop", "length"), or None to go on.
+
+    `output_ids` are the generated ids only. end_id and stop words count from min_tokens on.
+    """
+    num_output = len(output_ids)
+    if num_output >= params.min_tokens and num_output > 0:
+        if params.end_id is not None and output_ids[-1] == params.end_id:
+            return "eos"
+        if match_stop(output_ids, params.stop_words):
+            return "stop"
+    if num_output >= params.max_tokens:
+        return "length"
+    return None
+
+
+def _ends_with(ids: Sequence[int], suffix: Sequence[int]) -> bool:
+    n = len(suffix)
+    if n == 0:
+        return True
+    return len(ids) >= n and list(ids[-n:]) == list(suffix)
