@@ -56,6 +56,9 @@ class EngineConfig:
             (replay, ReplayConfig, {"anchor_sampling": "sampling"}),
         )
         for key, raw in params.items():
+            if key == "k_max" and raw.strip().lower() == "auto":
+                replay["k_max_auto"] = True
+                continue
             if key in ("anchor_density",):
                 cache[key] = replay[key] = _parse(key, raw, float)
                 continue

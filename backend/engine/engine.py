@@ -6,6 +6,7 @@ Used in-process by benchmarks and tests (`generate`, or `submit` + `step`) and b
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections import deque
@@ -26,6 +27,18 @@ from backend.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def calibrated_k_max(model_dir: str | Path, config: EngineConfig) -> int | None:
+    """k_max from `engine_build/calibrate.py`'s calibration.json, else the configured one."""
+    path = Path(model_dir) / "calibration.json"
+    if not path.exists():
+        log.warning("k_max: auto but %s is missing; using k_max=%s", path, config.replay.k_max)
+        return config.replay.k_max
+    try:
+        return int(json.loads(path.read_text())["k_max"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{path}: unreadable calibration ({e})") from e
 
 
 class Engine:
@@ -56,6 +69,9 @@ class Engine:
     @classmethod
     def from_model_dir(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
+        if config.replay.k_max_auto:
+            config = replace(config, replay=replace(config.replay,
+                                                    k_max=calibrated_k_max(path, config)))
         model = load_model(path, dtype=DTYPES[config.dtype])
         return cls(model, config, load_tokenizer(path))
 

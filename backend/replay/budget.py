@@ -23,6 +23,9 @@ class ReplayConfig:
     k_max: int | None = 512  # None: unbounded
     anchor_dtype: str = "model"
     live_state: bool = True
+    # k_max comes from the model's calibration.json when the engine is built from a model
+    # directory (`k_max: auto` in the serving configuration).
+    k_max_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:

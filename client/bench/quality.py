@@ -1,0 +1,221 @@
+"""Replay quality on the default model: retrieval accuracy, held-out bits per byte and top-1
+agreement with linear states rebuilt by suffix replay, against a full prefill.
+
+Each prompt is cut at a page boundary; the KV before the cut is exact (as served from the
+prefix store) and the linear states at the cut come from replaying k anchors. The checkpoint
+baseline resumes from exact states, so its quality equals the full prefill by construction;
+it pays in storage and in recomputation instead (see storage below and replay_cost.py).
+
+    python -m client.bench.quality [--quick] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from backend.cache.accounting import AnchorFormat, layout_from_hf
+from backend.model import load_model
+from backend.replay.anchors import AnchorLayout
+from backend.replay.reference import (
+    anchor_positions,
+    continuation_logits,
+    exact_run,
+    replayed_states,
+)
+from engine_build.corpus import load_split, to_ids
+from engine_build.evaluate import task_examples
+from engine_build.hf_export import hf_config
+from engine_build.tasks import TASKS
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+RESULTS = Path(__file__).resolve().parent / "results" / "quality"
+PAGE = 64
+KS = (16, 32, 64, 128, 256)
+
+
+def variants(k_cal: int) -> dict[str, tuple[str, str, object]]:
+    """name -> (sampling, anchor dtype, k or 'default')."""
+    out = {f"k{k}": ("dense_tail", "model", k) for k in KS}
+    out["calibrated"] = ("dense_tail", "model", k_cal)
+    out["default"] = ("dense_tail", "model", "default")
+    out["default_uniform"] = ("uniform", "model", "default")
+    out["default_int8"] = ("dense_tail", "int8", "default")
+    return out
+
+
+def budget(k, boundary: int, k_max: int) -> int:
+    return min(math.ceil(0.05 * boundary), k_max) if k == "default" else k
+
+
+class Case:
+    """One prompt cut at a page boundary, with everything the variants share."""
+
+    def __init__(self, model, prompt: list[int], target: list[int]) -> None:
+        self.target = target
+        self.boundary = (len(prompt) - 1) // PAGE * PAGE
+        self.suffix = prompt[self.boundary:] + target[:-1]
+        self.session, self.exact = exact_run(model, prompt + target, self.boundary, PAGE)
+        ids = torch.tensor([prompt[:self.boundary]])
+        self.hidden = {s: model.capture_hidden(ids, anchor_positions(
+            AnchorLayout(PAGE, 4, s), self.boundary).unsqueeze(0))[:, 0]
+            for s in ("dense_tail", "uniform")}
+        self.full = continuation_logits(self.session, self.exact, self.suffix)
+
+    def scores(self, logits: torch.Tensor) -> dict[str, float]:
+        n = len(self.target)
+        answer = logits[-n:].argmax(-1)
+        nll = torch.nn.functional.cross_entropy(logits[-n:], torch.tensor(self.target),
+                                                reduction="sum")
+        return {"correct": float(bool((answer == torch.tensor(self.target)).all())),
+                "nll": float(nll), "tokens": n,
+                "top1": float((logits.argmax(-1) == self.full.argmax(-1)).float().mean())}
+
+
+def run_cases(model, cases: list[Case], k_cal: int, k_max: int) -> dict[str, dict]:
+    results = {"full": [c.scores(c.full) for c in cases]}
+    for name, (sampling, dtype, k) in variants(k_cal).items():
+        rows = []
+        for c in cases:
+            kk = min(budget(k, c.boundary, k_max), c.hidden[sampling].shape[1])
+            states = replayed_states(model, c.hidden[sampling], kk, int8=dtype == "int8")
+            rows.append(c.scores(continuation_logits(c.session, states, c.suffix)))
+        results[name] = rows
+    return results
+
+
+def summarize(rows: list[dict]) -> dict[str, float]:
+    n = len(rows)
+    tokens = sum(r["tokens"] for r in rows)
+    return {"accuracy": sum(r["correct"] for r in rows) / n,
+            "bits_per_byte": sum(r["nll"] for r in rows) / tokens / math.log(2),
+            "top1_agreement": sum(r["top1"] for r in rows) / n}
+
+
+def task_cases(model, contexts, n) -> list[Case]:
+    cases = []
+    for kind in TASKS:
+        for ctx in contexts:
+            for ex in task_examples(kind, ctx, n, seed=99):
+                cases.append(Case(model, list(ex.prompt.encode()), list(ex.answer.encode())))
+    return cases
+
+
+def text_cases(model, num: int, length: int) -> list[Case]:
+    text = to_ids(load_split(held_out=True, max_bytes=num * length * 2))
+    step = len(text) // num
+    cases = []
+    for i in range(num):
+        seq = text[i * step:i * step + length].tolist()
+        cut = length - 256
+        cases.append(Case(model, seq[:cut + 1], seq[cut + 1:]))
+    return cases
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    model = load_model(args.model)
+    cal_file = Path(args.model) / "calibration.json"
+    k_cal = json.loads(cal_file.read_text())["k_max"] if cal_file.exists() else 512
+    contexts, n, n_text = ((1024,), 6, 6) if args.quick else ((1024, 2048), 16, 16)
+    t0 = time.time()
+    cases = task_cases(model, contexts, n)
+    text = text_cases(model, n_text, 1024 + 256)
+    retrieval = {k: summarize(v) for k, v in tqdm([(k, v) for k, v in run_cases(
+        model, cases, k_cal, k_cal).items()], desc="summaries")}
+    heldout = {k: summarize(v) for k, v in run_cases(model, text, k_cal, k_cal).items()}
+    args.cached_lens = [c.boundary for c in cases]
+    summary = build_summary(model, retrieval, heldout, k_cal, contexts, n, args)
+    summary["seconds"] = round(time.time() - t0, 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, RESULTS / "quality_vs_k.png")
+    print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
+    return summary
+
+
+def workload_storage(cfg, cached_lens: list[int], interval: int = 256) -> dict:
+    """Bytes each policy stores to make these cached prompts reusable: anchors for every page
+    (suffix replay) against checkpoints every `interval` tokens plus one at each prompt end
+    (the checkpoint baseline's own configuration)."""
+    raw = hf_config(cfg)
+    raw["torch_dtype"] = "float32"
+    layout = layout_from_hf(raw, "default")
+    elem = layout.model_dtype_bytes
+    fmt = AnchorFormat("model", elem)
+    int8 = AnchorFormat("int8+fp32 scale", 1, 4)
+    pages = sum(n // PAGE for n in cached_lens)
+    checkpoints = sum(n // interval + (n % interval > 0) for n in cached_lens)
+    anchors = pages * layout.anchor_bytes_per_page(PAGE, 4 / PAGE, fmt)
+    anchors8 = pages * layout.anchor_bytes_per_page(PAGE, 4 / PAGE, int8)
+    ckpt = checkpoints * layout.checkpoint_bytes()
+    per_page_ckpt = pages * layout.checkpoint_bytes()
+    return {"num_prompts": len(cached_lens), "cached_pages": pages,
+            "checkpoints_at_interval": checkpoints, "interval": interval,
+            "anchor_bytes": anchors, "anchor_bytes_int8": anchors8, "checkpoint_bytes": ckpt,
+            "ratio_vs_checkpoint": anchors / ckpt, "ratio_vs_checkpoint_int8": anchors8 / ckpt,
+            "ratio_vs_checkpoint_every_page": anchors / per_page_ckpt}
+
+
+def retention(variant: dict, full: dict) -> float:
+    """Quality kept, in percent: accuracy ratio, or bits-per-byte ratio if accuracy is 0."""
+    if full["accuracy"] > 0:
+        return 100 * variant["accuracy"] / full["accuracy"]
+    return 100 * full["bits_per_byte"] / variant["bits_per_byte"]
+
+
+def build_summary(model, retrieval, heldout, k_cal, contexts, n, args) -> dict:
+    full = retrieval["full"]
+    storage = workload_storage(model.config, args.cached_lens)
+    return {
+        "model": str(args.model), "quick": args.quick, "contexts": list(contexts),
+        "examples_per_task_and_context": n, "calibrated_k_max": k_cal,
+        "retention_default": retention(retrieval["default"], full),
+        "retention_k16": retention(retrieval["k16"], full),
+        "retention_calibrated": retention(retrieval["calibrated"], full),
+        "retention_default_uniform": retention(retrieval["default_uniform"], full),
+        "retention_default_int8": retention(retrieval["default_int8"], full),
+        "heldout_bpb_full": heldout["full"]["bits_per_byte"],
+        "heldout_bpb_default": heldout["default"]["bits_per_byte"],
+        "heldout_top1_agreement_default": heldout["default"]["top1_agreement"],
+        "storage_ratio_vs_checkpoint": storage["ratio_vs_checkpoint"],
+        "storage_ratio_vs_checkpoint_int8": storage["ratio_vs_checkpoint_int8"],
+        "storage": storage, "retrieval": retrieval, "heldout": heldout,
+        "date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (no GPU)",
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    full = summary["retrieval"]["full"]
+    ks = list(KS)
+    acc = [retention(summary["retrieval"][f"k{k}"], full) for k in ks]
+    top1 = [100 * summary["heldout"][f"k{k}"]["top1_agreement"] for k in ks]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(ks, acc, marker="o", label="retrieval accuracy retention (%)")
+    ax.plot(ks, top1, marker="s", label="held-out top-1 agreement (%)")
+    ax.axhline(100, color="gray", ls="--", label="full prefill / checkpoint baseline")
+    ax.set(xscale="log", xlabel="replayed anchors k (dense tail, 4 per 64-token page)",
+           ylabel="percent of full prefill", title="Suffix replay quality vs k (tiny model)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

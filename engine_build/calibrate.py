@@ -1,0 +1,147 @@
+"""Picks the replay budget cap k_max for a model automatically.
+
+For calibration sequences cut at several page boundaries, the linear states are rebuilt by
+replaying the last k dense-tail anchors (k swept over powers of two), and compared with a full
+prefill: per group, the relative error of the recurrent states; over a continuation of the
+text, the next-token KL divergence and top-1 agreement. k_max is the smallest k whose top-1
+agreement meets the target. Writes <model>/calibration.json (read by the engine when the
+serving configuration says `k_max: auto`) and <model>/calibration.png.
+
+    python -m engine_build.calibrate --model model_repo/hybrid_llm/1/tiny_qwen3_5 [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from backend.model import HybridForCausalLM, load_model
+from backend.replay.anchors import AnchorLayout
+from backend.replay.reference import (
+    anchor_positions,
+    continuation_logits,
+    exact_run,
+    relative_state_error,
+    replayed_states,
+)
+from engine_build.corpus import load_split, to_ids
+from engine_build.tasks import make_example
+
+KS = (4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def calibration_sequences(num: int, length: int, seed: int = 7) -> list[list[int]]:
+    """Half standard-library text (training split), half key-value retrieval prompts."""
+    rng = random.Random(seed)
+    text = to_ids(load_split(held_out=False, max_bytes=4_000_000))
+    seqs = []
+    for i in range(num):
+        if i % 2 == 0:
+            start = rng.randrange(len(text) - length)
+            seqs.append(text[start:start + length].tolist())
+        else:
+            ex = make_example("kv", length, rng)
+            seqs.append(list(ex.text.encode())[:length])
+    return seqs
+
+
+@torch.inference_mode()
+def sweep(model: HybridForCausalLM, seqs: list[list[int]], boundaries: list[int],
+          continuation: int, layout: AnchorLayout, ks=KS) -> dict[int, dict]:
+    groups = [[model.config.linear_layer_ids.index(i) for i in g] for g in model.config.groups]
+    acc = {k: {"kl": [], "top1": [], "state_error": [[] for _ in groups]} for k in ks}
+    jobs = [(s, j) for s in seqs for j in boundaries if j + continuation <= len(s)]
+    for seq, j in tqdm(jobs, desc="calibrate"):
+        session, exact = exact_run(model, seq, j, layout.page_size)
+        suffix = seq[j:j + continuation]
+        ref = continuation_logits(session, exact, suffix).log_softmax(-1)
+        hidden = model.capture_hidden(torch.tensor([seq[:j]]),
+                                      anchor_positions(layout, j).unsqueeze(0))[:, 0]
+        for k in ks:
+            if k > hidden.shape[1]:
+                continue
+            states = replayed_states(model, hidden, k)
+            got = continuation_logits(session, states, suffix).log_softmax(-1)
+            acc[k]["kl"].append(float(F.kl_div(got, ref, log_target=True,
+                                               reduction="batchmean")))
+            acc[k]["top1"].append(float((got.argmax(-1) == ref.argmax(-1)).float().mean()))
+            for g, ids in enumerate(groups):
+                acc[k]["state_error"][g].append(relative_state_error(states, exact, ids))
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {k: {"kl": mean(v["kl"]), "top1_agreement": mean(v["top1"]),
+                "state_error_by_group": [mean(e) for e in v["state_error"]],
+                "num_cuts": len(v["kl"])}
+            for k, v in acc.items() if v["kl"]}
+
+
+def choose_k_max(results: dict[int, dict], target: float) -> int:
+    for k in sorted(results):
+        if results[k]["top1_agreement"] >= target:
+            return k
+    return max(results)
+
+
+def plot(results: dict[int, dict], k_max: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted(results)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    num_groups = len(results[ks[0]]["state_error_by_group"])
+    for g in range(num_groups):
+        a.plot(ks, [results[k]["state_error_by_group"][g] for k in ks], marker="o",
+               label=f"group {g}")
+    a.set(xscale="log", yscale="log", xlabel="replayed anchors k",
+          ylabel="relative recurrent-state error", title="state error per group")
+    a.legend()
+    b.plot(ks, [results[k]["top1_agreement"] for k in ks], marker="o", label="top-1 agreement")
+    b.set(xscale="log", xlabel="replayed anchors k", ylabel="top-1 agreement",
+          title=f"next-token agreement (k_max = {k_max})")
+    b.axvline(k_max, color="gray", ls="--")
+    b2 = b.twinx()
+    b2.plot(ks, [results[k]["kl"] for k in ks], color="C3", marker="x", label="KL")
+    b2.set(ylabel="KL(full || replay), nats", yscale="log")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--target", type=float, default=0.99, help="top-1 agreement to reach")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--anchors-per-page", type=int, default=4)
+    args = p.parse_args(argv)
+    torch.set_num_threads(2)
+    model = load_model(args.model)
+    layout = AnchorLayout(args.page_size, args.anchors_per_page)
+    num, length = (4, 1152) if args.quick else (12, 2112)
+    boundaries = [512, 1024] if args.quick else [512, 1024, 1536, 2048]
+    results = sweep(model, calibration_sequences(num, length), boundaries, 64, layout)
+    k_max = choose_k_max(results, args.target)
+    out = {"k_max": k_max, "target_top1_agreement": args.target,
+           "page_size": args.page_size, "anchors_per_page": args.anchors_per_page,
+           "sampling": "dense_tail", "sweep": {str(k): v for k, v in results.items()}}
+    model_dir = Path(args.model)
+    (model_dir / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(results, k_max, model_dir / "calibration.png")
+    for k, v in sorted(results.items()):
+        print(f"k={k:4d}  top1={v['top1_agreement']:.4f}  KL={v['kl']:.2e}  "
+              f"state err={['%.3f' % e for e in v['state_error_by_group']]}")
+    print(f"k_max = {k_max} (target top-1 agreement {args.target}); wrote "
+          f"{model_dir / 'calibration.json'}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
