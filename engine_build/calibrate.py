@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     plot(results, k_max, model_dir / "calibration.png")
     for k, v in sorted(results.items()):
         print(f"k={k:4d}  top1={v['top1_agreement']:.4f}  KL={v['kl']:.2e}  "
-              f"state err={['%.3f' % e for e in v['state_error_by_group']]}")
+              "state err=" + ", ".join(f"{e:.3f}" for e in v["state_error_by_group"]))
     print(f"k_max = {k_max} (target top-1 agreement {args.target}); wrote "
           f"{model_dir / 'calibration.json'}")
     return out

@@ -78,7 +78,7 @@ class MixedSampler:
         start = self.rng.randrange(len(self.text) - n)
         seq = self.text[start:start + n].clone()
         weight = torch.ones(n - 1)
-        if self.rng.random() < self.task_fraction:
+        if n >= 256 and self.rng.random() < self.task_fraction:
             kind = self.rng.choice(TASKS)
             ctx = min(int(n * self.rng.uniform(0.3, 0.95)), n - 16)
             ex = make_example(kind, ctx, self.rng)

@@ -85,7 +85,7 @@ def _vars(context_len: int, rng: random.Random) -> TaskExample:
     distractors = names[3:]
     body: list[str] = []
     size = 0
-    while size < context_len - 80:
+    while size < context_len - 80 or len(body) < len(lines):
         line = f"{rng.choice(distractors)} = {rng.randrange(10**5):05d}"
         body.append(line)
         size += len(line) + 1

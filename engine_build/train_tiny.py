@@ -110,7 +110,7 @@ def train(args: argparse.Namespace) -> Path:
         seq_len = seq_len_at(step, args.steps)
         ids, weights = sampler.sample(max(args.batch_tokens // seq_len, 1), seq_len)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr)
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         loss = loss_fn(model, ids, weights)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -176,6 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--batch-tokens", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
