@@ -46,6 +46,7 @@ class Admitter:
         tick: int,
     ) -> InsertResult:
         """See `PrefixStore.insert`; `key` is the encoded tokens, `tick` the access stamp."""
+        self.evictor.tier.on_lookup(salt)
         existing = self._validate(key, salt, kv_pages, anchors, states)
         if self.config.policy == "none":
             return InsertResult(0, [], kv_pages, anchors, list(states.values()))

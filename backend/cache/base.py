@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from backend.cache.radix import PageNode
+    from backend.cache.store import PrefixStore
 
 
 class Tier(IntEnum):
@@ -106,11 +107,21 @@ class TierBackend(ABC):
     DEMOTE). The store then frees the device ids. `on_remove` is called when a node leaves the
     tree for good (release lower-tier copies). `on_promote` is called after the store has
     allocated fresh device ids for a node living on a lower tier (copy the data in).
-    `on_insert` sees newly admitted pages (write-back to SSD hooks here).
+    `on_insert` sees newly admitted pages (write-back to SSD hooks here). A backend may
+    drop an unlocked off-device node through `PrefixStore.drop_subtree` (its lower tier is
+    full, or its only copy turned out corrupt); it must never drop a locked one.
     """
 
     @abstractmethod
     def on_evict(self, node: PageNode) -> EvictDecision: ...
+
+    def attach(self, store: PrefixStore) -> None:  # noqa: B027 - optional hook
+        """Called once by the store that owns this backend (lower tiers that must drop or
+        re-insert nodes keep the reference)."""
+
+    def on_lookup(self, salt: str | None) -> None:  # noqa: B027 - optional hook
+        """Called before the tree is searched in namespace `salt` (match, protect, insert):
+        a restarted SSD tier re-inserts that namespace's pages here."""
 
     def on_remove(self, node: PageNode) -> None:  # noqa: B027 - optional hook
         """Node dropped from the tree: nothing to release in a single-tier store."""
@@ -120,6 +131,10 @@ class TierBackend(ABC):
 
     def on_insert(self, nodes: list[PageNode]) -> None:  # noqa: B027 - optional hook
         """New pages admitted to the device: no write-back in a single-tier store."""
+
+    def on_free(self, kv_pages: list[int], anchor_blocks: list[int]) -> None:  # noqa: B027
+        """Caller-held ids returned to the pools (`PrefixStore.free_pages`): whatever the
+        backend staged for those device ids is stale now."""
 
 
 class DropTier(TierBackend):

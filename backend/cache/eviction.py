@@ -98,7 +98,7 @@ class Evictor:
         self._release_device_ids(node)
         parent.num_device_children -= 1
         if decision.action == EvictAction.DROP:
-            self._remove_subtree(node)
+            self.remove_subtree(node)
         else:
             node.kv_location = decision.kv_location
             node.anchor_location = decision.anchor_location if self.uses_anchors else None
@@ -122,12 +122,19 @@ class Evictor:
         if node.state_slot is not None:
             self.drop_state(node, WITH_PAGE)
 
-    def _remove_subtree(self, node: PageNode) -> None:
+    def remove_subtree(self, node: PageNode) -> None:
+        """Removes `node` and its descendants from the tree, children first (iterative: a
+        chain of lower-tier pages can be deeper than Python's recursion limit)."""
         # None of these is locked: a node's lock_ref bounds the sum of its children's, and
         # `node` itself is unlocked.
-        for child in list(node.children.values()):
-            self._remove_subtree(child)
-        if node.state_slot is not None:
-            self.drop_state(node, WITH_PAGE)
-        self.tier.on_remove(node)
-        self.tree.remove_leaf(node)
+        order = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(n.children.values())
+        for n in reversed(order):  # every node comes after its ancestors in `order`
+            if n.state_slot is not None:
+                self.drop_state(n, WITH_PAGE)
+            self.tier.on_remove(n)
+            self.tree.remove_leaf(n)

@@ -60,6 +60,7 @@ class PrefixStore:
             config, self.tree, (self.kv, self.anchors, self.states), self.evictor, self.stats
         )
         self._clock = 0
+        self.tier.attach(self)
 
     @property
     def tier(self) -> TierBackend:
@@ -79,6 +80,7 @@ class PrefixStore:
         `tokens[:-1]` so that at least one token is recomputed.
         """
         key = encode_tokens(tokens)
+        self.tier.on_lookup(salt)
         self.stats.num_match_requests += 1
         self.stats.num_queried_tokens += len(key) // TOKEN_BYTES
         if self.config.policy == "none":
@@ -232,6 +234,7 @@ class PrefixStore:
         self.anchors.check(anchor_blocks)
         self.kv.free(kv_pages)
         self.anchors.free(anchor_blocks)
+        self.tier.on_free(kv_pages, anchor_blocks)
 
     def free_state_slots(self, slots: Iterable[int]) -> None:
         self.states.free(slots)
@@ -251,12 +254,25 @@ class PrefixStore:
             if alloc is None:
                 return False
             anchor = alloc.anchor_blocks[0] if want_anchor else None
-            self.tier.on_promote(node, alloc.kv_pages[0], anchor)
+            try:
+                self.tier.on_promote(node, alloc.kv_pages[0], anchor)
+            except BaseException:
+                self.free_pages(alloc.kv_pages, alloc.anchor_blocks)
+                raise
             self.admitter.adopt_kv(node, alloc.kv_pages[0], [])
             if anchor is not None:
                 self.admitter.adopt_anchor(node, anchor, [])
             self.stats.pages_promoted += 1
         return True
+
+    def drop_subtree(self, node: PageNode) -> int:
+        """Removes an unlocked node that lives only on lower tiers, with its descendants
+        (all off the device too, R2); for tier backends. Returns the pages removed."""
+        if node.on_device or node.lock_ref:
+            raise ValueError(f"only an unlocked off-device node can be dropped, got {node!r}")
+        before = self.tree.num_nodes
+        self.evictor.remove_subtree(node)
+        return before - self.tree.num_nodes
 
     # Look-ahead -------------------------------------------------------------------------
     def protect(self, waiting: Iterable[tuple[Any, str | None]]) -> int:
@@ -268,6 +284,7 @@ class PrefixStore:
         for i, (tokens, salt) in enumerate(waiting):
             if i >= self.policy.window:
                 break
+            self.tier.on_lookup(salt)
             for node in self.tree.walk(encode_tokens(tokens), salt):
                 if node.protect_epoch != epoch:
                     node.protect_epoch = epoch

@@ -1,0 +1,93 @@
+"""`Prefetcher`: PCR's queue-based prefetching (section 4.4).
+
+Each step the engine hands over its waiting queue; for the first W requests the prefetcher
+raises their pages' eviction priority (look-ahead) and, for matched pages that are on SSD
+but not in DRAM, starts SSD -> DRAM reads at the highest I/O priority. When a request is
+scheduled, `wait_for` waits only for reads still in flight (reading what no prefetch
+covered), so a request that waited in the queue longer than its reads take finds its pages
+in DRAM.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from backend.cache.io_pool import Priority
+from backend.cache.radix import encode_tokens
+from backend.cache.tier_config import TierConfig
+
+
+class Prefetcher:
+    def __init__(self, tiers, config: TierConfig) -> None:
+        self.tiers = tiers
+        self.window = config.prefetch_window
+        self.enabled = config.uses_prefetch
+        self.lookahead = config.enable_lookahead
+
+    def update(self, waiting: Sequence[tuple[Any, str | None]]) -> int:
+        """Look-ahead and prefetch for the first W `(tokens, salt)` of the waiting queue
+        (queue order). Also ends the previous step's pins. Returns the reads started."""
+        tiers = self.tiers
+        tiers.begin_step()
+        window = list(waiting[: self.window])
+        if self.lookahead:
+            tiers.store.protect(window)
+        if not self.enabled:
+            return 0
+        started = 0
+        for tokens, salt in window:
+            tiers.on_lookup(salt)
+            for node in tiers.store.tree.walk(encode_tokens(tokens), salt):
+                if node.on_device:
+                    continue
+                e = tiers.entry(node)
+                if e.host_slot is not None or not tiers.chunk_ready(e):
+                    continue  # in DRAM or on its way
+                slot = tiers.alloc_host(may_wait=False)
+                if slot is None:
+                    return started  # DRAM is full of pages in use: try next step
+                tiers.submit_read(e, slot, Priority.PREFETCH)
+                e.prefetched = True
+                started += 1
+        tiers.stats.prefetch_started += started
+        return started
+
+    def wait_for(self, nodes: Sequence) -> int:
+        """Makes the matched `nodes` (root child first) promotable: waits for their reads in
+        flight and reads those no prefetch started. Returns how many leading nodes are
+        usable (on the device or verified in DRAM, pinned until the next `update`); a page
+        whose copy was refused ends the usable prefix and is dropped from the cache."""
+        tiers, stats = self.tiers, self.tiers.stats
+        tiers.reap()
+        usable = len(nodes)
+        waits = []
+        for i, node in enumerate(nodes):
+            if node.on_device:
+                continue
+            e = tiers.entry(node)
+            if e.host_ready:
+                stats.prefetch_hits += e.prefetched
+            elif e.read is not None:
+                stats.prefetch_late += e.prefetched
+                waits.append(e.read)
+            else:
+                slot = tiers.alloc_host() if tiers.chunk_ready(e) else None
+                if slot is None:
+                    usable = i
+                    break
+                stats.prefetch_misses += 1
+                waits.append(tiers.submit_read(e, slot, Priority.FOREGROUND))
+            e.prefetched = False
+            tiers.pin_for_step(e)
+        if waits:
+            start = time.perf_counter()
+            for op in waits:
+                tiers.wait_op(op)
+            stats.prefetch_wait_seconds += time.perf_counter() - start
+        for i in range(usable):
+            node = nodes[i]
+            if not node.alive or not (node.on_device or tiers.entry(node).host_ready):
+                return i
+        return usable
