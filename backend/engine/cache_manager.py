@@ -15,10 +15,12 @@ from backend.replay.budget import replay_budget
 
 
 class CacheManager:
-    def __init__(self, config: EngineConfig, store: PrefixStore, executor: TorchExecutor) -> None:
+    def __init__(self, config: EngineConfig, store: PrefixStore, executor: TorchExecutor,
+                 tiers=None) -> None:
         self.config = config
         self.store = store
         self.executor = executor
+        self.tiers = tiers  # TieredBackend or None
         self.page_size = config.page_size
         self.policy = config.cache.policy
         self.layout = AnchorLayout(config.page_size, config.cache.anchors_per_page,
@@ -33,21 +35,18 @@ class CacheManager:
     def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
         """Matches the sequence's prefix, locks it, restores linear states at the match end
         (live state, or a replay queued into `replays`), and plans state snapshots."""
-        salt = seq.request.cache_salt
-        match = self.store.match_prefix(seq.tokens[:-1], salt)
-        n = len(match.kv_pages)
-        if self.store.uses_anchors:
-            n = min(n, len(match.anchor_blocks))
-        nodes = match.nodes[:n]
+        match = self.store.match_prefix(seq.tokens[:-1], seq.request.cache_salt)
+        nodes = self._usable_prefix(match)
+        n = len(nodes)
         live = match.live_state if n == match.num_matched_pages else None
         if self.policy == "suffixreplay" and not self.config.replay.live_state:
             live = None
         if n and self.policy == "checkpoint" and live is None:
-            n, nodes = 0, []  # the checkpoint sat on a page that is not on the device
-        self.store.lock(nodes)
+            self.store.unlock(nodes)  # the checkpoint's page could not be brought back
+            n, nodes = 0, []
         seq.locked_nodes = nodes
-        seq.page_table = list(match.kv_pages[:n])
-        seq.anchor_blocks = list(match.anchor_blocks[:n]) if self.store.uses_anchors else []
+        seq.page_table = [node.kv_page for node in nodes]
+        seq.anchor_blocks = [node.anchor_block for node in nodes] if self.store.uses_anchors else []
         seq.num_tree_pages = n
         seq.num_computed = seq.cached_tokens = n * self.page_size
         if n == 0:
@@ -63,6 +62,32 @@ class CacheManager:
             self.num_replayed_anchors += k
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
         self._plan_snapshots(seq)
+
+    def _usable_prefix(self, match) -> list:
+        """The matched nodes whose KV (and anchors) are on the device, locked. With tiers,
+        pages on DRAM / SSD are read (waiting only for reads still in flight) and promoted."""
+        if self.tiers is None:
+            n = len(match.kv_pages)
+            if self.store.uses_anchors:
+                n = min(n, len(match.anchor_blocks))
+            nodes = match.nodes[:n]
+            self.store.lock(nodes)
+            return nodes
+        nodes = match.nodes[: self.tiers.prefetcher.wait_for(match.nodes)]
+        self.store.lock(nodes)
+        if not self.store.promote(nodes):
+            on_device = 0
+            while on_device < len(nodes) and nodes[on_device].on_device:
+                on_device += 1
+            self.store.unlock(nodes[on_device:])
+            nodes = nodes[:on_device]
+        return nodes
+
+    def offload_pages(self, seq: Sequence) -> list[int]:
+        """Pages this step will insert (the prompt's whole pages, at prefill completion)."""
+        if seq.prefix_inserted:
+            return []
+        return seq.page_table[seq.num_tree_pages: len(seq.tokens) // self.page_size]
 
     def _plan_snapshots(self, seq: Sequence) -> None:
         if not self.snapshots:

@@ -5,7 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from backend.cache.config import CacheConfig
+from backend.cache.tier_config import TierConfig
 from backend.replay.budget import ReplayConfig
+
+# Placeholder until `Engine.from_model_dir` hashes the weights (TierConfig.model_fingerprint).
+FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,7 @@ class EngineConfig:
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    tiers: TierConfig | None = None  # None: device pool only (evicted pages are dropped)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -32,6 +37,8 @@ class EngineConfig:
             raise ValueError(f"executor must be 'torch', got {self.executor!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.tiers is not None and self.replay.anchor_dtype == "int8":
+            raise ValueError("int8 anchors are not tiered yet: use anchor_dtype='model' with tiers")
         if self.cache.anchor_density != self.replay.anchor_density:
             raise ValueError(
                 f"cache.anchor_density={self.cache.anchor_density} differs from "
@@ -49,13 +56,16 @@ class EngineConfig:
         Keys are field names of EngineConfig, CacheConfig (e.g. `cache_policy` for `policy`,
         `num_kv_pages`) and ReplayConfig (`anchor_density`, `k_max`, ...).
         """
-        engine, cache, replay = {}, {}, {}
+        engine, cache, replay, tiers = {}, {}, {}, {}
         targets = (
             (engine, cls, {}),
             (cache, CacheConfig, {"cache_policy": "policy"}),
             (replay, ReplayConfig, {"anchor_sampling": "sampling"}),
+            (tiers, TierConfig, {}),
         )
         for key, raw in params.items():
+            if raw.strip() == "":
+                continue  # an empty string parameter means "use the default"
             if key == "k_max" and raw.strip().lower() == "auto":
                 replay["k_max_auto"] = True
                 continue
@@ -65,13 +75,16 @@ class EngineConfig:
             for out, kind, aliases in targets:
                 name = aliases.get(key, key)
                 types = {f.name: f.type for f in fields(kind)}
-                if name in types and name not in ("cache", "replay"):
+                if name in types and name not in ("cache", "replay", "tiers"):
                     out[name] = _parse(key, raw, _py_type(types[name]))
                     break
             else:
                 raise ValueError(f"unknown engine parameter {key!r} (value {raw!r})")
         try:
-            base = cls(cache=CacheConfig(**cache), replay=ReplayConfig(**replay))
+            if tiers.get("ssd_path") and not tiers.get("model_fingerprint"):
+                tiers["model_fingerprint"] = FINGERPRINT_FROM_MODEL_DIR
+            tier_cfg = TierConfig(**tiers) if tiers else None
+            base = cls(cache=CacheConfig(**cache), replay=ReplayConfig(**replay), tiers=tier_cfg)
             return replace(base, **engine)
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid engine parameters: {e}") from e
@@ -81,6 +94,8 @@ def _py_type(annotation: str) -> type:
     text = str(annotation)
     if text.startswith("int | None"):
         return _optional_int
+    if text.startswith("str | Path"):
+        return str
     for name, t in (("bool", _bool), ("int", int), ("float", float)):
         if text.startswith(name):
             return t

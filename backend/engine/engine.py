@@ -15,9 +15,12 @@ from pathlib import Path
 
 import torch
 
+from backend.cache.page_io import DeviceBuffers
 from backend.cache.store import PrefixStore
+from backend.cache.tier_config import fingerprint_model_dir
+from backend.cache.tiers import TieredBackend
 from backend.engine.cache_manager import CacheManager
-from backend.engine.config import EngineConfig
+from backend.engine.config import FINGERPRINT_FROM_MODEL_DIR, EngineConfig
 from backend.engine.executor import TorchExecutor
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.scheduler import Scheduler
@@ -48,13 +51,18 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         cache_cfg = self.config.cache
-        self.store = PrefixStore(cache_cfg)
         self.executor = TorchExecutor(
             model, cache_cfg.num_kv_pages, cache_cfg.page_size, self.config.max_num_seqs,
             cache_cfg.num_checkpoint_slots, cache_cfg.anchor_pool_size * cache_cfg.anchors_per_page,
             int8_anchors=self.config.replay.anchor_dtype == "int8",
         )
-        self.cache = CacheManager(self.config, self.store, self.executor)
+        self.tiers = None
+        if self.config.tiers is not None:
+            buffers = DeviceBuffers.from_executor(self.executor, cache_cfg.anchors_per_page,
+                                                  with_anchors=cache_cfg.uses_anchors)
+            self.tiers = TieredBackend(self.config.tiers, buffers)
+        self.store = PrefixStore(cache_cfg, self.tiers)
+        self.cache = CacheManager(self.config, self.store, self.executor, self.tiers)
         self.scheduler = Scheduler(self.config, self.cache, self.executor)
         self.eos_token_id = model.config.eos_token_id
         self.max_context_len = min(self.config.max_context_len,
@@ -72,6 +80,10 @@ class Engine:
         if config.replay.k_max_auto:
             config = replace(config, replay=replace(config.replay,
                                                     k_max=calibrated_k_max(path, config)))
+        if config.tiers is not None and config.tiers.model_fingerprint in (
+                "", FINGERPRINT_FROM_MODEL_DIR):
+            fingerprint = fingerprint_model_dir(path, config.dtype)
+            config = replace(config, tiers=replace(config.tiers, model_fingerprint=fingerprint))
         model = load_model(path, dtype=DTYPES[config.dtype])
         return cls(model, config, load_tokenizer(path))
 
@@ -180,6 +192,8 @@ class Engine:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
@@ -245,4 +259,5 @@ class Engine:
             "replayed_anchors": self.cache.num_replayed_anchors,
             "live_state_hits": self.cache.num_live_state_hits,
             "cache": store.stats.as_dict(),
+            "tiers": self.tiers.stats.as_dict() if self.tiers is not None else None,
         }

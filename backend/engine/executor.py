@@ -41,7 +41,7 @@ class TorchExecutor:
 
     def forward(
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
-        capture_dst: torch.Tensor | None = None,
+        capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
     ) -> torch.Tensor:
         """One batched step; returns last-token logits [B, V] (fp32)."""
         capture = None
@@ -49,6 +49,7 @@ class TorchExecutor:
             capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, capture,
                                    device=self.model.device)
+        batch.layer_hooks = layer_hooks
         return self.model.forward_batch(batch).float()
 
     def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:

@@ -18,6 +18,7 @@ from backend.engine.executor import TorchExecutor
 from backend.engine.request import RequestOutput
 from backend.engine.sampling import finish_reason, make_generator, sample
 from backend.engine.sequence import SeqStatus, Sequence
+from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
 
 
@@ -47,8 +48,8 @@ class Scheduler:
     # One iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        self._look_ahead()
         self._admit()
-        self.cache.store.protect((s.tokens, s.request.cache_salt) for s in self.waiting)
         chunks = self._plan()
         if not chunks:
             return outputs
@@ -62,6 +63,14 @@ class Scheduler:
             rows = [chunks.index(c) for c in done]
             outputs.extend(self._sample([c.seq for c in done], logits[rows]))
         return outputs
+
+    def _look_ahead(self) -> None:
+        """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""
+        waiting = [(s.tokens, s.request.cache_salt) for s in self.waiting]
+        if self.cache.tiers is not None:
+            self.cache.tiers.prefetcher.update(waiting)
+        elif waiting:
+            self.cache.store.protect(waiting)
 
     def _admit(self) -> None:
         replays: list[tuple[int, torch.Tensor]] = []
@@ -131,9 +140,16 @@ class Scheduler:
             if plan is not None:
                 src.append(plan[0] + b * T)
                 dst.append(plan[1])
-        if src:
-            return self.executor.forward(seqs, torch.cat(src), torch.cat(dst))
-        return self.executor.forward(seqs)
+        transfers = None
+        if self.cache.tiers is not None:
+            pages = [p for c in chunks if c.end == len(c.seq.tokens)
+                     for p in self.cache.offload_pages(c.seq)]
+            transfers = LayerTransfers(self.cache.tiers, pages)
+        capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
+        logits = self.executor.forward(seqs, *capture, layer_hooks=transfers)
+        if transfers is not None:
+            transfers.finish()
+        return logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         params = [s.request.sampling for s in seqs]

@@ -42,6 +42,9 @@ class Attention(nn.Module):
             rows, slots = batch.write_rows, batch.write_slots
             kv.k[self.attn_index].index_copy_(0, slots, k.reshape(B * T, *k.shape[2:])[rows])
             kv.v[self.attn_index].index_copy_(0, slots, v.reshape(B * T, *v.shape[2:])[rows])
+            if batch.layer_hooks is not None:
+                batch.layer_hooks.after_write(self.attn_index)
+                batch.layer_hooks.before_read(self.attn_index)
         if kv is None or batch.fresh:
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

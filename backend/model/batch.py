@@ -60,6 +60,9 @@ class ForwardBatch:
     read_slots: torch.Tensor | None = None  # [B, Ctx]
     attn_mask: torch.Tensor | None = None  # [B, 1, T, Ctx] bool
     capture: Capture | None = None
+    # Layer-wise transfer hooks (tiered KV): `after_write(a)` once attention layer a wrote its
+    # new KV, `before_read(a)` before it reads cached KV.
+    layer_hooks: object | None = None
 
     @property
     def fresh(self) -> bool:
