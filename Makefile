@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+MODEL_REPO ?= model_repo
 
 .PHONY: install test lint serve clean
 
@@ -21,6 +22,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The real tritonserver on $(MODEL_REPO): 127.0.0.1 and ports 8000/8001/8002 unless BIND_ADDRESS,
+# HTTP_PORT, GRPC_PORT, METRICS_PORT say otherwise; Ctrl-C stops it.
+serve: $(STAMP)
+	$(PY) -m backend.triton.launcher --model-repository $(MODEL_REPO)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

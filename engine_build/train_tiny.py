@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from backend.config import FULL, LINEAR, ModelConfig
+from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
 from engine_build.corpus import EOT, MixedSampler, load_split, to_ids
 from engine_build.hf_export import save_hf_directory
@@ -60,9 +61,16 @@ def init_weights(model: HybridForCausalLM, seed: int) -> None:
             torch.nn.init.normal_(p, std=std)
 
 
-def seq_len_at(step: int, steps: int) -> int:
+def seq_len_at(step: int, steps: int, phases=None) -> int:
     frac = step / max(steps, 1)
-    return [n for start, n in PHASES if frac >= start][-1]
+    return [n for start, n in (phases or PHASES) if frac >= start][-1]
+
+
+def parse_phases(text: str | None):
+    """"0:512,0.5:1024" -> ((0.0, 512), (0.5, 1024)); None -> PHASES."""
+    if not text:
+        return None
+    return tuple((float(a), int(b)) for a, b in (part.split(":") for part in text.split(",")))
 
 
 def lr_at(step: int, steps: int, peak: float, warmup: int = 100) -> float:
@@ -87,13 +95,19 @@ def train(args: argparse.Namespace) -> Path:
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     ckpt_file = work / "checkpoint.pt"
-    cfg = tiny_config(args.hidden, args.layers)
-    model = HybridForCausalLM(cfg)
-    init_weights(model, args.seed)
+    if args.init_from:
+        model = load_model(args.init_from)  # a second stage continues from a saved model
+        cfg = model.config
+    else:
+        cfg = tiny_config(args.hidden, args.layers)
+        model = HybridForCausalLM(cfg)
+        init_weights(model, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
     sampler = MixedSampler(to_ids(load_split(held_out=False, max_bytes=args.max_corpus_bytes)),
+                           task_fraction=args.task_fraction, answer_weight=args.answer_weight,
                            seed=args.seed)
+    phases = parse_phases(args.phases)
     history: list[dict] = []
     step, elapsed = 0, 0.0
     if args.resume and ckpt_file.exists():
@@ -107,7 +121,7 @@ def train(args: argparse.Namespace) -> Path:
     bar = tqdm(total=args.steps, initial=step, desc="train", unit="step")
     t0 = time.time() - elapsed
     while step < args.steps:
-        seq_len = seq_len_at(step, args.steps)
+        seq_len = seq_len_at(step, args.steps, phases)
         ids, weights = sampler.sample(max(args.batch_tokens // seq_len, 1), seq_len)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
@@ -185,6 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=45.0)
     p.add_argument("--max-corpus-bytes", type=int, default=None)
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--init-from", default=None, help="start from this HF directory's weights")
+    p.add_argument("--task-fraction", type=float, default=0.5,
+                   help="share of sequences that start with a synthetic task")
+    p.add_argument("--answer-weight", type=float, default=4.0)
+    p.add_argument("--phases", default=None,
+                   help='sequence-length schedule, e.g. "0:512,0.5:1024" (default: 512..4096)')
     return p.parse_args(argv)
 
 

@@ -67,8 +67,10 @@ class ServerHandle:
         bind_address: str,
         workdir: Path,
         log_path: Path | None,
+        model_repository: Path | None = None,
     ) -> None:
         self.process = process
+        self.model_repository = model_repository
         self.install = install
         self.ports = ports
         self.workdir = workdir
@@ -212,7 +214,7 @@ def start_server(
         if log_file is not None:
             log_file.close()
     log = None if log_path is None else Path(log_path)
-    return ServerHandle(process, install, ports, bind_address, workdir, log)
+    return ServerHandle(process, install, ports, bind_address, workdir, log, repo)
 
 
 def _open_log(log_path: str | Path | None) -> IO[bytes] | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from backend.triton.cancel import stop_cancelled
 from backend.triton.errors import ConfigError
 from backend.triton.params import get_bool_param, load_tokenizer_param, parse_model_config
 from backend.triton.postprocess import Postprocessor
@@ -21,4 +22,7 @@ class TritonPythonModel:
         self.postprocess = Postprocessor(tokenizer, skip_special_tokens)
 
     def execute(self, requests: list) -> list:
+        # A cancelled ensemble request shows up here first: stop its generation. Its response
+        # is still a normal one (an error here leaves the ensemble request hanging in Triton).
+        stop_cancelled(pb_utils, requests)
         return respond(pb_utils, requests, self.postprocess)

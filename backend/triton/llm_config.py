@@ -1,0 +1,78 @@
+"""hybrid_llm's config.pbtxt parameters: our serving keys here, the rest go to the engine.
+
+Serving keys (all optional):
+  model_path: the model's HF folder, absolute or relative to the model's own folder
+    (default `1/tiny_qwen3_5`);
+  exclude_input_in_output: default when a request does not say (TensorRT-LLM's parameter);
+  stats_check_period_ms: how often metrics are refreshed from `engine.stats()` (TensorRT-LLM's);
+  cancellation_check_period_ms: how often open requests are polled for cancellation (same).
+Every other key is handed to `EngineConfig.from_params`, which rejects unknown keys. An empty
+value or an unfilled `${...}` template counts as unset, as in TensorRT-LLM's templates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from backend.triton.errors import ConfigError
+from backend.triton.params import get_bool_param, get_param
+
+DEFAULT_MODEL_PATH = "1/tiny_qwen3_5"
+SERVING_KEYS = (
+    "model_path",
+    "exclude_input_in_output",
+    "stats_check_period_ms",
+    "cancellation_check_period_ms",
+)
+
+
+@dataclass(frozen=True)
+class ServingSettings:
+    model_path: Path
+    exclude_input_in_output: bool = True
+    stats_check_period_ms: int = 100
+    cancellation_check_period_ms: int = 100
+
+    def __post_init__(self) -> None:
+        for name in ("stats_check_period_ms", "cancellation_check_period_ms"):
+            value = getattr(self, name)
+            if not 1 <= value <= 60_000:
+                raise ConfigError(f"parameter {name} must be in [1, 60000] ms, got {value}")
+
+
+def serving_settings(config: Mapping[str, Any], model_dir: Path) -> ServingSettings:
+    """Our keys from the model config dict; `model_dir` is the model's own folder."""
+    raw_path = get_param(config, "model_path", DEFAULT_MODEL_PATH)
+    assert raw_path is not None
+    path = Path(raw_path).expanduser()
+    path = path if path.is_absolute() else model_dir / path
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"parameter model_path={raw_path!r}: no model at {path} (config.json missing)"
+        )
+    return ServingSettings(
+        model_path=path,
+        exclude_input_in_output=get_bool_param(config, "exclude_input_in_output", True),
+        stats_check_period_ms=_int_param(config, "stats_check_period_ms", 100),
+        cancellation_check_period_ms=_int_param(config, "cancellation_check_period_ms", 100),
+    )
+
+
+def engine_params(config: Mapping[str, Any]) -> dict[str, str]:
+    """The parameters meant for `EngineConfig.from_params` (set ones only)."""
+    keys = config.get("parameters", {}).keys()
+    params = {key: get_param(config, key) for key in keys if key not in SERVING_KEYS}
+    return {key: value for key, value in params.items() if value is not None}
+
+
+def _int_param(config: Mapping[str, Any], key: str, default: int) -> int:
+    value = get_param(config, key)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"parameter {key} must be an integer, got {value!r}") from None

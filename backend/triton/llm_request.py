@@ -1,0 +1,178 @@
+"""hybrid_llm inputs -> one engine request, with the tensor contract of TensorRT-LLM's
+`inflight_batcher_llm/tensorrt_llm` model (text-only subset) plus `cache_salt` / `session_id`.
+
+Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on reshape):
+  input_ids [1, T] INT32, input_lengths [1] INT32, request_output_len [1] INT32;
+  optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences [1]
+  INT32; temperature, runtime_top_p, repetition_penalty, presence_penalty, frequency_penalty,
+  len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
+  return_num_input_tokens, return_num_output_tokens, return_log_probs [1] BOOL;
+  stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
+  row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
+  cache_salt, session_id [1] BYTES (ours);
+  stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
+  `stop`); its other inputs are ignored.
+
+Inputs accepted for compatibility only take their neutral value (penalties 0 / 1, one beam, one
+sequence, no log probs, an all-zero embedding bias); anything else is an INVALID_ARG error
+saying it is not supported, never a silent change of the output.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from backend.engine.request import SamplingParams
+from backend.triton.errors import RequestError
+from backend.triton.tokenize import decode_utf8
+
+Tensors = Mapping[str, np.ndarray]
+
+# name -> neutral value: other values are rejected, not ignored.
+NEUTRAL_INPUTS: dict[str, float] = {
+    "beam_width": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "return_log_probs": False,
+}
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    """What one hybrid_llm request asks for, validated."""
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    streaming: bool = False
+    exclude_input_in_output: bool = True
+    cache_salt: str = ""
+    session_id: str | None = None
+
+
+def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bool) -> LlmRequest:
+    """Validates one request's tensors; `RequestError` says what is wrong."""
+    prompt_ids = prompt_of(inputs)
+    for name, neutral in NEUTRAL_INPUTS.items():
+        value = scalar(inputs, name, "iufb", neutral)
+        if value != neutral:
+            raise RequestError(f"{name}={value} is not supported (only {neutral})")
+    if "len_penalty" in inputs:
+        finite(inputs, "len_penalty")  # beam search only: any finite value is a no-op
+    bias = inputs.get("embedding_bias")
+    if bias is not None and bias.size and np.any(bias != 0):
+        raise RequestError("embedding_bias is not supported (only all zeros)")
+    return LlmRequest(
+        prompt_ids=prompt_ids,
+        sampling=sampling_of(inputs, default_end_id),
+        streaming=bool(scalar(inputs, "streaming", "b", False)),
+        exclude_input_in_output=bool(scalar(inputs, "exclude_input_in_output", "b", exclude_input)),
+        cache_salt=text_of(inputs, "cache_salt") or "",
+        session_id=text_of(inputs, "session_id") or None,
+    )
+
+
+def is_stop(inputs: Tensors) -> bool:
+    return bool(scalar(inputs, "stop", "b", False))
+
+
+def prompt_of(inputs: Tensors) -> list[int]:
+    ids = inputs.get("input_ids")
+    if ids is None:
+        raise RequestError("missing required input input_ids")
+    if ids.dtype.kind not in "iu":
+        raise RequestError(f"input_ids must be an integer tensor, got {ids.dtype}")
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise RequestError(f"input_ids must have shape [1, T] (one prompt), got {list(ids.shape)}")
+    length = scalar(inputs, "input_lengths", "iu", ids.shape[1])
+    if not 0 <= length <= ids.shape[1]:
+        raise RequestError(
+            f"input_lengths={length} is outside [0, {ids.shape[1]}] (input_ids width)"
+        )
+    if length == 0:
+        raise RequestError("the prompt is empty; it needs at least one token")
+    return [int(t) for t in ids[0, :length]]
+
+
+def sampling_of(inputs: Tensors, default_end_id: int | None) -> SamplingParams:
+    max_tokens = scalar(inputs, "request_output_len", "iu", None)
+    if max_tokens is None:
+        raise RequestError("missing required input request_output_len (max_tokens)")
+    seed = scalar(inputs, "seed", "iu", None)
+    try:
+        return SamplingParams(
+            max_tokens=int(max_tokens),
+            min_tokens=int(scalar(inputs, "min_tokens", "iu", 0)),
+            temperature=finite(inputs, "temperature", 1.0),
+            top_k=int(scalar(inputs, "runtime_top_k", "iu", 0)),
+            top_p=finite(inputs, "runtime_top_p", 1.0),
+            seed=None if seed is None else int(seed),
+            end_id=int(scalar(inputs, "end_id", "iu", default_end_id)),
+            stop_words=words_of(inputs, "stop_words_list"),
+            bad_words=words_of(inputs, "bad_words_list"),
+        )
+    except ValueError as exc:  # SamplingParams states the bad value
+        raise RequestError(str(exc)) from None
+
+
+def scalar(inputs: Tensors, name: str, kinds: str, default: object) -> object:
+    """The one value of an optional per-request tensor, checked for dtype kind."""
+    tensor = inputs.get(name)
+    if tensor is None:
+        return default
+    if tensor.size != 1:
+        raise RequestError(
+            f"{name} must hold one value per request, got shape {list(tensor.shape)}"
+        )
+    if tensor.dtype.kind not in kinds:
+        raise RequestError(f"{name} has dtype {tensor.dtype}, expected kind {kinds!r}")
+    return tensor.reshape(-1)[0].item()
+
+
+def finite(inputs: Tensors, name: str, default: float = 0.0) -> float:
+    value = float(scalar(inputs, name, "fiu", default))
+    if not math.isfinite(value):
+        raise RequestError(f"{name} must be finite, got {value}")
+    return value
+
+
+def words_of(inputs: Tensors, name: str) -> tuple[tuple[int, ...], ...]:
+    """TensorRT-LLM's [1, 2, L] word list -> tuple of words (tuples of ids)."""
+    tensor = inputs.get(name)
+    if tensor is None or tensor.size == 0:
+        return ()
+    if tensor.ndim == 2:
+        tensor = tensor[None]
+    if tensor.ndim != 3 or tensor.shape[:2] != (1, 2) or tensor.dtype.kind not in "iu":
+        raise RequestError(
+            f"{name} must be an integer tensor of shape [1, 2, L], got {list(tensor.shape)} "
+            f"{tensor.dtype}"
+        )
+    flat, offsets = tensor[0, 0].tolist(), tensor[0, 1].tolist()
+    words, start = [], 0
+    for end in offsets:
+        if end < 0:
+            break
+        if not start < end <= len(flat):
+            raise RequestError(f"{name} has a bad word end offset {end} (after {start})")
+        words.append(tuple(flat[start:end]))
+        start = end
+    return tuple(words)
+
+
+def text_of(inputs: Tensors, name: str) -> str | None:
+    tensor = inputs.get(name)
+    if tensor is None:
+        return None
+    if tensor.size != 1:
+        raise RequestError(
+            f"{name} must hold one string per request, got shape {list(tensor.shape)}"
+        )
+    return decode_utf8(tensor.reshape(-1)[0], name)

@@ -1,0 +1,73 @@
+"""One thread that turns queued outputs into Triton responses, in order.
+
+The engine's output callback runs on the engine thread and must not block; building
+`pb_utils` tensors and sending through a response sender is an IPC round trip to the server, so
+the callback only enqueues and this thread sends. One FIFO keeps each request's responses in
+the order the engine produced them.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from backend.triton.responses import error_response
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    sender: Any  # pb_utils.InferenceResponseSender
+    tensors: dict[str, np.ndarray] | None = None  # None with no error: only the flag
+    error: str | None = None
+    error_code: str = "INTERNAL"
+    final: bool = False
+
+
+class Responder:
+    def __init__(self, pb_utils: ModuleType) -> None:
+        self.pb_utils = pb_utils
+        self._queue: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="hybrid_llm-responder", daemon=True)
+        self._thread.start()
+
+    def put(self, item: Outgoing) -> None:
+        self._queue.put(item)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Sends what is queued, then stops the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def send_now(self, item: Outgoing) -> None:
+        """Sends on the calling thread (for requests the engine never saw)."""
+        pb = self.pb_utils
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
+        if item.error is not None:
+            response = error_response(pb, item.error, item.error_code)
+        elif item.tensors is not None:
+            tensors = [pb.Tensor(name, value) for name, value in item.tensors.items()]
+            response = pb.InferenceResponse(output_tensors=tensors)
+        else:
+            item.sender.send(flags=flags)
+            return
+        item.sender.send(response, flags=flags)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self.send_now(item)
+            except Exception as exc:  # a client that went away must not stop the others
+                log(self.pb_utils, f"hybrid_llm: sending a response failed: {exc!r}", "warn")
+
+
+def log(pb_utils: ModuleType, message: str, level: str = "info") -> None:
+    logger = getattr(pb_utils, "Logger", None)
+    if logger is None:
+        print(message, flush=True)
+        return
+    getattr(logger, f"log_{level}", logger.log_info)(message)

@@ -1,0 +1,86 @@
+"""A served copy of the model repository and the same engine in-process, for benchmarks.
+
+`served_repository` starts tritonserver on free loopback ports over a temporary copy of
+`model_repo/` (parameters overridable); `in_process_engine` builds the `Engine` that copy's
+hybrid_llm would build, from the same config.pbtxt parameters.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from backend.engine import Engine, EngineConfig
+from backend.triton.llm_config import DEFAULT_MODEL_PATH, SERVING_KEYS
+from backend.triton.repo import (
+    TOKENIZER_FILES,
+    copy_models,
+    ensure_default_model,
+    free_ports,
+    read_parameters,
+    set_parameters,
+)
+from backend.triton.server import ServerHandle, start_server
+
+MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
+READY_TIMEOUT_S = 300.0
+
+
+@contextmanager
+def served_repository(params: Mapping[str, str] | None = None) -> Iterator[ServerHandle]:
+    """A ready server for a copy of model_repo/ with hybrid_llm `params` set."""
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        repo = copy_models(MODELS, Path(tmp) / "model_repo", TOKENIZER_FILES)
+        set_parameters(repo / "hybrid_llm" / "config.pbtxt", dict(params or {}))
+        if ensure_default_model(repo):
+            print("warning: no trained default model; serving random weights", file=sys.stderr)
+        http, grpc, metrics = free_ports(3)
+        loads = [f"--load-model={m}" for m in MODELS]
+        server = start_server(
+            repo,
+            http,
+            grpc,
+            metrics,
+            log_path=Path(tmp) / "tritonserver.log",
+            extra_args=["--model-control-mode=explicit", *loads],
+        )
+        try:
+            server.wait_ready(READY_TIMEOUT_S)
+            yield server
+        finally:
+            server.stop()
+
+
+def in_process_engine(server: ServerHandle) -> Engine:
+    """The engine the server's hybrid_llm runs: same model folder, same parameters."""
+    assert server.model_repository is not None
+    model_dir = Path(server.model_repository) / "hybrid_llm"
+    params = read_parameters(model_dir / "config.pbtxt")
+    model_path = model_dir / (params.get("model_path") or DEFAULT_MODEL_PATH)
+    engine_params = {k: v for k, v in params.items() if k not in SERVING_KEYS and v}
+    return Engine.from_model_dir(model_path, EngineConfig.from_params(engine_params))
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100])."""
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+def describe(values: Sequence[float]) -> dict[str, float]:
+    """Mean, P50, P95, P99 in milliseconds of values in seconds."""
+    if not values:
+        return {}
+    ms = [v * 1000 for v in values]
+    return {
+        "mean_ms": round(statistics.fmean(ms), 3),
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p95_ms": round(percentile(ms, 95), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "count": len(ms),
+    }

@@ -1,0 +1,170 @@
+"""`python -m client`: generate, chat and health against the served ensemble.
+
+    python -m client generate "What is machine learning?"        # gRPC streaming
+    python -m client generate --http "What is machine learning?" # HTTP generate_stream
+    python -m client chat --max-tokens 64                        # multi-turn, one session
+    python -m client health
+
+Generated text goes to stdout as it arrives; TTFT and token counts go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import TextIO
+
+from client.generate import (
+    Chunk,
+    GenerateError,
+    GenerateParams,
+    generate_http,
+    stream_grpc,
+    stream_http,
+)
+
+DEFAULT_GRPC_URL = "127.0.0.1:8001"
+DEFAULT_HTTP_URL = "http://127.0.0.1:8000"
+MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
+# ChatML with the model's special tokens (see the tokenizer's chat_template).
+TURN = "<|im_start|>{role}\n{content}<|im_end|>\n"
+END_OF_TURN = "<|im_end|>"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="one completion, printed as it streams")
+    gen.add_argument("prompt")
+    chat = commands.add_parser("chat", help="multi-turn chat; the history is re-sent each turn")
+    chat.add_argument("--system", default="You are a helpful assistant.")
+    health = commands.add_parser("health", help="server and model readiness")
+    for sub in (gen, chat, health):
+        sub.add_argument(
+            "--url",
+            help=f"server address (default {DEFAULT_GRPC_URL}, or {DEFAULT_HTTP_URL} with --http)",
+        )
+        sub.add_argument("--http", action="store_true", help="use HTTP instead of gRPC")
+    for sub in (gen, chat):
+        sub.add_argument("--max-tokens", type=int, default=64)
+        sub.add_argument("--temperature", type=float)
+        sub.add_argument("--top-k", type=int)
+        sub.add_argument("--top-p", type=float)
+        sub.add_argument("--seed", type=int)
+        sub.add_argument("--cache-salt")
+        sub.add_argument("--no-stream", action="store_true", help="one response at the end")
+    args = parser.parse_args(argv)
+    args.url = args.url or (DEFAULT_HTTP_URL if args.http else DEFAULT_GRPC_URL)
+    if args.http and not args.url.startswith(("http://", "https://")):
+        args.url = f"http://{args.url}"
+    return args
+
+
+def sampling_options(args: argparse.Namespace) -> dict:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "cache_salt": args.cache_salt,
+    }
+
+
+def responses(args: argparse.Namespace, params: GenerateParams) -> Iterator[Chunk]:
+    if args.http:
+        return (
+            iter([generate_http(args.url, params)])
+            if args.no_stream
+            else stream_http(args.url, params)
+        )
+    return stream_grpc(args.url, params, stream=not args.no_stream)
+
+
+def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str, dict]:
+    """Writes text as it arrives; reports TTFT and counts on `err`. Returns (text, counts)."""
+    text, counts, ttft, num_output = "", {}, None, 0
+    for chunk in chunks:
+        if ttft is None:
+            ttft = chunk.elapsed_s
+        out.write(chunk.text)
+        out.flush()
+        text += chunk.text
+        counts = chunk.counts or counts
+        num_output += chunk.counts.get("num_output_tokens", 0)
+    out.write("\n")
+    if ttft is not None:
+        shown = {k: v for k, v in counts.items() if k != "num_output_tokens"}
+        summary = " ".join(f"{k}={v}" for k, v in shown.items())
+        err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}, {summary}]\n")
+    return text, counts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = GenerateParams(args.prompt, **sampling_options(args))
+    print_stream(responses(args, params), sys.stdout, sys.stderr)
+    return 0
+
+
+def chat_prompt(history: list[tuple[str, str]]) -> str:
+    return "".join(TURN.format(role=r, content=c) for r, c in history) + "<|im_start|>assistant\n"
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    session_id = uuid.uuid4().hex
+    history: list[tuple[str, str]] = [("system", args.system)]
+    interactive = sys.stdin.isatty()
+    sys.stderr.write(f"[session {session_id}; an empty line or Ctrl-D ends the chat]\n")
+    while True:
+        if interactive:
+            sys.stderr.write("you> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line.strip():
+            return 0
+        history.append(("user", line.strip()))
+        params = GenerateParams(
+            chat_prompt(history),
+            stop_words=(END_OF_TURN,),
+            session_id=session_id,
+            **sampling_options(args),
+        )
+        sys.stdout.write("assistant> ")
+        reply, _ = print_stream(responses(args, params), sys.stdout, sys.stderr)
+        history.append(("assistant", reply))
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    if args.http:
+        import tritonclient.http as tc
+
+        client = tc.InferenceServerClient(args.url.split("://", 1)[1])
+    else:
+        import tritonclient.grpc as tc
+
+        client = tc.InferenceServerClient(args.url)
+    live, ready = client.is_server_live(), client.is_server_ready()
+    print(f"server live={live} ready={ready}")
+    models_ready = True
+    for model in MODELS:
+        model_ready = client.is_model_ready(model)
+        models_ready &= model_ready
+        print(f"  {model}: {'ready' if model_ready else 'NOT READY'}")
+    return 0 if live and ready and models_ready else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = {"generate": cmd_generate, "chat": cmd_chat, "health": cmd_health}[args.command]
+    try:
+        return command(args)
+    except GenerateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # connection refused and the like: one line, not a traceback
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,247 @@
+"""Talking to the `ensemble` model: gRPC streaming (tritonclient) and HTTP generate endpoints.
+
+`GenerateParams` holds what a request asks for, in the ensemble's input names. `stream_grpc`
+and `stream_http` yield `Chunk`s as they arrive; `generate_http` returns one final `Chunk`.
+Errors from the server raise `GenerateError` carrying its status and message.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+MODEL = "ensemble"
+COUNTS = (
+    "num_input_tokens",
+    "num_output_tokens",
+    "cached_tokens",
+    "replayed_anchors",
+    "recomputed_tokens",
+)
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt: str
+    max_tokens: int = 64
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
+    stop_words: tuple[str, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    cache_salt: str | None = None
+    session_id: str | None = None
+    exclude_input_in_output: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # more ensemble inputs, as given
+
+    def fields(self, stream: bool) -> dict[str, Any]:
+        """Ensemble inputs by name (unset options left out)."""
+        values: dict[str, Any] = {
+            "text_input": self.prompt,
+            "max_tokens": self.max_tokens,
+            "stream": stream,
+            "temperature": self.temperature,
+            "top_k": self.top_k,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "min_tokens": self.min_tokens,
+            "stop_words": list(self.stop_words) or None,
+            "bad_words": list(self.bad_words) or None,
+            "cache_salt": self.cache_salt,
+            "session_id": self.session_id,
+            "exclude_input_in_output": self.exclude_input_in_output,
+            **self.extra,
+        }
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass
+class Chunk:
+    """One response: its text, counts, and seconds since the request was sent."""
+
+    text: str
+    elapsed_s: float
+    counts: dict[str, int] = field(default_factory=dict)
+    final: bool = False
+
+
+class GenerateError(RuntimeError):
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+# Input dtypes of the ensemble (model_repo/ensemble/config.pbtxt).
+DTYPES = {
+    "text_input": "BYTES",
+    "stop_words": "BYTES",
+    "bad_words": "BYTES",
+    "cache_salt": "BYTES",
+    "session_id": "BYTES",
+    "embedding_bias_words": "BYTES",
+    "max_tokens": "INT32",
+    "top_k": "INT32",
+    "min_tokens": "INT32",
+    "end_id": "INT32",
+    "pad_id": "INT32",
+    "beam_width": "INT32",
+    "num_return_sequences": "INT32",
+    "seed": "UINT64",
+    "temperature": "FP32",
+    "top_p": "FP32",
+    "length_penalty": "FP32",
+    "repetition_penalty": "FP32",
+    "presence_penalty": "FP32",
+    "frequency_penalty": "FP32",
+    "embedding_bias_weights": "FP32",
+    "stream": "BOOL",
+    "exclude_input_in_output": "BOOL",
+    "return_log_probs": "BOOL",
+    "return_num_input_tokens": "BOOL",
+    "return_num_output_tokens": "BOOL",
+}
+NP_DTYPES = {
+    "BYTES": np.object_,
+    "INT32": np.int32,
+    "UINT64": np.uint64,
+    "FP32": np.float32,
+    "BOOL": np.bool_,
+}
+
+
+def as_array(name: str, value: Any) -> np.ndarray:
+    """[1, 1] (or [1, W] for word lists) with the ensemble's dtype for `name`."""
+    dtype = NP_DTYPES[DTYPES.get(name, "BYTES")]
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if dtype is np.object_:
+        values = [v.encode("utf-8") if isinstance(v, str) else v for v in values]
+    return np.array([values], dtype=dtype)
+
+
+def grpc_inputs(fields: dict[str, Any]) -> list:
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in fields.items():
+        if isinstance(value, np.ndarray):  # as given (tests send wrong dtypes on purpose)
+            array, dtype = value, np_to_triton_dtype(value.dtype)
+        else:
+            array, dtype = as_array(name, value), DTYPES.get(name, "BYTES")
+        tensor = grpcclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def stream_grpc(
+    url: str,
+    params: GenerateParams,
+    stream: bool = True,
+    model: str = MODEL,
+    timeout_s: float = 300.0,
+) -> Iterator[Chunk]:
+    """Streams one request over gRPC; closing the iterator early cancels the request."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    start = time.perf_counter()
+    finished = False
+    try:
+        client.async_stream_infer(
+            model, grpc_inputs(params.fields(stream)), enable_empty_final_response=True
+        )
+        while True:
+            result, error = responses.get(timeout=timeout_s)
+            if error is not None:
+                finished = True
+                raise GenerateError(grpc_status(error), error.message())
+            chunk = grpc_chunk(result, time.perf_counter() - start)
+            if chunk.final:
+                finished = True
+            if chunk.text or chunk.counts or chunk.final:
+                yield chunk
+            if chunk.final:
+                return
+    finally:
+        client.stop_stream(cancel_requests=not finished)
+        client.close()
+
+
+def grpc_status(error: Any) -> str:
+    # Errors inside a gRPC stream come as messages only, without a status code.
+    status = error.status() if hasattr(error, "status") else None
+    return str(status or "gRPC stream error")
+
+
+def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
+    response = result.get_response()
+    final = response.parameters["triton_final_response"].bool_param
+    names = {o.name for o in response.outputs}
+    text = ""
+    if "text_output" in names:
+        text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
+    counts = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in COUNTS if n in names}
+    return Chunk(text, elapsed_s, counts, final)
+
+
+def generate_http(
+    url: str, params: GenerateParams, model: str = MODEL, timeout_s: float = 300.0
+) -> Chunk:
+    """POST /v2/models/<model>/generate: one response with the whole text."""
+    start = time.perf_counter()
+    with _post(f"{url}/v2/models/{model}/generate", params.fields(False), timeout_s) as resp:
+        body = json.loads(resp.read())
+    return http_chunk(body, time.perf_counter() - start, final=True)
+
+
+def stream_http(
+    url: str, params: GenerateParams, model: str = MODEL, timeout_s: float = 300.0
+) -> Iterator[Chunk]:
+    """POST /v2/models/<model>/generate_stream: server-sent events, one per response."""
+    start = time.perf_counter()
+    with _post(f"{url}/v2/models/{model}/generate_stream", params.fields(True), timeout_s) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            body = json.loads(line[len("data:") :])
+            if "error" in body:
+                raise GenerateError("HTTP 200 (in stream)", body["error"])
+            yield http_chunk(body, time.perf_counter() - start)
+
+
+def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> Chunk:
+    counts = {n: int(_first(body[n])) for n in COUNTS if n in body}
+    return Chunk(str(_first(body.get("text_output", ""))), elapsed_s, counts, final)
+
+
+def _first(value: Any) -> Any:
+    return value[0] if isinstance(value, list) else value
+
+
+def _post(url: str, fields: dict[str, Any], timeout_s: float) -> Any:
+    data = json.dumps(fields).encode("utf-8")
+    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    try:
+        return urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        body = exc.read().decode("utf-8", errors="replace")
+        try:
+            message = json.loads(body).get("error", body)
+        except ValueError:
+            message = body
+        raise GenerateError(f"HTTP {exc.code}", message) from None

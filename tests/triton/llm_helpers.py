@@ -1,0 +1,55 @@
+"""Helpers for tests against the served ensemble: metrics scraping, waiting, prompts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from backend.triton.server import ServerHandle
+from client.metrics import Metrics, value
+from client.metrics import scrape as scrape_url
+
+__all__ = ["Metrics", "scrape", "value"]
+
+
+def scrape(server: ServerHandle) -> Metrics:
+    return scrape_url(server.urls.metrics)
+
+
+def pool_state(server: ServerHandle) -> dict[str, float]:
+    """What a leak would change: pages held by requests, free + cached pages, open requests."""
+    m = scrape(server)
+    kv = "suffixreplay_kv_pages"
+    return {
+        "held_by_requests": value(m, kv, state="held_by_requests"),
+        "free_or_cached": value(m, kv, state="free") + value(m, kv, state="cached"),
+        "active": value(m, "nv_trt_llm_request_metrics", request_type="active"),
+    }
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float = 30.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what or check}")
+        time.sleep(0.05)
+
+
+def idle_pool(server: ServerHandle, timeout_s: float = 30.0) -> dict[str, float]:
+    """The pool state once no request is open and no page is held (metrics lag ~0.1 s)."""
+    state: dict[str, float] = {}
+
+    def idle() -> bool:
+        state.update(pool_state(server))
+        return state["active"] == 0 and state["held_by_requests"] == 0
+
+    wait_until(idle, timeout_s, "an idle engine")
+    return state
+
+
+def long_prompt(seed: str, num_chars: int = 200) -> str:
+    """ASCII text of `num_chars` characters (one byte token each) that starts with `seed`."""
+    text = seed
+    while len(text) < num_chars:
+        text += f" {seed} {len(text)}"
+    return text[:num_chars]

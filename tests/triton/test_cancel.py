@@ -1,0 +1,63 @@
+"""A client that cancels mid-stream stops its generation and releases its pages, through the
+ensemble (postprocessing forwards the cancellation as `stop`) and on hybrid_llm directly."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+
+from backend.triton.server import ServerHandle
+from client.generate import GenerateParams, stream_grpc
+from tests.triton.llm_helpers import idle_pool, long_prompt, pool_state, wait_until
+
+# Far more tokens than the test waits for: only a cancellation ends the request in time.
+MAX_TOKENS = 1800
+
+
+def test_cancel_through_the_ensemble_releases_pages(llm_server: ServerHandle):
+    before = idle_pool(llm_server)
+    prompt = long_prompt("Cancel me after three tokens", 150)
+    params = GenerateParams(prompt, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, seed=3)
+    stream = stream_grpc(llm_server.urls.grpc, params)
+    chunks = [next(stream) for _ in range(3)]
+    assert pool_state(llm_server)["held_by_requests"] > 0  # the request holds pages now
+    stream.close()  # cancels the gRPC request
+    after = idle_pool(llm_server, timeout_s=20)
+    assert len(chunks) == 3
+    assert "stopped (stop=true)" in llm_server.logs()
+    assert after["held_by_requests"] == 0
+    assert after["free_or_cached"] == before["free_or_cached"]
+
+
+def test_cancel_on_hybrid_llm_directly(llm_server: ServerHandle):
+    before = idle_pool(llm_server)
+    ids = np.frombuffer(long_prompt("Direct cancel", 100).encode(), dtype=np.uint8)
+    tensors = {
+        "input_ids": ids.astype(np.int32)[None],
+        "input_lengths": np.array([[ids.size]], dtype=np.int32),
+        "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
+        "min_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
+        "streaming": np.array([[True]]),
+    }
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(
+            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32"
+        )
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("hybrid_llm", inputs)
+    for _ in range(3):
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+        assert result.as_numpy("output_ids").shape == (1, 1, 1)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    wait_until(lambda: "cancelled by its client" in llm_server.logs(), 20, "the cancel log")
+    after = idle_pool(llm_server, timeout_s=20)
+    assert after["free_or_cached"] == before["free_or_cached"]

@@ -1,0 +1,62 @@
+"""`python -m client` against the real server: generate (gRPC and HTTP), chat, health."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from backend.triton.server import ServerHandle
+from client.generate import GenerateParams, generate_http
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = "Write one line about the sea"
+GREEDY = ["--max-tokens", "10", "--top-k", "1", "--cache-salt", "cli"]
+
+
+def run_client(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "client", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+
+
+def test_generate_grpc_and_http_print_the_same_text(llm_server: ServerHandle):
+    expected = generate_http(
+        llm_server.urls.http, GenerateParams(PROMPT, max_tokens=10, top_k=1, cache_salt="cli")
+    ).text
+    grpc = run_client("generate", PROMPT, "--url", llm_server.urls.grpc, *GREEDY)
+    http = run_client("generate", PROMPT, "--http", "--url", llm_server.urls.http, *GREEDY)
+    for result in (grpc, http):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == expected + "\n"
+        assert re.search(
+            r"\[ttft \d+\.\d ms, output tokens \d+, num_input_tokens=28", result.stderr
+        )
+
+
+def test_chat_resends_history_and_hits_the_cache(llm_server: ServerHandle):
+    turns = "Hello, who are you?\nTell me more about it please.\n\n"
+    result = run_client("chat", "--url", llm_server.urls.grpc, *GREEDY, stdin=turns)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("assistant> ") == 2
+    cached = [int(n) for n in re.findall(r"cached_tokens=(\d+)", result.stderr)]
+    assert len(cached) == 2 and cached[1] > 0  # the second turn re-sends the first
+
+
+def test_health(llm_server: ServerHandle):
+    result = run_client("health", "--url", llm_server.urls.grpc)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "server live=True ready=True" in result.stdout
+    assert "hybrid_llm: ready" in result.stdout
+
+
+def test_unreachable_server_is_one_line_error():
+    result = run_client("generate", "hi", "--http", "--url", "http://127.0.0.1:9")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr

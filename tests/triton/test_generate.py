@@ -1,0 +1,175 @@
+"""Generation through the served ensemble: gRPC streaming, HTTP generate / generate_stream,
+equality with the in-process engine, concurrency and the prefix cache seen by clients."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.triton.server import ServerHandle
+from client.generate import Chunk, GenerateParams, generate_http, stream_grpc, stream_http
+from tests.triton.conftest import DEFAULT_MODEL, LLM_MODELS, LLM_PARAMS
+from tests.triton.llm_helpers import long_prompt
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+
+
+def greedy(prompt: str, **options) -> GenerateParams:
+    # min_tokens = max_tokens: every request yields exactly MAX_TOKENS tokens, whatever the model.
+    options.setdefault("cache_salt", uuid.uuid4().hex)  # cold: nothing shared with other tests
+    return GenerateParams(prompt, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1, **options)
+
+
+def joined(chunks: list[Chunk]) -> str:
+    return "".join(c.text for c in chunks)
+
+
+def test_grpc_streaming_sends_one_response_per_token(llm_server: ServerHandle):
+    chunks = list(stream_grpc(llm_server.urls.grpc, greedy(PROMPT)))
+    assert chunks[-1].final and not any(c.final for c in chunks[:-1])
+    assert sum(c.counts["num_output_tokens"] for c in chunks) == MAX_TOKENS
+    assert len(chunks) == MAX_TOKENS
+    assert chunks[0].counts["num_input_tokens"] == len(PROMPT.encode())
+
+
+def test_streamed_text_equals_non_streamed_text(llm_server: ServerHandle):
+    params = greedy(PROMPT, cache_salt="stream-vs-not")
+    streamed = joined(list(stream_grpc(llm_server.urls.grpc, params)))
+    [whole] = list(stream_grpc(llm_server.urls.grpc, params, stream=False))
+    assert whole.final and whole.counts["num_output_tokens"] == MAX_TOKENS
+    assert streamed == whole.text
+
+
+def test_http_generate_and_generate_stream_match_grpc(llm_server: ServerHandle):
+    params = greedy(PROMPT, cache_salt="http-vs-grpc")
+    grpc_text = joined(list(stream_grpc(llm_server.urls.grpc, params)))
+    single = generate_http(llm_server.urls.http, params)
+    events = list(stream_http(llm_server.urls.http, params))
+    assert single.text == grpc_text == joined(events)
+    assert single.counts["num_output_tokens"] == MAX_TOKENS
+    assert len(events) == MAX_TOKENS
+
+
+def test_exclude_input_in_output_false_returns_the_prompt(llm_server: ServerHandle):
+    params = greedy(PROMPT, exclude_input_in_output=False)
+    assert generate_http(llm_server.urls.http, params).text.startswith(PROMPT)
+
+
+@pytest.fixture(scope="module")
+def local_engine(llm_server: ServerHandle) -> Engine:
+    """The served model with the served engine settings, in this process."""
+    assert llm_server.model_repository is not None
+    model_dir = Path(llm_server.model_repository) / DEFAULT_MODEL
+    engine = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    return engine
+
+
+def test_greedy_output_equals_in_process_engine(llm_server: ServerHandle, local_engine: Engine):
+    prompt = long_prompt("Once upon a time", 90)
+    served = generate_http(llm_server.urls.http, greedy(prompt))
+    ids = local_engine.tokenizer.encode(prompt)
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+    out = local_engine.generate(ids, sampling)
+    assert served.text == local_engine.tokenizer.decode(out.new_token_ids, skip_special_tokens=True)
+    assert served.counts["num_input_tokens"] == len(ids)
+
+
+def test_same_seed_same_text_different_seed_differs(llm_server: ServerHandle):
+    def sampled(seed: int) -> str:
+        params = GenerateParams(PROMPT, max_tokens=24, min_tokens=24, temperature=1.5, seed=seed)
+        return generate_http(llm_server.urls.http, params).text
+
+    assert sampled(1) == sampled(1)
+    assert sampled(1) != sampled(2)
+
+
+def test_two_concurrent_clients(llm_server: ServerHandle):
+    prompts = ["First client says hello", "Second client asks a question"]
+    results: dict[int, list[Chunk]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = list(stream_grpc(llm_server.urls.grpc, greedy(prompts[i])))
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors
+    for i, prompt in enumerate(prompts):
+        assert sum(c.counts["num_output_tokens"] for c in results[i]) == MAX_TOKENS
+        assert results[i][0].counts["num_input_tokens"] == len(prompt)
+
+
+def test_repeated_prefix_is_served_from_cache(llm_server: ServerHandle):
+    params = greedy(long_prompt("A repeated system prompt"), cache_salt="repeat")
+    first = generate_http(llm_server.urls.http, params)
+    second = generate_http(llm_server.urls.http, params)
+    assert first.counts["cached_tokens"] == 0
+    assert second.counts["cached_tokens"] >= 128  # two full 64-token pages of 200 tokens
+    assert second.counts["recomputed_tokens"] == 200 - second.counts["cached_tokens"]
+    assert second.text == first.text
+
+
+def test_cache_salts_never_share_hits(llm_server: ServerHandle):
+    prompt = long_prompt("Tenant data")
+    url = llm_server.urls.http
+    assert generate_http(url, greedy(prompt, cache_salt="tenant-a")).counts["cached_tokens"] == 0
+    assert generate_http(url, greedy(prompt, cache_salt="tenant-b")).counts["cached_tokens"] == 0
+    assert generate_http(url, greedy(prompt, cache_salt="tenant-a")).counts["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    ("policy", "expect_hit"), [("suffixreplay", True), ("checkpoint", False)], ids=str
+)
+def test_branch_at_a_non_checkpoint_page_boundary(triton_server, policy: str, expect_hit: bool):
+    """A prompt that shares 2 pages (128 tokens; checkpoints every 256) with an earlier one."""
+    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "cache_policy": policy}}
+    server = triton_server(LLM_MODELS, params)
+    trunk = long_prompt("Shared conversation trunk", 300)
+    branch = trunk[:128] + long_prompt(" and then a different turn", 60)
+    generate_http(server.urls.http, greedy(trunk, cache_salt="branch"))
+    hit = generate_http(server.urls.http, greedy(branch, cache_salt="branch"))
+    if expect_hit:
+        assert hit.counts["cached_tokens"] == 128
+        assert hit.counts["replayed_anchors"] > 0
+    else:
+        assert hit.counts["cached_tokens"] == 0
+    assert hit.counts["recomputed_tokens"] == len(branch) - hit.counts["cached_tokens"]
+
+
+def ascii_char_at_or_after(text: str, start: int) -> str | None:
+    """A printable ASCII character (one byte token) of `text`, if any."""
+    return next((c for c in text[start:] if c.isascii() and c.isprintable()), None)
+
+
+def test_stop_word_ends_the_request(llm_server: ServerHandle):
+    prompt = "Stop words end generation:"
+    plain = GenerateParams(prompt, max_tokens=24, top_k=1, cache_salt="stop")
+    text = generate_http(llm_server.urls.http, plain).text
+    stop = ascii_char_at_or_after(text, 2)
+    if stop is None:
+        pytest.skip(f"no printable ASCII in the greedy output {text!r}")
+    stopped = GenerateParams(prompt, max_tokens=24, top_k=1, cache_salt="stop", stop_words=(stop,))
+    out = generate_http(llm_server.urls.http, stopped)
+    assert out.text == text[: text.index(stop) + 1]  # the stop word is kept, as TensorRT-LLM
+    assert out.counts["num_output_tokens"] < 24
+
+
+def test_bad_word_is_never_produced(llm_server: ServerHandle):
+    prompt = "Bad words are masked:"
+    text = generate_http(llm_server.urls.http, greedy(prompt, cache_salt="bad")).text
+    bad = ascii_char_at_or_after(text, 0)
+    if bad is None:
+        pytest.skip(f"no printable ASCII in the greedy output {text!r}")
+    out = generate_http(llm_server.urls.http, greedy(prompt, cache_salt="bad", bad_words=(bad,)))
+    assert bad not in out.text

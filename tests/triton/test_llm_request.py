@@ -1,0 +1,106 @@
+"""hybrid_llm request parsing (no server): TensorRT-LLM tensors -> engine request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backend.triton.errors import RequestError
+from backend.triton.llm_request import is_stop, parse_request, words_of
+
+EOS = 256
+
+
+def tensors(**extra: np.ndarray) -> dict[str, np.ndarray]:
+    base = {
+        "input_ids": np.array([[104, 105, 0, 0]], dtype=np.int32),
+        "input_lengths": np.array([2], dtype=np.int32),  # reshape: { shape: [ ] }
+        "request_output_len": np.array([[8]], dtype=np.int32),
+    }
+    return {**base, **extra}
+
+
+def test_defaults_and_padding():
+    req = parse_request(tensors(), EOS, exclude_input=True)
+    assert req.prompt_ids == [104, 105]
+    assert req.sampling.max_tokens == 8 and req.sampling.end_id == EOS
+    assert not req.streaming and req.exclude_input_in_output
+    assert req.cache_salt == "" and req.session_id is None
+
+
+def test_sampling_and_our_inputs():
+    req = parse_request(
+        tensors(
+            temperature=np.array([0.5], np.float32),
+            runtime_top_k=np.array([[4]], np.int32),
+            runtime_top_p=np.array([0.9], np.float32),
+            seed=np.array([2**63 + 5], np.uint64),
+            min_tokens=np.array([2], np.int32),
+            end_id=np.array([7], np.int32),
+            streaming=np.array([[True]]),
+            exclude_input_in_output=np.array([False]),
+            cache_salt=np.array([b"tenant"], dtype=np.object_),
+            session_id=np.array([b"s1"], dtype=np.object_),
+        ),
+        EOS,
+        exclude_input=True,
+    )
+    s = req.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.seed, s.min_tokens, s.end_id) == (
+        0.5,
+        4,
+        pytest.approx(0.9),
+        2**63 + 5,
+        2,
+        7,
+    )
+    assert req.streaming and not req.exclude_input_in_output
+    assert (req.cache_salt, req.session_id) == ("tenant", "s1")
+
+
+def test_word_lists_in_tensorrt_llm_layout():
+    # words [1, 2] and [3]: ids back to back, end offsets, padded.
+    words = np.array([[[1, 2, 3, 0], [2, 3, -1, -1]]], dtype=np.int32)
+    assert words_of({"stop_words_list": words}, "stop_words_list") == ((1, 2), (3,))
+    assert words_of({"bad_words_list": np.zeros((1, 2, 0), np.int32)}, "bad_words_list") == ()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"input_lengths": np.array([0], np.int32)}, "prompt is empty"),
+        ({"input_lengths": np.array([9], np.int32)}, "outside [0, 4]"),
+        ({"request_output_len": np.array([[0]], np.int32)}, "max_tokens must be in"),
+        ({"temperature": np.array([np.inf], np.float32)}, "temperature must be finite"),
+        ({"runtime_top_p": np.array([0.0], np.float32)}, "top_p must be in (0, 1]"),
+        ({"beam_width": np.array([4], np.int32)}, "beam_width=4 is not supported"),
+        ({"embedding_bias": np.ones((1, 3), np.float32)}, "embedding_bias is not supported"),
+        ({"temperature": np.array([0.5, 0.7], np.float32)}, "one value per request"),
+        ({"cache_salt": np.array([b"\xff"], dtype=np.object_)}, "cache_salt is not valid UTF-8"),
+        (
+            {"stop_words_list": np.array([[[1, 2], [5, -1]]], np.int32)},
+            "bad word end offset 5",
+        ),
+    ],
+    ids=[
+        "empty",
+        "length",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "beam",
+        "bias",
+        "shape",
+        "utf8",
+        "offsets",
+    ],
+)
+def test_bad_requests_say_what_is_wrong(extra, message):
+    with pytest.raises(RequestError, match=None) as info:
+        parse_request(tensors(**extra), EOS, exclude_input=True)
+    assert message in str(info.value)
+
+
+def test_stop_flag():
+    assert is_stop({"stop": np.array([True])})
+    assert not is_stop(tensors())

@@ -1,0 +1,52 @@
+"""engine.stats() -> metric samples (no server)."""
+
+from __future__ import annotations
+
+from backend.triton.metrics import FAMILIES, KV_BLOCKS, REQUESTS, samples
+
+STATS = {
+    "page_size": 64,
+    "kv_pages_total": 100,
+    "kv_pages_free": 75,
+    "kv_pages_used": 25,
+    "max_num_seqs": 8,
+    "active_requests": 2,
+    "waiting_requests": 3,
+    "replayed_anchors": 11,
+    "cache": {
+        "hit_tokens": 640,
+        "hit_tokens_by_tier": {"device": 512, "host": 128, "ssd": 0},
+        "page_evictions_by_reason": {"capacity": 4},
+    },
+    "tiers": {"ssd_bytes_read": 4096, "prefetch_hits": 3, "chunk_rejects": {"checksum": 1}},
+    "label": "not a number",
+}
+
+
+def by_key() -> dict:
+    return {(s.family, s.labels): s.value for s in samples(STATS)}
+
+
+def test_tensorrt_llm_families():
+    got = by_key()
+    assert got[(KV_BLOCKS, (("kv_cache_block_type", "max"),))] == 100
+    assert got[(KV_BLOCKS, (("kv_cache_block_type", "tokens_per"),))] == 64
+    assert got[(KV_BLOCKS, (("kv_cache_block_type", "fraction"),))] == 0.25
+    assert got[(KV_BLOCKS, (("kv_cache_block_type", "reused"),))] == 10
+    assert got[(REQUESTS, (("request_type", "active"),))] == 5
+    assert got[(REQUESTS, (("request_type", "scheduled"),))] == 2
+    assert got[(REQUESTS, (("request_type", "max"),))] == 8
+
+
+def test_ours_by_label_and_missing_keys_skipped():
+    got = by_key()
+    assert got[("suffixreplay_hit_tokens_total", (("tier", "host"),))] == 128
+    evictions = ("suffixreplay_evictions_total", (("tier", "device"), ("reason", "capacity")))
+    assert got[evictions] == 4
+    assert got[("suffixreplay_ssd_bytes_total", (("direction", "read"),))] == 4096
+    assert got[("suffixreplay_prefetch_total", (("result", "hit"),))] == 3
+    assert got[("suffixreplay_ssd_chunk_rejects_total", (("reason", "checksum"),))] == 1
+    assert got[("suffixreplay_replayed_anchors_total", ())] == 11
+    families = {family for family, _ in got}
+    assert "suffixreplay_checksum_failures_total" not in families  # not in these stats
+    assert families <= set(FAMILIES)
