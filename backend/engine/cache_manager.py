@@ -30,6 +30,7 @@ class CacheManager:
         )
         self.num_replayed_anchors = 0
         self.num_live_state_hits = 0
+        self.num_recomputed_tokens = 0
 
     # Admission --------------------------------------------------------------------------
     def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
@@ -61,6 +62,7 @@ class CacheManager:
             seq.replayed_anchors = k
             self.num_replayed_anchors += k
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
+        self.num_recomputed_tokens += seq.recomputed_tokens
         self._plan_snapshots(seq)
 
     def _usable_prefix(self, match) -> list:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from backend.cache.config import CacheConfig
+from backend.cache.config import CACHE_POLICIES, CacheConfig
 from backend.cache.tier_config import TierConfig
-from backend.replay.budget import ReplayConfig
+from backend.replay.budget import SAMPLINGS, ReplayConfig
 
 # Placeholder until `Engine.from_model_dir` hashes the weights (TierConfig.model_fingerprint).
 FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
@@ -80,6 +80,10 @@ class EngineConfig:
                     break
             else:
                 raise ValueError(f"unknown engine parameter {key!r} (value {raw!r})")
+        for key, field_name, source in (("cache_policy", "policy", cache),
+                                        ("anchor_sampling", "sampling", replay)):
+            if key in params and field_name in source:
+                _check_alias(key, field_name, source)
         try:
             if tiers.get("ssd_path") and not tiers.get("model_fingerprint"):
                 tiers["model_fingerprint"] = FINGERPRINT_FROM_MODEL_DIR
@@ -88,6 +92,14 @@ class EngineConfig:
             return replace(base, **engine)
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid engine parameters: {e}") from e
+
+
+def _check_alias(key: str, field_name: str, source: dict) -> None:
+    """Validates an aliased value up front so the error names the parameter key."""
+    allowed = {"policy": CACHE_POLICIES, "sampling": SAMPLINGS}[field_name]
+    if source[field_name] not in allowed:
+        raise ValueError(f"engine parameter {key!r} must be one of {allowed}, "
+                         f"got {source[field_name]!r}")
 
 
 def _py_type(annotation: str) -> type:

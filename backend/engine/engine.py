@@ -72,6 +72,8 @@ class Engine:
         self._cancels: set[str] = set()
         self._live: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
+        # Held for a whole step: stats() may be called from other threads (metrics).
+        self._step_lock = threading.Lock()
         self._stopping = False
 
     @classmethod
@@ -132,12 +134,13 @@ class Engine:
     # Stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Drains new requests and cancellations, runs one scheduler step, delivers outputs."""
-        outputs = self._drain()
-        try:
-            outputs.extend(self.scheduler.step())
-        except Exception as e:  # a failed step fails its requests, never the engine
-            log.exception("engine step failed")
-            outputs.extend(self._fail_all(f"internal error: {e}"))
+        with self._step_lock:
+            outputs = self._drain()
+            try:
+                outputs.extend(self.scheduler.step())
+            except Exception as e:  # a failed step fails its requests, never the engine
+                log.exception("engine step failed")
+                outputs.extend(self._fail_all(f"internal error: {e}"))
         for out in outputs:
             self._deliver(out)
         return outputs
@@ -240,6 +243,11 @@ class Engine:
         return out
 
     def stats(self) -> dict:
+        """Counters and gauges (thread-safe: waits for a running step to finish)."""
+        with self._step_lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         store, sched = self.store, self.scheduler
         return {
             "page_size": self.config.page_size,
@@ -252,11 +260,13 @@ class Engine:
             "state_slots_free": store.state_pool.num_free,
             "max_num_seqs": self.config.max_num_seqs,
             "active_requests": len(sched.running),
+            "context_requests": sum(s.num_computed < len(s.tokens) - 1 for s in sched.running),
             "waiting_requests": len(sched.waiting),
             "finished_requests": sched.num_finished,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,
             "replayed_anchors": self.cache.num_replayed_anchors,
+            "recomputed_tokens": self.cache.num_recomputed_tokens,
             "live_state_hits": self.cache.num_live_state_hits,
             "cache": store.stats.as_dict(),
             "tiers": self.tiers.stats.as_dict() if self.tiers is not None else None,
