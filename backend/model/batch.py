@@ -63,6 +63,8 @@ class ForwardBatch:
     # Layer-wise transfer hooks (tiered KV): `after_write(a)` once attention layer a wrote its
     # new KV, `before_read(a)` before it reads cached KV.
     layer_hooks: object | None = None
+    fresh_rows: torch.Tensor | None = None  # [B] bool: rows that start from zero state
+
 
     @property
     def fresh(self) -> bool:
@@ -103,6 +105,8 @@ class ForwardBatch:
             if any(s.state_slot is None for s in seqs):
                 raise ValueError("every sequence needs a state_slot when states are given")
             batch.state_slots = torch.tensor([s.state_slot for s in seqs])
+            if 0 in starts and not batch.fresh:
+                batch.fresh_rows = torch.tensor([s == 0 for s in starts])
         elif any(s > 0 for s in starts):
             raise ValueError(f"sequences continue at {starts} but no state slots were given")
         return batch.to(device)
@@ -133,7 +137,7 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         for name in ("input_ids", "positions", "lengths", "valid", "state_slots", "write_rows",
-                     "write_slots", "read_slots", "attn_mask"):
+                     "write_slots", "read_slots", "attn_mask", "fresh_rows"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))

@@ -42,6 +42,31 @@ def recurrent_gated_delta_rule(
     return torch.stack(outs, dim=1).to(out_dtype), S
 
 
+def gated_delta_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token (T = 1) with batched matmuls; same maths as the recurrent form."""
+    B, _, H, K = q.shape
+    V = v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    out_dtype = v.dtype
+    q, k, v = q[:, 0].float(), k[:, 0].float(), v[:, 0].float()  # [B, H, *]
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    S = S * g[:, 0].float().exp()[..., None, None]
+    kv = (k.unsqueeze(-2) @ S).squeeze(-2)  # [B, H, V]
+    delta = (v - kv) * beta[:, 0, :, None].float()
+    S = torch.baddbmm(S.view(B * H, K, V), k.reshape(B * H, K, 1),
+                      delta.reshape(B * H, 1, V)).view(B, H, K, V)
+    o = (q.unsqueeze(-2) @ S).squeeze(-2) * scale
+    return o.unsqueeze(1).to(out_dtype), S
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,

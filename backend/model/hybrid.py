@@ -118,11 +118,11 @@ class HybridForCausalLM(nn.Module):
         if batch is None or batch.states is None or batch.fresh:
             return None
         slots = batch.state_slots
-        conv, rec = batch.states.conv[index][slots], batch.states.rec[index][slots]
-        fresh_rows = torch.tensor(batch.starts, device=slots.device) == 0
-        if fresh_rows.any():
-            conv[fresh_rows] = 0
-            rec[fresh_rows] = 0
+        conv = batch.states.conv[index].index_select(0, slots)
+        rec = batch.states.rec[index].index_select(0, slots)
+        if batch.fresh_rows is not None:
+            conv[batch.fresh_rows] = 0
+            rec[batch.fresh_rows] = 0
         return conv, rec
 
     @staticmethod

@@ -4,7 +4,11 @@ import pytest
 import torch
 
 from backend.model.conv import causal_conv1d
-from backend.model.delta_rule import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from backend.model.delta_rule import (
+    chunk_gated_delta_rule,
+    gated_delta_step,
+    recurrent_gated_delta_rule,
+)
 from backend.model.gated_deltanet import l2norm
 
 SHAPES = [  # B, T, H, K, V, chunk
@@ -67,3 +71,13 @@ def test_conv_state_of_ragged_rows_is_taken_at_each_length():
     _, s = causal_conv1d(x, w, lengths=torch.tensor([10, 5]))
     _, s_short = causal_conv1d(x[1:, :5], w)
     torch.testing.assert_close(s[1:], s_short)
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
+def test_decode_step_equals_recurrent(with_state):
+    q, k, v, g, beta, s0 = _inputs(3, 1, 4, 16, 8, seed=2)
+    init = s0 if with_state else None
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, init)
+    o, s = gated_delta_step(q, k, v, g, beta, init)
+    torch.testing.assert_close(o, o_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(s, s_ref, atol=1e-6, rtol=1e-5)
