@@ -18,7 +18,6 @@ Writes client/bench/results/cache_ops/summary.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import resource
 import statistics
@@ -31,6 +30,7 @@ import numpy as np
 from tqdm import tqdm
 
 from backend.cache import CacheConfig, PrefixStore, encode_tokens
+from client.bench.common import write_summary
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cache_ops"
 VOCAB = 151_936
@@ -217,9 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    write_summary(args.out, summary)
     return summary
 
 

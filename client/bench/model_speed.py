@@ -9,7 +9,6 @@ Writes client/bench/results/model_speed/summary.json with per-case numbers and
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from tqdm import tqdm
 
 from backend.model import load_model
 from backend.model.generate import PagedSession
+from client.bench.common import write_summary
 from engine_build.hf_export import save_hf_directory
 from engine_build.train_tiny import init_weights, tiny_config
 
@@ -115,8 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cases": cases, "threads": torch.get_num_threads(),
         "date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (no GPU)",
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(RESULTS / "summary.json", summary, echo=False)
     for c in cases:
         print(f"{c['model']:>15} b={c['batch']}: prefill {c['prefill_tok_s']:8.0f} tok/s "
               f"({c['prefill_speedup']:.2f}x HF)  decode {c['decode_tok_s']:7.0f} tok/s "

@@ -13,7 +13,6 @@ Writes client/bench/results/overhead/summary.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.engine import Engine, Request, RequestOutput, SamplingParams
+from client.bench.common import write_summary
 from client.bench.serving import describe, in_process_engine, served_repository
 from client.generate import GenerateParams, stream_grpc
 
@@ -116,9 +116,7 @@ def summarize(args: argparse.Namespace, triton: list, local: list) -> dict[str, 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     summary = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    write_summary(args.out, summary)
     return summary
 
 

@@ -11,7 +11,6 @@ it pays in storage and in recomputation instead (see storage below and replay_co
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -29,12 +28,12 @@ from backend.replay.reference import (
     exact_run,
     replayed_states,
 )
+from client.bench.common import model_parser, write_summary
 from engine_build.corpus import load_split, to_ids
 from engine_build.evaluate import task_examples
 from engine_build.hf_export import hf_config
 from engine_build.tasks import TASKS
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
 RESULTS = Path(__file__).resolve().parent / "results" / "quality"
 PAGE = 64
 KS = (16, 32, 64, 128, 256)
@@ -119,10 +118,7 @@ def text_cases(model, num: int, length: int) -> list[Case]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
+    args = model_parser(__doc__).parse_args(argv)
     torch.set_num_threads(2)
     model = load_model(args.model)
     cal_file = Path(args.model) / "calibration.json"
@@ -137,8 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.cached_lens = [c.boundary for c in cases]
     summary = build_summary(model, retrieval, heldout, k_cal, contexts, n, args)
     summary["seconds"] = round(time.time() - t0, 1)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(RESULTS / "summary.json", summary, echo=False)
     plot(summary, RESULTS / "quality_vs_k.png")
     print(json.dumps({k: v for k, v in summary.items() if not isinstance(v, dict)}, indent=2))
     return summary

@@ -11,7 +11,6 @@ at the last checkpoint and recomputes the distance, hence its saw-tooth.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -25,9 +24,9 @@ from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.engine import calibrated_k_max
 from backend.model import load_model
 from backend.replay.budget import ReplayConfig
+from client.bench.common import model_parser, write_summary
 from engine_build.corpus import load_split, to_ids
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
 RESULTS = Path(__file__).resolve().parent / "results" / "replay_cost"
 INTERVAL, PAGE = 256, 64
 
@@ -59,10 +58,7 @@ def measure(engine: Engine, doc: list[int], cuts: list[int], suffix_len: int, re
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--quick", action="store_true")
-    args = p.parse_args(argv)
+    args = model_parser(__doc__).parse_args(argv)
     torch.set_num_threads(2)
     model = load_model(args.model)
     k_max = calibrated_k_max(args.model, EngineConfig())
@@ -86,8 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cuts": {p: {str(c): v for c, v in r.items()} for p, r in results.items()},
         "date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (no GPU)",
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_summary(RESULTS / "summary.json", summary, echo=False)
     plot(results, RESULTS / "ttft_vs_checkpoint_distance.png")
     print(json.dumps({k: v for k, v in summary.items() if k != "cuts"}, indent=2))
     return summary

@@ -10,7 +10,6 @@ client/bench/results/soak/summary.json.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import threading
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from backend.triton.server import ServerHandle
+from client.bench.common import write_summary
 from client.bench.serving import describe, served_repository
 from client.bench.soak_probe import pool_use, server_rss_bytes, wait_idle
 from client.generate import GenerateError, GenerateParams, stream_grpc
@@ -177,9 +177,7 @@ def summarize(
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     summary = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    write_summary(args.out, summary)
     return summary
 
 
