@@ -80,7 +80,7 @@ class MixedSampler:
         weight = torch.ones(n - 1)
         if n >= 256 and self.rng.random() < self.task_fraction:
             kind = self.rng.choice(TASKS)
-            ctx = min(int(n * self.rng.uniform(0.3, 0.95)), n - 16)
+            ctx = max(min(int(n * self.rng.uniform(0.3, 0.95)), n - 16), 128)
             ex = make_example(kind, ctx, self.rng)
             task = list(ex.text.encode()) + [EOT]
             task = task[: n]

@@ -46,7 +46,7 @@ def _kv(context_len: int, rng: random.Random) -> TaskExample:
     head = "Key-value store. Remember every value.\n"
     pairs: dict[str, str] = {}
     size = len(head)
-    while size < context_len - 40:
+    while size < context_len - 40 or not pairs:
         key = f"{rng.randrange(10**5):05d}"
         if key in pairs:
             continue
