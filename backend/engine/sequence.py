@@ -47,7 +47,6 @@ class Sequence:
     recomputed_tokens: int = 0
     first_token_time: float | None = None
     prefix_inserted: bool = False
-    cancelled: bool = False
 
     @property
     def request_id(self) -> str:

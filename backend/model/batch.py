@@ -124,8 +124,9 @@ class ForwardBatch:
                     f"{need} are needed for {s.start + n} tokens"
                 )
             rows.append(torch.arange(n) + b * T)
-            slots.append(token_slots(s.page_table, s.start, s.start + n, ps))
-            reads.append(token_slots(s.page_table, 0, s.start + n, ps))
+            context = token_slots(s.page_table, 0, s.start + n, ps)  # the new tokens end it
+            slots.append(context[s.start:])
+            reads.append(context)
         self.write_rows = torch.cat(rows)
         self.write_slots = torch.cat(slots)
         if not self.fresh:

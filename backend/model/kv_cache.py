@@ -39,10 +39,6 @@ class PagedKV:
     def num_pages(self) -> int:
         return self.k[0].shape[0] // self.page_size if self.k else 0
 
-    def page_view(self, layer: int, page: int) -> tuple[torch.Tensor, torch.Tensor]:
-        s = slice(page * self.page_size, (page + 1) * self.page_size)
-        return self.k[layer][s], self.v[layer][s]
-
 
 @dataclass
 class StateSlots:

@@ -79,7 +79,7 @@ class Case:
 
 def run_cases(model, cases: list[Case], k_cal: int, k_max: int) -> dict[str, dict]:
     results = {"full": [c.scores(c.full) for c in cases]}
-    for name, (sampling, dtype, k) in variants(k_cal).items():
+    for name, (sampling, dtype, k) in tqdm(variants(k_cal).items(), desc="variants"):
         rows = []
         for c in cases:
             kk = min(budget(k, c.boundary, k_max), c.hidden[sampling].shape[1])
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     cases = task_cases(model, contexts, n)
     text = text_cases(model, n_text, 1024 + 256)
-    retrieval = {k: summarize(v) for k, v in tqdm([(k, v) for k, v in run_cases(
-        model, cases, k_cal, k_cal).items()], desc="summaries")}
+    retrieval = {k: summarize(v) for k, v in run_cases(model, cases, k_cal, k_cal).items()}
     heldout = {k: summarize(v) for k, v in run_cases(model, text, k_cal, k_cal).items()}
     args.cached_lens = [c.boundary for c in cases]
     summary = build_summary(model, retrieval, heldout, k_cal, contexts, n, args)
