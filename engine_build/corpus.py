@@ -63,6 +63,13 @@ class MixedSampler:
     task_fraction: float = 0.5
     answer_weight: float = 4.0
     seed: int = 0
+    extra_queries: int = 0  # further kv questions per task context (denser retrieval signal)
+    kinds: tuple[str, ...] = TASKS
+    # Retrieval curriculum: fill task sequences with back-to-back examples whose contexts are
+    # `task_context` bytes (a (min, max) range; None: 30-95% of the sequence, one example then
+    # library text), and weigh their non-answer bytes by `text_weight`.
+    task_context: tuple[int, int] | None = None
+    text_weight: float = 1.0
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -78,13 +85,32 @@ class MixedSampler:
         start = self.rng.randrange(len(self.text) - n)
         seq = self.text[start:start + n].clone()
         weight = torch.ones(n - 1)
+        if self.task_context is not None and self.rng.random() < self.task_fraction:
+            return self._packed_tasks(n)
         if n >= 256 and self.rng.random() < self.task_fraction:
-            kind = self.rng.choice(TASKS)
+            kind = self.rng.choice(self.kinds)
             ctx = max(min(int(n * self.rng.uniform(0.3, 0.95)), n - 16), 128)
-            ex = make_example(kind, ctx, self.rng)
+            ex = make_example(kind, ctx, self.rng, self.extra_queries)
             task = list(ex.text.encode()) + [EOT]
             task = task[: n]
             seq[: len(task)] = torch.tensor(task)
-            a0 = len(ex.prompt.encode())
-            weight[a0 - 1: a0 - 1 + len(ex.answer)] = self.answer_weight
+            for a0, a1 in ex.answer_spans():
+                weight[a0 - 1: a1 - 1] = self.answer_weight  # target t predicts byte t+1
+        return seq, weight
+
+    def _packed_tasks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Examples back to back (each closed by the end-of-text marker) up to n ids."""
+        ids: list[int] = []
+        answer_targets: list[tuple[int, int]] = []
+        lo, hi = self.task_context
+        while len(ids) < n:
+            ex = make_example(self.rng.choice(self.kinds), self.rng.randint(lo, hi), self.rng,
+                              self.extra_queries)
+            base = len(ids)
+            answer_targets += [(base + a, base + b) for a, b in ex.answer_spans()]
+            ids += list(ex.text.encode()) + [EOT]
+        seq = torch.tensor(ids[:n])
+        weight = torch.full((n - 1,), self.text_weight)
+        for a0, a1 in answer_targets:
+            weight[max(a0 - 1, 0): max(a1 - 1, 0)] = self.answer_weight
         return seq, weight

@@ -2,10 +2,15 @@
 
 Each task makes a `TaskExample`: a prompt of about `context_len` bytes whose answer depends on
 something far back in it, and the answer bytes. Three kinds:
-- `kv`: key-value retrieval over many `key NNNNN: VVVVV` lines;
-- `needle`: one `The secret code is NNNN.` line hidden in filler prose;
-- `vars`: Python-style variable assignment chains mixed with distractor assignments.
+- `kv`: key-value retrieval over many `key NNNNN: VVVVV` lines; the question restates the key
+  (`Lookup key NNNNN: `) and the answer is its value;
+- `needle`: one `The secret code is NNNN.` line hidden in filler prose; the prompt ends by
+  starting that sentence again;
+- `vars`: Python-style variable assignment chains mixed with distractor assignments (two hops).
 The answers are all digits, so accuracy is an exact match of the greedy answer bytes.
+
+`extra_queries` (training only) appends further questions about the same context, each with
+its answer, so one long context carries several supervised retrievals.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import random
 from dataclasses import dataclass
 
 TASKS = ("kv", "needle", "vars")
+TRAIN_ONLY = ("copy",)  # warm-up task that teaches copying (induction) quickly
 _WORDS = (
     "the of and to in is was for on that with as by it at from this be are or an which "
     "river stone market window garden morning silver letter engine valley harbor paper "
@@ -26,23 +32,39 @@ class TaskExample:
     kind: str
     prompt: str
     answer: str
+    # (question, answer) pairs asked after the first answer; empty for evaluation.
+    more: tuple[tuple[str, str], ...] = ()
 
     @property
     def text(self) -> str:
-        return self.prompt + self.answer + "\n"
+        return self.prompt + self.answer + "\n" + "".join(q + a + "\n" for q, a in self.more)
+
+    def answer_spans(self) -> list[tuple[int, int]]:
+        """Byte ranges [start, end) of every answer inside `text`."""
+        spans, pos = [], len(self.prompt.encode())
+        spans.append((pos, pos + len(self.answer.encode())))
+        pos = spans[-1][1] + 1
+        for q, a in self.more:
+            pos += len(q.encode())
+            spans.append((pos, pos + len(a.encode())))
+            pos = spans[-1][1] + 1
+        return spans
 
 
-def make_example(kind: str, context_len: int, rng: random.Random) -> TaskExample:
+def make_example(kind: str, context_len: int, rng: random.Random,
+                 extra_queries: int = 0) -> TaskExample:
     if kind == "kv":
-        return _kv(context_len, rng)
+        return _kv(context_len, rng, extra_queries)
     if kind == "needle":
         return _needle(context_len, rng)
     if kind == "vars":
         return _vars(context_len, rng)
+    if kind == "copy":
+        return _copy(context_len, rng)
     raise ValueError(f"unknown task {kind!r}; expected one of {TASKS}")
 
 
-def _kv(context_len: int, rng: random.Random) -> TaskExample:
+def _kv(context_len: int, rng: random.Random, extra_queries: int = 0) -> TaskExample:
     head = "Key-value store. Remember every value.\n"
     pairs: dict[str, str] = {}
     size = len(head)
@@ -53,10 +75,18 @@ def _kv(context_len: int, rng: random.Random) -> TaskExample:
         pairs[key] = f"{rng.randrange(10**5):05d}"
         size += len(f"key {key}: {pairs[key]}\n")
     keys = list(pairs)
-    asked = rng.choice(keys)
+    asked = [rng.choice(keys) for _ in range(1 + extra_queries)]
     body = "".join(f"key {k}: {pairs[k]}\n" for k in keys)
-    return TaskExample("kv", f"{head}{body}Question: what is the value of key {asked}?\n"
-                             f"Answer: ", pairs[asked])
+    more = tuple((f"Lookup key {k}: ", pairs[k]) for k in asked[1:])
+    return TaskExample("kv", f"{head}{body}Lookup key {asked[0]}: ", pairs[asked[0]], more)
+
+
+def _copy(context_len: int, rng: random.Random) -> TaskExample:
+    """A random string of digits and letters, then the same string again."""
+    n = rng.randint(8, max(8, min(context_len // 2 - 8, 120)))
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    s = "".join(rng.choice(alphabet) for _ in range(n))
+    return TaskExample("copy", f"Copy: {s}\nAgain: ", s)
 
 
 def _filler_sentence(rng: random.Random) -> str:
@@ -74,7 +104,7 @@ def _needle(context_len: int, rng: random.Random) -> TaskExample:
         sentences.append(s)
         size += len(s)
     sentences.insert(rng.randint(0, len(sentences)), needle)
-    return TaskExample("needle", "".join(sentences) + "\nWhat is the secret code? ", code)
+    return TaskExample("needle", "".join(sentences) + "\nRecall: The secret code is ", code)
 
 
 def _vars(context_len: int, rng: random.Random) -> TaskExample:

@@ -66,6 +66,13 @@ def seq_len_at(step: int, steps: int, phases=None) -> int:
     return [n for start, n in (phases or PHASES) if frac >= start][-1]
 
 
+def _range(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    lo, hi = (int(x) for x in text.split(":"))
+    return lo, hi
+
+
 def parse_phases(text: str | None):
     """"0:512,0.5:1024" -> ((0.0, 512), (0.5, 1024)); None -> PHASES."""
     if not text:
@@ -106,7 +113,9 @@ def train(args: argparse.Namespace) -> Path:
                             weight_decay=0.1)
     sampler = MixedSampler(to_ids(load_split(held_out=False, max_bytes=args.max_corpus_bytes)),
                            task_fraction=args.task_fraction, answer_weight=args.answer_weight,
-                           seed=args.seed)
+                           seed=args.seed, extra_queries=args.extra_queries,
+                           kinds=tuple(args.tasks.split(",")),
+                           task_context=_range(args.task_context), text_weight=args.text_weight)
     phases = parse_phases(args.phases)
     history: list[dict] = []
     step, elapsed = 0, 0.0
@@ -203,6 +212,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--task-fraction", type=float, default=0.5,
                    help="share of sequences that start with a synthetic task")
     p.add_argument("--answer-weight", type=float, default=4.0)
+    p.add_argument("--tasks", default="kv,needle,vars",
+                   help="synthetic task kinds to mix in (engine_build/tasks.py; 'copy' too)")
+    p.add_argument("--task-context", default=None,
+                   help='retrieval curriculum: task contexts of "MIN:MAX" bytes packed back to '
+                        'back in task sequences (default: one task then library text)')
+    p.add_argument("--text-weight", type=float, default=1.0,
+                   help="loss weight of non-answer bytes in packed task sequences")
+    p.add_argument("--extra-queries", type=int, default=0,
+                   help="further key-value questions per task context (denser retrieval signal)")
     p.add_argument("--phases", default=None,
                    help='sequence-length schedule, e.g. "0:512,0.5:1024" (default: 512..4096)')
     return p.parse_args(argv)

@@ -17,7 +17,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_tokens_per_step: int = 512  # token budget of one step (prefill chunks + decodes)
     max_context_len: int = 8192
-    executor: str = "torch"
+    executor: str = "torch"  # "torch" (eager PyTorch) or "compiled" (AOT engine directory)
+    engine_dir: str = "aot"  # compiled engine folder, relative to the model directory
     dtype: str = "float32"
     cache: CacheConfig = field(default_factory=CacheConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -33,8 +34,11 @@ class EngineConfig:
             )
         if self.max_context_len < 2:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
-        if self.executor not in ("torch",):
-            raise ValueError(f"executor must be 'torch', got {self.executor!r}")
+        if self.executor not in ("torch", "compiled"):
+            raise ValueError(f"executor must be 'torch' or 'compiled', got {self.executor!r}")
+        if self.executor == "compiled" and self.replay.anchor_dtype == "int8":
+            raise ValueError("int8 anchors need executor 'torch' (compiled engines store "
+                             "anchors in the model dtype)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.replay.anchor_dtype == "int8":

@@ -45,17 +45,32 @@ def calibrated_k_max(model_dir: str | Path, config: EngineConfig) -> int | None:
 
 
 class Engine:
-    def __init__(self, model: HybridForCausalLM, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, model: HybridForCausalLM | None, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None, engine_dir: str | Path | None = None) -> None:
+        """`model` runs eagerly (executor 'torch'); with executor 'compiled' the AOT engine in
+        `engine_dir` runs instead and `model` may be None."""
         self.config = config or EngineConfig()
         self.model = model
         self.tokenizer = tokenizer
         cache_cfg = self.config.cache
-        self.executor = TorchExecutor(
-            model, cache_cfg.num_kv_pages, cache_cfg.page_size, self.config.max_num_seqs,
-            cache_cfg.num_checkpoint_slots, cache_cfg.anchor_pool_size * cache_cfg.anchors_per_page,
-            int8_anchors=self.config.replay.anchor_dtype == "int8",
-        )
+        sizes = (cache_cfg.num_kv_pages, cache_cfg.page_size, self.config.max_num_seqs,
+                 cache_cfg.num_checkpoint_slots,
+                 cache_cfg.anchor_pool_size * cache_cfg.anchors_per_page)
+        int8 = self.config.replay.anchor_dtype == "int8"
+        if self.config.executor == "compiled":
+            from backend.engine.compiled import CompiledExecutor
+
+            if engine_dir is None:
+                raise ValueError("executor 'compiled' needs an engine directory")
+            self.executor = CompiledExecutor(engine_dir, *sizes, int8_anchors=int8)
+            if self.executor.dtype != DTYPES[self.config.dtype]:
+                raise ValueError(f"{engine_dir} was built for {self.executor.dtype}; the "
+                                 f"engine configuration asks for dtype {self.config.dtype!r}")
+        else:
+            if model is None:
+                raise ValueError("executor 'torch' needs the model")
+            self.executor = TorchExecutor(model, *sizes, int8_anchors=int8)
+        self.model_config = self.executor.config
         self.tiers = None
         if self.config.tiers is not None:
             buffers = DeviceBuffers.from_executor(self.executor, cache_cfg.anchors_per_page,
@@ -64,9 +79,9 @@ class Engine:
         self.store = PrefixStore(cache_cfg, self.tiers)
         self.cache = CacheManager(self.config, self.store, self.executor, self.tiers)
         self.scheduler = Scheduler(self.config, self.cache, self.executor)
-        self.eos_token_id = model.config.eos_token_id
+        self.eos_token_id = self.model_config.eos_token_id
         self.max_context_len = min(self.config.max_context_len,
-                                   model.config.max_position_embeddings)
+                                   self.model_config.max_position_embeddings)
         self._lock = threading.Condition()
         self._inbox: deque[Sequence] = deque()
         self._cancels: set[str] = set()
@@ -86,6 +101,9 @@ class Engine:
                 "", FINGERPRINT_FROM_MODEL_DIR):
             fingerprint = fingerprint_model_dir(path, config.dtype)
             config = replace(config, tiers=replace(config.tiers, model_fingerprint=fingerprint))
+        if config.executor == "compiled":
+            engine_dir = Path(path) / config.engine_dir
+            return cls(None, config, load_tokenizer(path), engine_dir=engine_dir)
         model = load_model(path, dtype=DTYPES[config.dtype])
         return cls(model, config, load_tokenizer(path))
 
@@ -108,7 +126,7 @@ class Engine:
         ids = request.prompt_ids
         if not ids:
             raise ValueError("the prompt is empty")
-        vocab = self.model.config.vocab_size
+        vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")

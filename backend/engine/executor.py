@@ -11,11 +11,49 @@ from __future__ import annotations
 
 import torch
 
+from backend.config import ModelConfig
 from backend.model import Capture, ForwardBatch, HybridForCausalLM, PagedKV, SeqInput, StateSlots
 from backend.model.quant import dequantize_int8
 
 
-class TorchExecutor:
+class ExecutorBuffers:
+    """The buffers every executor owns, and the state-slot copies the cache manager asks for."""
+
+    def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device, num_kv_pages: int,
+                  page_size: int, num_run_slots: int, num_saved_slots: int,
+                  num_anchor_rows: int, int8_anchors: bool, spare_anchor_rows: int = 0) -> None:
+        self.config = cfg
+        self.page_size = page_size
+        self.kv = PagedKV.allocate(cfg, num_kv_pages, page_size, dtype, device)
+        self.run_states = StateSlots.allocate(cfg, num_run_slots, dtype, device)
+        self.saved_states = StateSlots.allocate(cfg, num_saved_slots, dtype, device)
+        anchor_dtype = torch.int8 if int8_anchors else dtype
+        # `spare_anchor_rows` trailing rows are scratch space for the compiled step.
+        self.anchor_storage = torch.zeros(cfg.num_groups, num_anchor_rows + spare_anchor_rows,
+                                          cfg.hidden_size, dtype=anchor_dtype, device=device)
+        self.anchors = self.anchor_storage[:, :num_anchor_rows]
+        self.anchor_scales = None
+        if int8_anchors:
+            self.anchor_scales = torch.zeros(cfg.num_groups, num_anchor_rows, device=device)
+
+    def save_state(self, run_slot: int, saved_slot: int) -> None:
+        _copy_slot(self.run_states, run_slot, self.saved_states, saved_slot)
+
+    def load_state(self, saved_slot: int, run_slot: int) -> None:
+        _copy_slot(self.saved_states, saved_slot, self.run_states, run_slot)
+
+    def reset_state(self, run_slot: int) -> None:
+        self.run_states.zero(run_slot)
+
+    def _write_replayed(self, slot_ids: torch.Tensor, layers, states) -> None:
+        for layer_id, (conv, rec) in zip(layers, states):
+            li = self.config.linear_layer_ids.index(layer_id)
+            conv_slots = self.run_states.conv[li]
+            conv_slots.index_copy_(0, slot_ids, conv.to(conv_slots.dtype))
+            self.run_states.rec[li].index_copy_(0, slot_ids, rec)
+
+
+class TorchExecutor(ExecutorBuffers):
     def __init__(
         self,
         model: HybridForCausalLM,
@@ -26,18 +64,10 @@ class TorchExecutor:
         num_anchor_rows: int,
         int8_anchors: bool = False,
     ) -> None:
-        cfg, dtype, device = model.config, model.dtype, model.device
         self.model = model
-        self.page_size = page_size
-        self.kv = PagedKV.allocate(cfg, num_kv_pages, page_size, dtype, device)
-        self.run_states = StateSlots.allocate(cfg, num_run_slots, dtype, device)
-        self.saved_states = StateSlots.allocate(cfg, num_saved_slots, dtype, device)
-        anchor_dtype = torch.int8 if int8_anchors else dtype
-        self.anchors = torch.zeros(cfg.num_groups, num_anchor_rows, cfg.hidden_size,
-                                   dtype=anchor_dtype, device=device)
-        self.anchor_scales = None
-        if int8_anchors:
-            self.anchor_scales = torch.zeros(cfg.num_groups, num_anchor_rows, device=device)
+        self.dtype, self.device = model.dtype, model.device
+        self._allocate(model.config, model.dtype, model.device, num_kv_pages, page_size,
+                       num_run_slots, num_saved_slots, num_anchor_rows, int8_anchors)
 
     def forward(
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
@@ -66,20 +96,7 @@ class TorchExecutor:
             hidden = self.anchors[g][index]  # [B, T, D]
             if self.anchor_scales is not None:
                 hidden = dequantize_int8(hidden, self.anchor_scales[g][index], self.model.dtype)
-            states = self.model.replay_group(g, hidden, lengths)
-            for layer_id, (conv, rec) in zip(layers, states):
-                li = cfg.linear_layer_ids.index(layer_id)
-                self.run_states.conv[li].index_copy_(0, slot_ids, conv)
-                self.run_states.rec[li].index_copy_(0, slot_ids, rec)
-
-    def save_state(self, run_slot: int, saved_slot: int) -> None:
-        _copy_slot(self.run_states, run_slot, self.saved_states, saved_slot)
-
-    def load_state(self, saved_slot: int, run_slot: int) -> None:
-        _copy_slot(self.saved_states, saved_slot, self.run_states, run_slot)
-
-    def reset_state(self, run_slot: int) -> None:
-        self.run_states.zero(run_slot)
+            self._write_replayed(slot_ids, layers, self.model.replay_group(g, hidden, lengths))
 
 
 def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:

@@ -11,10 +11,12 @@ def causal_conv1d(
     weight: torch.Tensor,
     state: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: [B, T, C]; weight: [C, W]; state: [B, C, W - 1] or None (zeros).
 
-    Returns silu(conv(x)) [B, T, C] and the new state [B, C, W - 1]: the last W - 1 inputs
+    Returns silu(conv(x)) (conv(x) with silu=False) [B, T, C] and the new state
+    [B, C, W - 1]: the last W - 1 inputs
     before each sequence's end (`lengths` [B] for right-padded batches, else T).
     """
     B, T, C = x.shape
@@ -32,4 +34,4 @@ def causal_conv1d(
     else:
         idx = lengths.view(B, 1, 1) + torch.arange(W - 1, device=x.device).view(1, 1, W - 1)
         new_state = full.gather(2, idx.expand(B, C, W - 1))
-    return F.silu(y).transpose(1, 2), new_state
+    return (F.silu(y) if silu else y).transpose(1, 2), new_state

@@ -1,0 +1,155 @@
+"""`CompiledExecutor`: runs an AOT engine directory (`engine_build/build.py --backend aot`).
+
+Same interface and buffers as `TorchExecutor`; the model's Python code is not used: the
+prefill / decode step and each group's replay are AOTInductor packages, and the custom
+operators they call come from `plugins` (imported here, as a TensorRT runtime loads its plugin
+library). Step inputs are planned by the same `ForwardBatch` as the eager path, then packed.
+
+Layer-wise tier transfers cannot interleave with a compiled graph's layers, so the hooks run
+around the whole step: every layer's load is awaited before it, offloads start after it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from backend.config import ModelConfig
+from backend.engine.executor import ExecutorBuffers
+from backend.model.batch import ForwardBatch, SeqInput
+from backend.model.packed import packed_from_batch
+
+ENGINE_FORMAT = 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class EngineFormatError(ValueError):
+    pass
+
+
+def read_engine_meta(engine_dir: str | Path) -> dict:
+    engine_dir = Path(engine_dir)
+    meta_file = engine_dir / "engine.json"
+    if not meta_file.exists():
+        raise EngineFormatError(f"{meta_file}: missing (build one with engine_build/build.py "
+                                "--backend aot)")
+    try:
+        meta = json.loads(meta_file.read_text())
+    except json.JSONDecodeError as e:
+        raise EngineFormatError(f"{meta_file}: not valid JSON ({e})") from e
+    if meta.get("format") != ENGINE_FORMAT or meta.get("backend") != "aot":
+        raise EngineFormatError(f"{meta_file}: format {meta.get('format')!r} / backend "
+                                f"{meta.get('backend')!r}; this runtime reads format "
+                                f"{ENGINE_FORMAT}, backend 'aot'")
+    for name in ["prefill", "decode"] + [f"replay_{g}" for g in range(meta["num_groups"])]:
+        if not (engine_dir / meta["packages"].get(name, f"{name}.pt2")).exists():
+            raise EngineFormatError(f"{engine_dir}: package {name!r} is missing")
+    return meta
+
+
+class CompiledExecutor(ExecutorBuffers):
+    def __init__(
+        self,
+        engine_dir: str | Path,
+        num_kv_pages: int,
+        page_size: int,
+        num_run_slots: int,
+        num_saved_slots: int,
+        num_anchor_rows: int,
+        int8_anchors: bool = False,
+    ) -> None:
+        import plugins  # noqa: F401  (the engines call torch.ops.suffixreplay.*)
+
+        engine_dir = Path(engine_dir)
+        meta = read_engine_meta(engine_dir)
+        if meta["device"].startswith("cuda") and not torch.cuda.is_available():
+            raise RuntimeError(f"{engine_dir} was built for {meta['device']}; no CUDA here")
+        cfg = ModelConfig.from_file(engine_dir / "config.json")
+        self._setup(cfg, torch.device(meta["device"]), DTYPES[meta["dtype"]], num_kv_pages,
+                    page_size, num_run_slots, num_saved_slots, num_anchor_rows, int8_anchors)
+        self.meta = meta
+        load = torch._inductor.aoti_load_package
+        pkg = meta["packages"]
+        self.prefill = load(str(engine_dir / pkg["prefill"]))
+        self.decode = load(str(engine_dir / pkg["decode"]))
+        self.replays = [load(str(engine_dir / pkg[f"replay_{g}"]))
+                        for g in range(cfg.num_groups)]
+
+    @classmethod
+    def from_graphs(cls, model, num_kv_pages: int, page_size: int, num_run_slots: int,
+                    num_saved_slots: int, num_anchor_rows: int) -> CompiledExecutor:
+        """The same executor over the uncompiled graphs (`backend.model.packed`), run eagerly:
+        checks the packed formulation apart from compilation."""
+        from backend.model.packed import ReplayGraph, StepGraph
+
+        self = cls.__new__(cls)
+        self._setup(model.config, model.device, model.dtype, num_kv_pages, page_size,
+                    num_run_slots, num_saved_slots, num_anchor_rows, False)
+        self.meta = {"backend": "eager-graphs"}
+        step = StepGraph(model).eval()
+        self.prefill = self.decode = torch.inference_mode()(step)
+        self.replays = [torch.inference_mode()(ReplayGraph(model, g).eval())
+                        for g in range(model.config.num_groups)]
+        return self
+
+    def _setup(self, cfg, device, dtype, num_kv_pages, page_size, num_run_slots,
+               num_saved_slots, num_anchor_rows, int8_anchors) -> None:
+        if int8_anchors:
+            raise ValueError("the compiled executor stores anchors in the model dtype; "
+                             "int8 anchors need executor 'torch'")
+        self.device, self.dtype = device, dtype
+        # One spare anchor row per group: the graphs always capture (a step without anchors
+        # writes one row of scratch), so no dimension is ever 0.
+        self._allocate(cfg, dtype, device, num_kv_pages, page_size, num_run_slots,
+                       num_saved_slots, num_anchor_rows, False, spare_anchor_rows=1)
+        self._scratch_row = num_anchor_rows
+
+    @property
+    def num_anchor_rows(self) -> int:
+        return self.anchors.shape[1]
+
+    def forward(
+        self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
+        capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
+    ) -> torch.Tensor:
+        """One batched step; returns last-token logits [B, V] (fp32)."""
+        batch = ForwardBatch.build(seqs, self.kv, self.run_states, device=self.device)
+        x = packed_from_batch(batch, capture_src)
+        if x["capture_src"].numel():
+            dst = capture_dst.to(self.device)
+        else:
+            x["capture_src"] = torch.zeros(1, dtype=torch.long, device=self.device)
+            dst = torch.full((1,), self._scratch_row, dtype=torch.long, device=self.device)
+        num_attn = len(self.kv.k)
+        if layer_hooks is not None:
+            for a in range(num_attn):
+                layer_hooks.before_read(a)
+        runner = self.decode if batch.input_ids.shape[1] == 1 else self.prefill
+        logits = runner(
+            x["input_ids"], x["positions"], x["cu_seqlens"], x["state_slots"], x["fresh"],
+            x["write_slots"], x["pad_index"], x["read_slots"], x["attn_mask"],
+            x["capture_src"], dst, tuple(self.anchor_storage.unbind(0)), tuple(self.kv.k),
+            tuple(self.kv.v), tuple(self.run_states.conv), tuple(self.run_states.rec))
+        if layer_hooks is not None:
+            for a in range(num_attn):
+                layer_hooks.after_write(a)
+        return logits
+
+    def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:
+        """Rebuilds linear states into run slots from anchor rows (one packed call per group)."""
+        lengths = torch.tensor([r.numel() for r in anchor_rows])
+        cu = torch.zeros(len(slots) + 1, dtype=torch.long)
+        cu[1:] = lengths.cumsum(0)
+        index = torch.cat([r.long().cpu() for r in anchor_rows]).to(self.device)
+        cu = cu.to(self.device)
+        slot_ids = torch.tensor(slots, device=self.device)
+        if index.numel() == 0:  # nothing to replay: zero states
+            for slot in slots:
+                self.reset_state(slot)
+            return
+        for g, layers in enumerate(self.config.groups):
+            out = self.replays[g](self.anchors[g].index_select(0, index), cu)
+            states = [(out[2 * i], out[2 * i + 1]) for i in range(len(layers))]
+            self._write_replayed(slot_ids, layers, states)

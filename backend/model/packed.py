@@ -1,0 +1,183 @@
+"""The model over packed tokens, through the custom operators in `plugins/`: the form that
+`engine_build/build.py --backend aot` exports and compiles.
+
+Everything here is a pure function of tensors (no Python branch on data), so `torch.export`
+captures one graph with dynamic batch and token counts:
+- `StepGraph`: one prefill or decode step of the engine. Tokens of all sequences are packed
+  back to back ([N, D]); only attention scatters them into a padded [B, T] view to read the
+  paged KV. It writes new KV into the page pools, new linear states into their slots and group
+  entry hidden states into the anchor pools, all in place, and returns last-token logits.
+- `ReplayGraph`: one group's linear layers (with MLPs) from zero state over packed anchors,
+  returning each layer's final conv and recurrent states.
+
+`packed_from_batch` turns the eager executor's inputs into StepGraph's, so the compiled and the
+eager paths share one planner (`ForwardBatch`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.model.batch import ForwardBatch
+from backend.model.gated_deltanet import GatedDeltaNet, l2norm
+from backend.model.hybrid import DecoderLayer, HybridForCausalLM
+from backend.model.rotary import apply_rotary
+
+
+def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                        conv_state: torch.Tensor | None, rec_state: torch.Tensor | None):
+    """Gated DeltaNet over packed tokens x [N, D] -> (out [N, D], (conv, rec) per sequence)."""
+    import plugins  # registers the operators
+
+    N = x.shape[0]
+    mixed, new_conv = plugins.causal_conv1d(mixer.in_proj_qkv(x), mixer.conv1d.weight.squeeze(1),
+                                            cu_seqlens, conv_state, True)
+    q, k, v = mixed.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    q = l2norm(q.reshape(N, mixer.num_k_heads, mixer.head_k_dim).float())
+    k = l2norm(k.reshape(N, mixer.num_k_heads, mixer.head_k_dim).float())
+    v = v.reshape(N, mixer.num_v_heads, mixer.head_v_dim)
+    if mixer.num_v_heads != mixer.num_k_heads:
+        rep = mixer.num_v_heads // mixer.num_k_heads
+        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+    beta = mixer.in_proj_b(x).sigmoid()
+    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
+    out, new_rec = plugins.gated_delta_scan(q, k, v, g, beta, cu_seqlens, rec_state)
+    z = mixer.in_proj_z(x).reshape(N, mixer.num_v_heads, mixer.head_v_dim)
+    out = mixer.norm(out, z).reshape(N, mixer.value_dim)
+    return mixer.out_proj(out), (new_conv, new_rec)
+
+
+def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state):
+    h, states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
+                                    conv_state, rec_state)
+    return layer._ffn(x + h), states
+
+
+class StepGraph(nn.Module):
+    """One engine step over packed tokens; see the module docstring for the contract.
+
+    Inputs: input_ids, positions [N] (packed); cu_seqlens [B + 1]; state_slots [B]; fresh [B]
+    (bool: the sequence starts from zero state); write_slots [N] (KV slot of each token);
+    pad_index [N] (row of each token in the padded [B * T] view); read_slots [B, C];
+    attn_mask [B, 1, T, C] (bool); capture_src [M] (packed rows), capture_dst [M]; then the
+    buffers mutated in place: anchors (one [R, D] per group), k, v (per attention layer),
+    conv, rec (per linear layer). T is attn_mask's third dimension.
+    """
+
+    def __init__(self, model: HybridForCausalLM) -> None:
+        super().__init__()
+        self.model = model
+        cfg = model.config
+        self.entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
+
+    def forward(self, input_ids, positions, cu_seqlens, state_slots, fresh, write_slots,
+                pad_index, read_slots, attn_mask, capture_src, capture_dst,
+                anchors: tuple, k_pool: tuple, v_pool: tuple, conv: tuple, rec: tuple):
+        m = self.model
+        B, T = attn_mask.shape[0], attn_mask.shape[2]
+        x = m.model.embed_tokens(input_ids)
+        cos, sin = m.rotary.cos_sin(positions, x.dtype)
+        keep = (~fresh).view(-1, 1, 1)
+        for i, layer in enumerate(m.model.layers):
+            if i in self.entry_to_group:
+                import plugins
+
+                plugins.anchor_capture(x, capture_src, capture_dst,
+                                       anchors[self.entry_to_group[i]])
+            if layer.is_linear:
+                li = layer.state_index
+                c0 = conv[li].index_select(0, state_slots) * keep.to(conv[li].dtype)
+                r0 = rec[li].index_select(0, state_slots) * keep.unsqueeze(-1).float()
+                x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0)
+                conv[li].index_copy_(0, state_slots, c1.to(conv[li].dtype))
+                rec[li].index_copy_(0, state_slots, r1)
+            else:
+                a = layer.self_attn.attn_index
+                h = _attention_packed(layer.self_attn, layer.input_layernorm(x), cos, sin,
+                                      k_pool[a], v_pool[a], write_slots, pad_index,
+                                      read_slots, attn_mask, B, T)
+                x = layer._ffn(x + h)
+        last = m.model.norm(x.index_select(0, cu_seqlens[1:] - 1))
+        return m.lm_head(last).float()
+
+
+def _attention_packed(attn, x, cos, sin, k_pool, v_pool, write_slots, pad_index, read_slots,
+                      attn_mask, B, T):
+    N = x.shape[0]
+    H, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, gate = attn.q_proj(x).view(N, H, 2 * Dh).chunk(2, dim=-1)
+    q = apply_rotary(attn.q_norm(q), cos, sin)
+    k = apply_rotary(attn.k_norm(attn.k_proj(x).view(N, Hkv, Dh)), cos, sin)
+    v = attn.v_proj(x).view(N, Hkv, Dh)
+    k_pool.index_copy_(0, write_slots, k.to(k_pool.dtype))
+    v_pool.index_copy_(0, write_slots, v.to(v_pool.dtype))
+    q_pad = q.new_zeros(B * T, H, Dh).index_copy(0, pad_index, q).view(B, T, H, Dh)
+    k_ctx, v_ctx = k_pool[read_slots], v_pool[read_slots]  # [B, C, Hkv, Dh]
+    out = F.scaled_dot_product_attention(q_pad.transpose(1, 2), k_ctx.transpose(1, 2),
+                                         v_ctx.transpose(1, 2), attn_mask=attn_mask,
+                                         enable_gqa=True)
+    out = out.transpose(1, 2).reshape(B * T, H * Dh).index_select(0, pad_index)
+    return attn.o_proj(out * torch.sigmoid(gate.reshape(N, H * Dh)))
+
+
+class ReplayGraph(nn.Module):
+    """Group `group`'s linear layers from zero state over packed hidden states.
+
+    Inputs: hidden [N, D] (packed anchors), cu_seqlens [B + 1]. Returns a flat tuple
+    (conv_0, rec_0, conv_1, rec_1, ...) of final states, one pair per layer of the group.
+    """
+
+    def __init__(self, model: HybridForCausalLM, group: int) -> None:
+        super().__init__()
+        self.model = model
+        self.layer_ids = list(model.config.groups[group])
+
+    def forward(self, hidden, cu_seqlens):
+        x = hidden.to(self.model.dtype)
+        out = []
+        for layer_id in self.layer_ids:
+            x, (c, r) = linear_layer_packed(self.model.model.layers[layer_id], x, cu_seqlens,
+                                            None, None)
+            out += [c, r]
+        return tuple(out)
+
+
+def packed_from_batch(batch: ForwardBatch, capture_src: torch.Tensor | None):
+    """StepGraph's index inputs from a planned ForwardBatch (with KV and state slots).
+
+    capture_src (flat rows of the padded [B * T] view, as the eager Capture takes them) is
+    translated to packed rows. Returns a dict of tensors.
+    """
+    rows = batch.write_rows  # padded rows of the real tokens, in packed order
+    B, T = batch.input_ids.shape
+    cu = torch.zeros(B + 1, dtype=torch.long, device=rows.device)
+    cu[1:] = batch.lengths.cumsum(0)
+    if batch.read_slots is None:  # a fresh batch reads exactly what it writes
+        width = T
+        read = torch.zeros(B, width, dtype=torch.long, device=rows.device)
+        read.view(-1).index_copy_(0, rows, batch.write_slots)
+        key_pos = torch.arange(width, device=rows.device).view(1, 1, 1, width)
+        mask = key_pos <= batch.positions.view(B, 1, T, 1)
+    else:
+        read, mask = batch.read_slots, batch.attn_mask
+    fresh = torch.zeros(B, dtype=torch.bool, device=rows.device)
+    if batch.fresh:
+        fresh[:] = True
+    elif batch.fresh_rows is not None:
+        fresh = batch.fresh_rows.to(rows.device)
+    src = torch.zeros(0, dtype=torch.long, device=rows.device)
+    if capture_src is not None and capture_src.numel():
+        inverse = torch.full((B * T,), -1, dtype=torch.long, device=rows.device)
+        inverse[rows] = torch.arange(rows.numel(), device=rows.device)
+        src = inverse[capture_src.to(rows.device)]
+        if bool((src < 0).any()):
+            raise ValueError("capture positions must be tokens of this step")
+    return {
+        "input_ids": batch.input_ids.reshape(-1).index_select(0, rows),
+        "positions": batch.positions.reshape(-1).index_select(0, rows),
+        "cu_seqlens": cu, "state_slots": batch.state_slots, "fresh": fresh,
+        "write_slots": batch.write_slots, "pad_index": rows, "read_slots": read,
+        "attn_mask": mask, "capture_src": src,
+    }

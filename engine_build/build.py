@@ -1,0 +1,146 @@
+"""Builds a Triton model repository that serves a Qwen3.5-family checkpoint.
+
+    python -m engine_build.build --model CKPT --repo OUT                    # eager (default)
+    python -m engine_build.build --model CKPT --repo OUT --backend aot      # AOTInductor engine
+    python -m engine_build.build --model CKPT --repo OUT --backend tensorrt # where TensorRT is
+
+Every backend first validates the checkpoint (config, tensor names and shapes, a short forward
+with finite logits, a tokenizer) and writes a complete repository: ensemble, preprocessing,
+hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at the checkpoint.
+- `--calibrate` runs engine_build/calibrate.py on the checkpoint and serves `k_max: auto`.
+- `--backend aot` exports and compiles the prefill / decode step and each group's replay
+  (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`.
+- `--backend tensorrt` needs the `tensorrt` package (NVIDIA's index; unavailable in this
+  project's environment): it registers the Triton kernels as TensorRT plugins with AOT PTX
+  (plugins/tensorrt.py). Without TensorRT it says so and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from backend.model import load_model
+from backend.model.loader import CheckpointError
+from backend.triton.repo import MODEL_REPO, set_parameters
+
+MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
+TENSORRT_MISSING = 2
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict:
+    """Loads the checkpoint and runs 8 tokens; returns a short description."""
+    try:
+        model = load_model(model_dir, dtype=dtype)
+    except (CheckpointError, ValueError) as e:
+        raise BuildError(f"checkpoint {model_dir} is not usable: {e}") from e
+    cfg = model.config
+    ids = torch.arange(8).remainder(cfg.vocab_size).unsqueeze(0)
+    logits = model.logits(ids)
+    if not torch.isfinite(logits).all():
+        raise BuildError(f"checkpoint {model_dir}: a forward of 8 tokens gave non-finite logits")
+    if not (model_dir / "tokenizer.json").is_file():
+        raise BuildError(f"checkpoint {model_dir}: tokenizer.json is missing (the repository's "
+                         "preprocessing and postprocessing models need it)")
+    params = sum(p.numel() for p in model.parameters())
+    return {"parameters": params, "layers": cfg.num_hidden_layers, "groups": cfg.num_groups}
+
+
+def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool) -> Path:
+    """Copies the four models' configurations and code; points them at `model_dir`."""
+    if repo.exists() and any(repo.iterdir()):
+        if not force:
+            raise BuildError(f"{repo} exists and is not empty (use --force to replace it)")
+        for name in MODELS:
+            shutil.rmtree(repo / name, ignore_errors=True)
+    repo.mkdir(parents=True, exist_ok=True)
+    for name in MODELS:
+        src, dst = MODEL_REPO / name, repo / name
+        (dst / "1").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / "config.pbtxt", dst / "config.pbtxt")
+        if (src / "1" / "model.py").exists():
+            shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+    model_dir = model_dir.resolve()
+    for name in ("preprocessing", "postprocessing"):
+        set_parameters(repo / name / "config.pbtxt", {"tokenizer_dir": str(model_dir)})
+    set_parameters(repo / "hybrid_llm" / "config.pbtxt",
+                   {"model_path": str(model_dir), **params})
+    return repo
+
+
+def build(args: argparse.Namespace) -> Path:
+    model_dir, repo = Path(args.model), Path(args.repo)
+    steps = ["validate", *(["calibrate"] if args.calibrate else []),
+             *(["compile"] if args.backend != "eager" else []), "repository"]
+    params: dict[str, str] = {"dtype": args.dtype}
+    bar = tqdm(steps, desc=f"build ({args.backend})", unit="step")
+    for step in bar:
+        bar.set_postfix(step=step)
+        if step == "validate":
+            info = validate_checkpoint(model_dir)
+            tqdm.write(f"checkpoint ok: {info['parameters']:,} parameters, {info['layers']} "
+                       f"layers, {info['groups']} linear-attention groups")
+        elif step == "calibrate":
+            from engine_build import calibrate
+
+            calibrate.main(["--model", str(model_dir), "--quick"])
+            params["k_max"] = "auto"
+        elif step == "compile" and args.backend == "aot":
+            from engine_build.aot import build_aot_engine
+
+            build_aot_engine(model_dir, model_dir / args.engine_dir, device=args.device,
+                             dtype=args.dtype, progress=True)
+            params.update(executor="compiled", engine_dir=args.engine_dir)
+        elif step == "compile" and args.backend == "tensorrt":
+            from plugins.tensorrt import build_tensorrt_engine
+
+            build_tensorrt_engine(model_dir, model_dir / "tensorrt", dtype=args.dtype)
+        elif step == "repository":
+            write_repository(model_dir, repo, params, args.force)
+    return repo
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="Hugging Face-format checkpoint directory")
+    p.add_argument("--repo", required=True, help="model repository to write")
+    p.add_argument("--backend", choices=("eager", "aot", "tensorrt"), default="eager")
+    p.add_argument("--device", default="cpu", help="aot: cpu or cuda")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--engine-dir", default="aot", help="aot: engine folder inside --model")
+    p.add_argument("--calibrate", action="store_true", help="calibrate k_max and serve 'auto'")
+    p.add_argument("--force", action="store_true", help="replace an existing repository")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.backend == "tensorrt":
+        from plugins.tensorrt import tensorrt_available
+
+        ok, why = tensorrt_available()
+        if not ok:
+            print(f"error: --backend tensorrt needs TensorRT, which is not available here: {why}. "
+                  "Install the `tensorrt` extra from NVIDIA's package index, or use "
+                  "--backend aot (AOTInductor engines with the same kernels).", file=sys.stderr)
+            return TENSORRT_MISSING
+    try:
+        repo = build(args)
+    except BuildError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {repo}: serve it with  tritonserver --model-repository {repo}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""CPU implementations of the operators (vectorised PyTorch; also correct on any device).
+
+The packed sequences are gathered into one right-padded batch, run through the model's own
+chunked gated delta rule / causal conv (padding positions carry g = 0 and beta = 0, so they
+leave states untouched), then scattered back to the packed layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.model.conv import causal_conv1d
+from backend.model.delta_rule import chunk_gated_delta_rule, gated_delta_step
+
+
+def _padding_plan(cu_seqlens: torch.Tensor, total: int):
+    """(gather index [N, L], valid mask [N, L], lengths [N]) for packed -> padded."""
+    cu = cu_seqlens.long()
+    lengths = cu[1:] - cu[:-1]
+    L = max(int(lengths.max()) if lengths.numel() else 0, 1)
+    pos = torch.arange(L, device=cu.device)
+    valid = pos.unsqueeze(0) < lengths.unsqueeze(1)
+    index = (cu[:-1].unsqueeze(1) + pos).clamp(max=max(total - 1, 0))
+    return index, valid, lengths
+
+
+def _pad(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 0:
+        return x.new_zeros(*index.shape, *x.shape[1:])
+    out = x[index]
+    return out * valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(out.dtype)
+
+
+def gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    index, valid, _ = _padding_plan(cu_seqlens, q.shape[0])
+    qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
+    rule = gated_delta_step if qp.shape[1] == 1 else chunk_gated_delta_rule
+    o, final = rule(qp, kp, vp, gp, bp, initial_state=initial_state, scale=scale)
+    return o[valid].to(v.dtype), final.float()
+
+
+def causal_conv1d_cpu(x, weight, cu_seqlens, initial_state, silu):
+    index, valid, lengths = _padding_plan(cu_seqlens, x.shape[0])
+    y, final = causal_conv1d(_pad(x, index, valid), weight, initial_state, lengths, silu)
+    return y[valid], final.to(x.dtype)
+
+
+def anchor_capture_cpu(hidden, src, dst, pool) -> None:
+    pool.index_copy_(0, dst.long(), hidden.index_select(0, src.long()).to(pool.dtype))

@@ -1,0 +1,148 @@
+"""The custom operators, registered with `torch.library` under the `suffixreplay` namespace.
+
+Two registrations per operator:
+- `suffixreplay::<name>`: an opaque custom op (CPU implementation in `plugins/cpu.py`, fake
+  implementation for export). AOTInductor compiles it into CPU engines as a call into the
+  operator registry, like a TensorRT plugin; importing `plugins` registers it.
+- `suffixreplay::<name>_triton`: a `triton_op` whose body launches the Triton kernel through
+  `wrap_triton`, so `torch.export` sees the kernel and AOTInductor embeds it in CUDA engines.
+  Registered only where the `triton` package imports.
+
+Callers use the Python entry points below (`gated_delta_scan`, `causal_conv1d`,
+`anchor_capture`), which pick the Triton form for CUDA tensors when it exists.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from plugins import cpu
+
+NAMESPACE = "suffixreplay"
+
+
+# Opaque operators (CPU engines, and any device as a fallback) -------------------------------
+@torch.library.custom_op(f"{NAMESPACE}::gated_delta_scan", mutates_args=())
+def _gated_delta_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                      cu_seqlens: Tensor, initial_state: Tensor | None,
+                      scale: float) -> tuple[Tensor, Tensor]:
+    return cpu.gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+@_gated_delta_scan.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    N = cu_seqlens.shape[0] - 1
+    return torch.empty_like(v), v.new_empty(N, v.shape[1], k.shape[2], v.shape[2],
+                                            dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
+def _causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, initial_state: Tensor | None,
+                   silu: bool) -> tuple[Tensor, Tensor]:
+    return cpu.causal_conv1d_cpu(x, weight, cu_seqlens, initial_state, silu)
+
+
+@_causal_conv1d.register_fake
+def _(x, weight, cu_seqlens, initial_state, silu):
+    N = cu_seqlens.shape[0] - 1
+    return torch.empty_like(x), x.new_empty(N, x.shape[1], weight.shape[1] - 1)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::anchor_capture", mutates_args=("pool",))
+def _anchor_capture(hidden: Tensor, src: Tensor, dst: Tensor, pool: Tensor) -> None:
+    cpu.anchor_capture_cpu(hidden, src, dst, pool)
+
+
+@_anchor_capture.register_fake
+def _(hidden, src, dst, pool):
+    return None
+
+
+# Triton operators (CUDA engines) ------------------------------------------------------------
+def _register_triton_ops() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    from torch.library import triton_op, wrap_triton
+
+    from plugins import triton_kernels as tk
+
+    @triton_op(f"{NAMESPACE}::gated_delta_scan_triton", mutates_args=())
+    def gated_delta_scan_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                cu_seqlens: Tensor, initial_state: Tensor | None,
+                                scale: float) -> tuple[Tensor, Tensor]:
+        H, K, V = q.shape[1], q.shape[2], v.shape[2]
+        N = cu_seqlens.shape[0] - 1
+        o = torch.empty_like(v)
+        ht = torch.empty(N, H, K, V, dtype=torch.float32, device=q.device)
+        BK = triton.next_power_of_2(K)
+        BV = min(triton.next_power_of_2(V), 32)
+        h0 = initial_state.float().contiguous() if initial_state is not None else ht
+        wrap_triton(tk.gated_delta_scan_kernel)[(triton.cdiv(V, BV), N * H)](
+            q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
+            h0, cu_seqlens, o, ht, H=H, K=K, V=V, BK=BK, BV=BV,
+            HAS_H0=initial_state is not None, SCALE=scale)
+        return o, ht
+
+    @triton_op(f"{NAMESPACE}::causal_conv1d_triton", mutates_args=())
+    def causal_conv1d_triton(x: Tensor, weight: Tensor, cu_seqlens: Tensor,
+                             initial_state: Tensor | None, silu: bool) -> tuple[Tensor, Tensor]:
+        C, W = weight.shape
+        N = cu_seqlens.shape[0] - 1
+        y = torch.empty_like(x)
+        st = torch.empty(N, C, W - 1, dtype=x.dtype, device=x.device)
+        s0 = initial_state.contiguous() if initial_state is not None else st
+        BC = min(triton.next_power_of_2(C), 128)
+        wrap_triton(tk.causal_conv1d_kernel)[(N, triton.cdiv(C, BC))](
+            x.contiguous(), weight.contiguous(), s0, cu_seqlens, C, y, st, W=W, BC=BC,
+            HAS_S0=initial_state is not None, SILU=silu)
+        return y, st
+
+    @triton_op(f"{NAMESPACE}::anchor_capture_triton", mutates_args={"pool"})
+    def anchor_capture_triton(hidden: Tensor, src: Tensor, dst: Tensor, pool: Tensor) -> None:
+        M, D = src.shape[0], hidden.shape[1]
+        BD = min(triton.next_power_of_2(D), 1024)
+        wrap_triton(tk.anchor_capture_kernel)[(M, triton.cdiv(D, BD))](
+            hidden.contiguous(), src, dst, D, pool, BD=BD)
+
+    return True
+
+
+TRITON_OPS = _register_triton_ops()
+
+
+def triton_available() -> bool:
+    return TRITON_OPS
+
+
+def _use_triton(t: Tensor) -> bool:
+    if not TRITON_OPS:
+        return False
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and os.environ.get("SUFFIXREPLAY_TRITON_ON_CPU") == "1"
+
+
+# Entry points ---------------------------------------------------------------------------------
+def gated_delta_scan(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=None):
+    """Chunked-equivalent gated delta rule over packed sequences (see plugins/reference.py)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    op = (torch.ops.suffixreplay.gated_delta_scan_triton if _use_triton(q)
+          else torch.ops.suffixreplay.gated_delta_scan)
+    return op(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+def causal_conv1d(x, weight, cu_seqlens, initial_state=None, silu=True):
+    op = (torch.ops.suffixreplay.causal_conv1d_triton if _use_triton(x)
+          else torch.ops.suffixreplay.causal_conv1d)
+    return op(x, weight, cu_seqlens, initial_state, silu)
+
+
+def anchor_capture(hidden, src, dst, pool) -> None:
+    op = (torch.ops.suffixreplay.anchor_capture_triton if _use_triton(hidden)
+          else torch.ops.suffixreplay.anchor_capture)
+    op(hidden, src, dst, pool)

@@ -1,0 +1,71 @@
+"""Plain PyTorch references for the custom operators: the definitions every implementation
+(CPU op, Triton kernel, TensorRT plugin) is tested against. Slow on purpose: one Python loop
+per sequence and per token, no fusion.
+
+Packed variable-length layout (as flash-linear-attention's varlen API): the tokens of N
+sequences lie back to back along the first dimension; `cu_seqlens` [N + 1] (int) holds the
+offsets, sequence n being rows cu_seqlens[n]:cu_seqlens[n + 1].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backend.model.delta_rule import recurrent_gated_delta_rule
+
+
+def anchor_capture_ref(hidden: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                       pool: torch.Tensor) -> None:
+    """pool[dst[i]] = hidden[src[i]] for every i (hidden [T, D], pool [R, D])."""
+    for s, d in zip(src.tolist(), dst.tolist()):
+        pool[d] = hidden[s].to(pool.dtype)
+
+
+def gated_delta_scan_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [T, H, K]; v [T, H, V]; g, beta [T, H]; initial_state [N, H, K, V] or None.
+
+    Returns the outputs [T, H, V] (dtype of v) and the final states [N, H, K, V] (fp32).
+    """
+    N = cu_seqlens.numel() - 1
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    out = torch.zeros_like(v)
+    finals = torch.zeros(N, H, K, V, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for n in range(N):
+        a, b = bounds[n], bounds[n + 1]
+        h0 = None if initial_state is None else initial_state[n : n + 1]
+        if b == a:
+            finals[n] = 0 if h0 is None else h0[0].float()
+            continue
+        o, s = recurrent_gated_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b],
+                                          g[None, a:b], beta[None, a:b], h0, scale)
+        out[a:b], finals[n] = o[0], s[0]
+    return out, finals
+
+
+def causal_conv1d_ref(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None, silu: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv per sequence. x [T, C]; weight [C, W]; state [N, C, W - 1].
+
+    Output row t of sequence n: sum_w weight[:, w] * x_ext[t - (W - 1) + w], where x_ext is the
+    sequence preceded by its initial state (zeros when absent). Returns (y [T, C], the last
+    W - 1 inputs of each sequence [N, C, W - 1]).
+    """
+    N, C, W = cu_seqlens.numel() - 1, x.shape[1], weight.shape[1]
+    y = torch.zeros_like(x)
+    finals = x.new_zeros(N, C, W - 1)
+    bounds = cu_seqlens.tolist()
+    for n in range(N):
+        a, b = bounds[n], bounds[n + 1]
+        prev = x.new_zeros(C, W - 1) if initial_state is None else initial_state[n].to(x.dtype)
+        ext = torch.cat((prev, x[a:b].t()), dim=1)  # [C, W - 1 + L]
+        for t in range(b - a):
+            y[a + t] = (ext[:, t : t + W] * weight).sum(-1)
+        finals[n] = ext[:, ext.shape[1] - (W - 1):]
+    return (F.silu(y) if silu else y), finals

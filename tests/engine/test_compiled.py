@@ -1,0 +1,123 @@
+"""The AOT-compiled engine (engine_build/aot.py + CompiledExecutor) against the eager model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak, make_engine, random_prompt
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.compiled import CompiledExecutor, EngineFormatError
+from backend.engine.executor import TorchExecutor
+from backend.model import SeqInput, load_model
+
+SIZES = (24, 16, 4, 4, 40)  # pages, page size, run slots, saved slots, anchor rows
+
+
+@pytest.fixture(scope="module")
+def model(aot_engine):
+    return load_model(aot_engine[0])
+
+
+def _pair(model, engine_dir):
+    return TorchExecutor(model, *SIZES), CompiledExecutor(engine_dir, *SIZES)
+
+
+def _close(a, b, atol=2e-4):
+    torch.testing.assert_close(a, b, atol=atol, rtol=1e-4)
+
+
+def _steps(model):
+    V = model.config.vocab_size
+    p0, p1, p2 = (random_prompt(n, V, seed) for n, seed in ((37, 1), (20, 2), (9, 3)))
+    pt0, pt1, pt2 = torch.tensor([0, 1, 2, 3]), torch.tensor([4, 5, 6, 7]), torch.tensor([8])
+    return [
+        # fresh prefill of two sequences, capturing four anchors (rows of the padded batch)
+        ([SeqInput(p0, 0, pt0, 0), SeqInput(p1, 0, pt1, 1)],
+         torch.tensor([0, 5, 36, 40]), torch.tensor([0, 1, 2, 3])),
+        # a continuation, a decode and a fresh sequence in one step
+        ([SeqInput(p1[:10], 37, pt0, 0), SeqInput([5], 20, pt1, 1), SeqInput(p2, 0, pt2, 2)],
+         None, None),
+        # a decode step of one sequence (the decode graph, batch of 1)
+        ([SeqInput([7], 47, pt0, 0)], None, None),
+    ]
+
+
+def test_compiled_steps_match_eager(model, aot_engine):
+    eager, compiled = _pair(model, aot_engine[1])
+    for seqs, src, dst in _steps(model):
+        _close(compiled.forward(seqs, src, dst), eager.forward(seqs, src, dst))
+    for a, b in zip(eager.kv.k + eager.kv.v, compiled.kv.k + compiled.kv.v):
+        _close(b, a)
+    for a, b in zip(eager.run_states.conv + eager.run_states.rec,
+                    compiled.run_states.conv + compiled.run_states.rec):
+        _close(b, a)
+    _close(compiled.anchors, eager.anchors)
+    assert compiled.anchors[:, :4].abs().sum() > 0  # the captured rows were written
+
+
+def test_compiled_replay_matches_eager(model, aot_engine):
+    eager, compiled = _pair(model, aot_engine[1])
+    seqs, src, dst = _steps(model)[0]
+    for ex in (eager, compiled):
+        ex.forward(seqs, src, dst)
+        ex.replay([3, 2], [torch.tensor([0, 1, 2]), torch.tensor([3])])
+    for a, b in zip(eager.run_states.conv + eager.run_states.rec,
+                    compiled.run_states.conv + compiled.run_states.rec):
+        _close(b[2:4], a[2:4])
+    assert compiled.run_states.rec[0][2:4].abs().sum() > 0
+
+
+def test_eager_graphs_match_eager_model(model):
+    """The packed formulation itself (uncompiled) equals the padded eager model."""
+    eager = TorchExecutor(model, *SIZES)
+    graphs = CompiledExecutor.from_graphs(model, *SIZES)
+    for seqs, src, dst in _steps(model):
+        _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
+
+
+def test_compiled_engine_generates_like_eager_with_cache_hits(model, aot_engine):
+    V = model.config.vocab_size
+    eager = make_engine(model)
+    compiled = Engine(None, EngineConfig(**{**eager.config.__dict__, "executor": "compiled"}),
+                      engine_dir=aot_engine[1])
+    shared = random_prompt(70, V, 9)
+    prompts = [shared + random_prompt(12, V, 10), shared + random_prompt(7, V, 11),
+               random_prompt(30, V, 12)]
+    params = SamplingParams(max_tokens=10, top_k=1)
+    for engine in (eager, compiled):
+        engine.outs = [engine.generate(p, params).new_token_ids for p in prompts]
+    assert compiled.outs == eager.outs
+    stats = compiled.stats()
+    assert stats["cache"]["hit_tokens"] > 0
+    assert stats["replayed_anchors"] + stats["live_state_hits"] > 0
+    assert_no_leak(compiled)
+
+
+def test_engine_from_model_dir_selects_the_compiled_executor(aot_engine):
+    model_dir, engine_dir = aot_engine
+    config = EngineConfig.from_params({"executor": "compiled", "engine_dir": str(engine_dir),
+                                       "num_kv_pages": "64", "page_size": "16"})
+    engine = Engine.from_model_dir(model_dir, config)
+    assert isinstance(engine.executor, CompiledExecutor) and engine.model is None
+    out = engine.generate(list(b"def main():"), SamplingParams(max_tokens=4, top_k=1))
+    assert len(out.new_token_ids) == 4
+
+
+def test_bad_engine_directories_are_clear_errors(tmp_path, aot_engine):
+    with pytest.raises(EngineFormatError, match="engine.json"):
+        CompiledExecutor(tmp_path, *SIZES)
+    (tmp_path / "engine.json").write_text("{not json")
+    with pytest.raises(EngineFormatError, match="not valid JSON"):
+        CompiledExecutor(tmp_path, *SIZES)
+    meta = json.loads((aot_engine[1] / "engine.json").read_text())
+    (tmp_path / "engine.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(EngineFormatError, match="format 99"):
+        CompiledExecutor(tmp_path, *SIZES)
+    (tmp_path / "engine.json").write_text(json.dumps(meta))
+    with pytest.raises(EngineFormatError, match="prefill"):
+        CompiledExecutor(tmp_path, *SIZES)
+    with pytest.raises(ValueError, match="int8"):
+        EngineConfig.from_params({"executor": "compiled", "anchor_dtype": "int8"})

@@ -1,0 +1,154 @@
+"""Each operator (CPU implementation and Triton kernel) against its PyTorch reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import plugins
+from plugins import reference as ref
+
+triton_ops = pytest.mark.skipif(not plugins.triton_available(), reason="triton not installed")
+LENGTHS = [[1], [5, 0, 17, 3], [70, 1, 64], [2, 2]]
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _scan_inputs(lengths, H, K, V, seed, with_state):
+    g = torch.Generator().manual_seed(seed)
+    T = sum(lengths)
+    q = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    k = F.normalize(torch.randn(T, H, K, generator=g), dim=-1)
+    v = torch.randn(T, H, V, generator=g)
+    gate = -torch.rand(T, H, generator=g) * 2
+    beta = torch.rand(T, H, generator=g)
+    h0 = torch.randn(len(lengths), H, K, V, generator=g) if with_state else None
+    return q, k, v, gate, beta, _cu(lengths), h0
+
+
+SCAN_CASES = [(lengths, hkv, with_state) for lengths in LENGTHS
+              for hkv in [(2, 16, 16), (3, 16, 24), (1, 32, 8)] for with_state in (False, True)]
+
+
+@pytest.mark.parametrize("lengths,hkv,with_state", SCAN_CASES)
+def test_gated_delta_scan_cpu_matches_reference(lengths, hkv, with_state):
+    q, k, v, g, beta, cu, h0 = _scan_inputs(lengths, *hkv, seed=len(lengths), with_state=with_state)
+    want_o, want_s = ref.gated_delta_scan_ref(q, k, v, g, beta, cu, h0, 0.3)
+    o, s = torch.ops.suffixreplay.gated_delta_scan(q, k, v, g, beta, cu, h0, 0.3)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
+
+
+@triton_ops
+@pytest.mark.parametrize("lengths,hkv,with_state", SCAN_CASES[::2] + SCAN_CASES[1::6])
+def test_gated_delta_scan_triton_matches_reference(lengths, hkv, with_state):
+    q, k, v, g, beta, cu, h0 = _scan_inputs(lengths, *hkv, seed=7, with_state=with_state)
+    want_o, want_s = ref.gated_delta_scan_ref(q, k, v, g, beta, cu, h0, 0.3)
+    o, s = torch.ops.suffixreplay.gated_delta_scan_triton(q, k, v, g, beta, cu, h0, 0.3)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
+
+
+def test_gated_delta_scan_equals_one_sequence_at_a_time():
+    """Packing must not leak state between neighbouring sequences."""
+    lengths = [9, 30, 4]
+    q, k, v, g, beta, cu, h0 = _scan_inputs(lengths, 2, 16, 16, seed=3, with_state=True)
+    o, s = torch.ops.suffixreplay.gated_delta_scan(q, k, v, g, beta, cu, h0, 0.25)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        o1, s1 = torch.ops.suffixreplay.gated_delta_scan(
+            q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], _cu([b - a]), h0[n:n + 1], 0.25)
+        torch.testing.assert_close(o[a:b], o1, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(s[n], s1[0], atol=1e-5, rtol=1e-5)
+
+
+def test_gated_delta_scan_bfloat16_inputs():
+    q, k, v, g, beta, cu, h0 = _scan_inputs([20, 7], 2, 16, 16, seed=5, with_state=True)
+    want_o, want_s = ref.gated_delta_scan_ref(q, k, v, g, beta, cu, h0, 0.25)
+    o, s = torch.ops.suffixreplay.gated_delta_scan(q.bfloat16(), k.bfloat16(), v.bfloat16(),
+                                                   g, beta, cu, h0, 0.25)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    torch.testing.assert_close(o.float(), want_o, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(s, want_s, atol=0.1, rtol=0.05)
+
+
+def _conv_inputs(lengths, C, W, seed, with_state):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), C, generator=g)
+    w = torch.randn(C, W, generator=g)
+    s0 = torch.randn(len(lengths), C, W - 1, generator=g) if with_state else None
+    return x, w, _cu(lengths), s0
+
+
+CONV_CASES = [(lengths, C, W, st, silu) for lengths in LENGTHS for C, W in [(10, 4), (33, 2)]
+              for st in (False, True) for silu in (True, False)]
+
+
+@pytest.mark.parametrize("lengths,C,W,with_state,silu", CONV_CASES)
+def test_causal_conv1d_cpu_matches_reference(lengths, C, W, with_state, silu):
+    x, w, cu, s0 = _conv_inputs(lengths, C, W, seed=C, with_state=with_state)
+    want_y, want_s = ref.causal_conv1d_ref(x, w, cu, s0, silu)
+    y, s = torch.ops.suffixreplay.causal_conv1d(x, w, cu, s0, silu)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, want_s)
+
+
+@triton_ops
+@pytest.mark.parametrize("lengths,C,W,with_state,silu", CONV_CASES[::3])
+def test_causal_conv1d_triton_matches_reference(lengths, C, W, with_state, silu):
+    x, w, cu, s0 = _conv_inputs(lengths, C, W, seed=C + 1, with_state=with_state)
+    want_y, want_s = ref.causal_conv1d_ref(x, w, cu, s0, silu)
+    y, s = torch.ops.suffixreplay.causal_conv1d_triton(x, w, cu, s0, silu)
+    torch.testing.assert_close(y, want_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, want_s)
+
+
+def test_conv_state_of_a_short_sequence_keeps_part_of_the_old_state():
+    """A sequence shorter than W - 1 shifts its new inputs into the carried state."""
+    x, w, cu, s0 = _conv_inputs([1], 4, 4, seed=0, with_state=True)
+    _, s = torch.ops.suffixreplay.causal_conv1d(x, w, cu, s0, True)
+    torch.testing.assert_close(s[0, :, :2], s0[0, :, 1:])
+    torch.testing.assert_close(s[0, :, 2], x[0])
+
+
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("impl", ["cpu", "triton"])
+def test_anchor_capture_matches_reference(pool_dtype, impl):
+    if impl == "triton" and not plugins.triton_available():
+        pytest.skip("triton not installed")
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(40, 24, generator=g)
+    src = torch.tensor([0, 7, 39, 12])
+    dst = torch.tensor([5, 0, 9, 2])
+    want = torch.randn(11, 24, generator=g).to(pool_dtype)
+    got = want.clone()
+    ref.anchor_capture_ref(hidden, src, dst, want)
+    op = {"cpu": torch.ops.suffixreplay.anchor_capture,
+          "triton": torch.ops.suffixreplay.anchor_capture_triton}[impl]
+    op(hidden, src, dst, got)
+    if impl == "triton" and pool_dtype == torch.bfloat16:
+        # Triton's CPU interpreter rounds fp32 -> bf16 by truncation (CUDA rounds to nearest):
+        # allow one bf16 step.
+        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+    else:
+        assert torch.equal(got, want)
+    untouched = [r for r in range(11) if r not in dst.tolist()]
+    assert torch.equal(got[untouched], want[untouched])
+
+
+def test_fake_implementations_give_output_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(12, 3, 16), torch.empty(12, 3, 16)
+        v, g, beta = torch.empty(12, 3, 24), torch.empty(12, 3), torch.empty(12, 3)
+        o, s = torch.ops.suffixreplay.gated_delta_scan(q, k, v, g, beta,
+                                                       torch.empty(4, dtype=torch.int32),
+                                                       None, 0.25)
+        y, cs = torch.ops.suffixreplay.causal_conv1d(torch.empty(12, 10), torch.empty(10, 4),
+                                                     torch.empty(4, dtype=torch.int32), None, True)
+    assert tuple(o.shape) == (12, 3, 24) and tuple(s.shape) == (3, 3, 16, 24)
+    assert s.dtype == torch.float32
+    assert tuple(y.shape) == (12, 10) and tuple(cs.shape) == (3, 10, 3)
