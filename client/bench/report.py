@@ -1,0 +1,141 @@
+"""report.md (tables) and the PNG plots of a benchmark-suite run."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+GOALS = {
+    "branching_ttft_reduction_vs_checkpoint_agentic16k": (">=", 0.5, "0.55-0.70"),
+    "branching_ttft_reduction_vs_checkpoint_sharegpt": (">=", 0.2, "0.15-0.20"),
+    "checkpoint_distance_ttft_max_over_min_suffixreplay": ("<=", 1.2, "flat"),
+    "capacity_throughput_ratio_vs_checkpoint": (">=", 3.0, "2.3-4.3"),
+    "pcr_ttft_speedup_vs_sccache": (">=", 1.3, "-"),
+    "pcr_ttft_speedup_vs_nocache": (">=", 2.0, "2.13-2.47"),
+    "rag_p99_e2el_reduction_vs_lmcache_like": (">=", 0.3, "> 0.3"),
+    "sim_validation_error": ("<=", 0.2, "-"),
+}
+
+
+def _fmt(x) -> str:
+    if isinstance(x, float):
+        return "n/a" if math.isnan(x) else f"{x:.3f}"
+    return str(x)
+
+
+def _met(value, op: str, goal: float) -> str:
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return "n/a"
+    return "yes" if (value >= goal if op == ">=" else value <= goal) else "no"
+
+
+def ratio_table(summary: dict) -> str:
+    lines = ["| key | measured | goal | met | paper |", "| --- | --- | --- | --- | --- |"]
+    for key, (op, goal, paper) in GOALS.items():
+        v = summary.get(key, float("nan"))
+        lines.append(f"| `{key}` | {_fmt(v)} | {op} {goal} | {_met(v, op, goal)} | {paper} |")
+    return "\n".join(lines)
+
+
+def system_table(results: dict, workload: str) -> str:
+    rows = results[workload]
+    lines = [f"**{workload}**", "",
+             "| system | TTFT mean | P50 | P95 | P99 | E2EL P99 | ITL mean | req/s | hit rate |"
+             " anchors |", "| --- | " * 10 + "|"]
+    lines[-1] = "| --- " * 10 + "|"
+    for system, s in rows.items():
+        t, e, i = s["ttft_ms"], s["e2el_ms"], s["itl_ms"]
+        lines.append(f"| {system} | {t['mean']:.1f} | {t['p50']:.1f} | {t['p95']:.1f} | "
+                     f"{t['p99']:.1f} | {e['p99']:.1f} | {_fmt(i['mean'])} | "
+                     f"{s['throughput_requests_per_s']:.2f} | {s['hit_rate']:.2f} | "
+                     f"{s['replayed_anchors']} |")
+    return "\n".join(lines)
+
+
+def write_report(summary: dict, out: Path) -> Path:
+    results = summary["results"]
+    plots = plot_all(summary, out)
+    parts = [f"# Benchmark suite ({'quick' if summary['quick'] else 'full'})", "",
+             f"{summary['date']}, {summary['machine']}, {summary['mode']}, model "
+             f"`{Path(summary['model']).name}`, k_max {summary['k_max']}, "
+             f"{summary['wall_seconds']:.0f} s.", "", "## Ratios (issue 8)", "",
+             ratio_table(summary), "",
+             "Simulator validation error per run: "
+             + ", ".join(f"{k} {v:.2f}" for k, v in summary["sim_validation_errors"].items()),
+             "", "## Per workload (times in ms)", ""]
+    for workload in results:
+        parts += [system_table(results, workload), ""]
+    parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def plot_all(summary: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results, paths = summary["results"], []
+    rag = {k: v for k, v in results.items() if k.startswith("rag_rate")}
+    if rag:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        rates = sorted(rag, key=lambda k: float(k[len("rag_rate"):]))
+        for system in next(iter(rag.values())):
+            ax.plot([float(k[len("rag_rate"):]) for k in rates],
+                    [rag[k][system]["ttft_ms"]["mean"] for k in rates], marker="o", label=system)
+        ax.set(xlabel="request rate (req/s)", ylabel="mean TTFT (ms)", yscale="log",
+               title="RAG: TTFT versus request rate")
+        ax.legend(fontsize=7)
+        paths.append(_save(fig, out / "ttft_vs_rate.png"))
+    sweep = results.get("distance_sweep")
+    if sweep:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for system, s in sweep.items():
+            pts = sorted((int(t[1:]), v["mean"]) for t, v in s["ttft_ms_by_tag"].items()
+                         if t.startswith("d"))
+            ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=system)
+        ax.set(xlabel="distance of the cut from the last checkpoint (tokens)",
+               ylabel="TTFT (ms)", title="TTFT versus checkpoint distance")
+        ax.legend()
+        paths.append(_save(fig, out / "ttft_vs_checkpoint_distance.png"))
+    caps = {k: v for k, v in results.items() if k.startswith("capacity_")}
+    if caps:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        factors = sorted(caps, key=lambda k: int(k.split("_")[1].rstrip("x")))
+        for system in next(iter(caps.values())):
+            ax.plot([int(k.split("_")[1].rstrip("x")) for k in factors],
+                    [caps[k][system]["throughput_requests_per_s"] for k in factors], marker="o",
+                    label=system)
+        ax.set(xlabel="working set / device pool", ylabel="requests per second",
+               title="Throughput versus working-set size")
+        ax.legend()
+        paths.append(_save(fig, out / "throughput_vs_working_set.png"))
+    cal = Path(summary["model"]) / "calibration.json"
+    if cal.exists():
+        sweep = json.loads(cal.read_text()).get("sweep", {})
+        ks = sorted(sweep, key=int)
+        if ks:
+            fig, ax = plt.subplots(figsize=(7, 4))
+            ax.plot([int(k) for k in ks], [sweep[k]["top1_agreement"] for k in ks], marker="o",
+                    label="top-1 agreement with a full prefill")
+            ax2 = ax.twinx()
+            ax2.plot([int(k) for k in ks], [sweep[k]["kl"] for k in ks], marker="s", color="C1",
+                     label="next-token KL")
+            ax.set(xscale="log", xlabel="k (anchors replayed per group)",
+                   ylabel="top-1 agreement", title="Quality versus k (calibration sweep)")
+            ax2.set_ylabel("KL (nats)")
+            ax.legend(loc="lower right", fontsize=7)
+            paths.append(_save(fig, out / "quality_vs_k.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,249 @@
+"""The benchmark suite: every workload against every system in one run, then the report.
+
+    python -m client.bench run --quick [--in-process] [--out NAME]
+    python -m client.bench run --full
+
+By default each system is served by a real tritonserver (a temporary model repository whose
+hybrid_llm carries the system's parameters) and driven over gRPC; `--in-process` drives the
+same engine configuration in this process. Writes client/bench/results/<out>/summary.json
+(the ratio keys of issue 8 at the top), report.md (tables) and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from backend.model import load_model
+from client.bench import sim as simulator
+from client.bench import workloads as W
+from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
+from client.bench.suite import measure_in_process, run_served, summarize
+from client.bench.systems import SYSTEMS, Budget, engine_config, system_params
+
+BRANCH_SYSTEMS = SYSTEMS
+SWEEP_SYSTEMS = ("nocache", "checkpoint", "suffixreplay")
+CAPACITY_SYSTEMS = ("checkpoint", "suffixreplay")
+
+
+def plan(quick: bool) -> dict:
+    if quick:
+        return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
+                "agentic_fanout": 2, "rag": dict(num_chunks=40, num_queries=12),
+                "rates": [1.0, 3.0, 6.0], "sweep_step": 64, "capacity": [2, 4, 8],
+                "capacity_passes": 2}
+    return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
+            "agentic_fanout": 3, "rag": dict(num_chunks=96, num_queries=48),
+            "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "capacity": [2, 4, 6, 8],
+            "capacity_passes": 3}
+
+
+def k_max_of(model_dir: Path) -> int:
+    cal = model_dir / "calibration.json"
+    return int(json.loads(cal.read_text())["k_max"]) if cal.exists() else 64
+
+
+class Runner:
+    def __init__(self, model_dir: Path, in_process: bool, budget: Budget, work: Path) -> None:
+        self.model_dir, self.in_process = model_dir, in_process
+        self.budget, self.work = budget, work
+        self.model = load_model(model_dir)
+        self.cfg = self.model.config
+        self.k_max = k_max_of(model_dir)
+        self.records: dict[str, list] = {}
+        # Warm-up (lazy initialisation, allocator) so the first system measured is not charged.
+        warm = W.Workload("warmup", [W.BenchRequest("w", list(b"def f(x):\n" * 40), 4)])
+        measure_in_process(self.model, engine_config("suffixreplay", self.cfg, budget,
+                                                     self.k_max), warm)
+
+    def run(self, system: str, workload: W.Workload, budget: Budget | None = None) -> dict:
+        budget = budget or self.budget
+        ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
+        if self.in_process:
+            config = engine_config(system, self.cfg, budget, self.k_max, ssd)
+            summary, records = measure_in_process(self.model, config, workload)
+        else:
+            params = system_params(system, self.cfg, budget, self.k_max, ssd)
+            summary, records = self._served(params, workload)
+        self.records[f"{workload.name}/{system}"] = records
+        return summary
+
+    def _served(self, params: dict, workload: W.Workload):
+        from client.bench.serving import served_repository
+
+        with served_repository(params) as server:
+            t0 = time.perf_counter()
+            records = run_served(server.urls.grpc, workload)
+            makespan = time.perf_counter() - t0
+        return summarize(records, None, makespan), [
+            {"rid": r.rid, "tag": r.tag, "prompt_tokens": r.prompt_tokens, "ttft": r.ttft,
+             "e2el": r.e2el, "cached_tokens": r.cached_tokens,
+             "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens}
+            for r in records]
+
+
+def _mean_ttft(s: dict, tag: str | None = None) -> float:
+    d = s["ttft_ms_by_tag"].get(tag, {}) if tag else s["ttft_ms"]
+    return d.get("mean", float("nan"))
+
+
+def _reduction(ours: float, base: float) -> float:
+    return 1 - ours / base if base and not math.isnan(base) else float("nan")
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.set_num_threads(2)
+    p = plan(not args.full)
+    out = RESULTS_ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    runner = Runner(Path(args.model), args.in_process, Budget(host_pages=64), work)
+    results: dict[str, dict] = {}
+    jobs: list[tuple[str, W.Workload, tuple[str, ...], Budget | None]] = []
+    jobs += [(s, W.sharegpt(**p["sharegpt"]), BRANCH_SYSTEMS, None) for s in ["sharegpt"]]
+    for n in p["agentic"]:
+        jobs.append(("agentic", W.agentic(n, fanout=p["agentic_fanout"]), BRANCH_SYSTEMS, None))
+    corpus = W.rag_corpus(**p["rag"])
+    for rate in p["rates"]:
+        jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, None))
+    jobs.append(("sweep", W.distance_sweep(step=p["sweep_step"]), SWEEP_SYSTEMS, None))
+    cap_budget = Budget(device_budget_bytes=4 << 20, host_pages=64)
+    pool_tokens = cap_budget.device_budget_bytes // (runner.cfg and _kv_bytes_per_token(runner))
+    for f in p["capacity"]:
+        jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"]),
+                     CAPACITY_SYSTEMS, cap_budget))
+    total = sum(len(systems) for _, _, systems, _ in jobs)
+    bar = tqdm(total=total, desc="bench suite", unit="run")
+    t0 = time.time()
+    for _, workload, systems, budget in jobs:
+        for system in systems:
+            bar.set_postfix(workload=workload.name, system=system)
+            results.setdefault(workload.name, {})[system] = runner.run(system, workload, budget)
+            bar.update(1)
+    bar.close()
+    summary = ratios(results, p)
+    summary.update(simulation(runner, jobs, results))
+    summary.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": "2-core CPU, no GPU",
+                    "mode": "in-process" if args.in_process else "tritonserver (gRPC)",
+                    "quick": not args.full, "model": str(args.model), "k_max": runner.k_max,
+                    "wall_seconds": round(time.time() - t0, 1), "results": results})
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    (out / "records.json").write_text(json.dumps(runner.records, default=float) + "\n")
+    from client.bench.report import write_report
+
+    write_report(summary, out)
+    return summary
+
+
+def _kv_bytes_per_token(runner: Runner) -> int:
+    from client.bench.systems import bytes_per_page
+
+    return bytes_per_page(runner.cfg, 64) // 64
+
+
+def ratios(results: dict, p: dict) -> dict:
+    r: dict = {}
+    for name, key in (("agentic16k", "branching_ttft_reduction_vs_checkpoint_agentic16k"),
+                      ("agentic5k", "branching_ttft_reduction_vs_checkpoint_agentic5k"),
+                      ("sharegpt", "branching_ttft_reduction_vs_checkpoint_sharegpt")):
+        if name in results:
+            res = results[name]
+            r[key] = _reduction(_mean_ttft(res["suffixreplay"], "branch"),
+                                _mean_ttft(res["checkpoint"], "branch"))
+    sweep = results.get("distance_sweep")
+    if sweep:
+        for system in ("suffixreplay", "checkpoint"):
+            ttfts = [v["mean"] for t, v in sweep[system]["ttft_ms_by_tag"].items()
+                     if t.startswith("d")]
+            key = f"checkpoint_distance_ttft_max_over_min_{system}"
+            r[key] = max(ttfts) / min(ttfts)
+    caps = {int(k.split("_")[1].rstrip("x")): v for k, v in results.items()
+            if k.startswith("capacity_")}
+    ratios_by_factor = {f: v["suffixreplay"]["throughput_requests_per_s"]
+                        / v["checkpoint"]["throughput_requests_per_s"] for f, v in caps.items()}
+    r["capacity_throughput_ratio_by_factor"] = ratios_by_factor
+    at4 = [v for f, v in ratios_by_factor.items() if f >= 4]
+    r["capacity_throughput_ratio_vs_checkpoint"] = min(at4) if at4 else float("nan")
+    rates = p["rates"]
+    moderate = f"rag_rate{rates[len(rates) // 2]:g}"
+    if moderate in results:
+        rag = results[moderate]
+        r["pcr_ttft_speedup_vs_sccache"] = _mean_ttft(rag["checkpoint"]) / _mean_ttft(
+            rag["pcr_full"])
+        r["pcr_ttft_speedup_vs_nocache"] = _mean_ttft(rag["nocache"]) / _mean_ttft(
+            rag["pcr_full"])
+        r["rag_p99_e2el_reduction_vs_lmcache_like"] = _reduction(
+            rag["pcr_full"]["e2el_ms"]["p99"], rag["lmcache_like"]["e2el_ms"]["p99"])
+        r["rag_p99_e2el_reduction_vs_lmcache_like_ours"] = _reduction(
+            rag["ours"]["e2el_ms"]["p99"], rag["lmcache_like"]["e2el_ms"]["p99"])
+        r["rag_moderate_rate"] = rates[len(rates) // 2]
+    return r
+
+
+def simulation(runner: Runner, jobs, results: dict) -> dict:
+    """Fits the cost model on the closed-loop runs, validates the simulator against them and
+    projects to real model shapes on an H200 (stated assumptions)."""
+    from backend.cache.accounting import CONFIG_DIR
+    from backend.config import ModelConfig
+
+    rows = []
+    for key, records in runner.records.items():
+        if key.startswith("rag"):
+            continue  # queueing is not in the cost model
+        for rec in records:
+            if rec.get("error"):
+                continue
+            rows.append({"recomputed": rec["prompt_tokens"] - rec["cached_tokens"],
+                         "context": rec["prompt_tokens"], "anchors": rec["replayed_anchors"],
+                         "ttft": rec["ttft"], "e2el": rec["e2el"],
+                         "output_tokens": rec["output_tokens"]})
+    cost = simulator.CostModel.fit(rows)
+    shapes = simulator.shapes_of(runner.cfg, dtype_bytes=4, k_max=runner.k_max)
+    errors = {}
+    for _, workload, systems, budget in jobs:
+        if workload.name.startswith("rag"):
+            continue
+        budget = budget or runner.budget
+        for system in systems:
+            if system not in ("nocache", "checkpoint", "suffixreplay"):
+                continue
+            policy = {"nocache": "none"}.get(system, system)
+            sim_sys = simulator.SimSystem(policy, budget.device_budget_bytes)
+            pred = simulator.simulate(workload, sim_sys, shapes, cost)["ttft_mean_s"] * 1000
+            meas = results[workload.name][system]["ttft_ms"]["mean"]
+            errors[f"{workload.name}/{system}"] = abs(pred - meas) / meas
+    projection = {}
+    for name, params_b in (("qwen3_5_4b", 4.0), ("qwen3_6_27b", 27.0)):
+        cfg = ModelConfig.from_file(CONFIG_DIR / f"{name}.json")
+        gpu = simulator.CostModel.h200(params_b, len(cfg.attention_layer_ids),
+                                       cfg.num_key_value_heads, cfg.head_dim, 0.75)
+        sh = simulator.shapes_of(cfg, dtype_bytes=2)
+        proj = {}
+        for _, workload, _, _ in jobs:
+            if not workload.name.startswith(("agentic", "sharegpt")):
+                continue
+            for policy in ("none", "checkpoint", "suffixreplay"):
+                s = simulator.simulate(workload, simulator.SimSystem(policy, 40 << 30), sh, gpu)
+                proj.setdefault(workload.name, {})[policy] = s
+        projection[name] = proj
+    mean_error = sum(errors.values()) / len(errors) if errors else float("nan")
+    return {"sim_validation_error": mean_error, "sim_validation_errors": errors,
+            "sim_cost_model": cost.__dict__, "sim_projection_h200": projection}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m client.bench run", description=__doc__)
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_true", help="all workloads, small (default)")
+    mode.add_argument("--full", action="store_true")
+    p.add_argument("--in-process", action="store_true", help="no server: drive the engine here")
+    p.add_argument("--model", default=str(DEFAULT_MODEL))
+    p.add_argument("--out", default="suite_quick")
+    return run(p.parse_args(argv))

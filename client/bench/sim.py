@@ -1,0 +1,187 @@
+"""Trace-driven simulator: hit rates, TTFT and throughput of each system at any model size.
+
+The cache is simulated at page granularity on the workload's real token ids: a prompt hits the
+longest cached page-aligned prefix; the checkpoint baseline can only resume at a boundary that
+holds a checkpoint (every `interval` tokens and at prompt ends); suffix replay at any page
+boundary, paying the replay of k = min(ceil(f n), k_max) anchors per group; no cache never hits.
+Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
+least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one.
+
+TTFT of a request = overhead + prefill of the recomputed tokens (linear in tokens and in
+tokens x context for attention) + replay of the anchors + loading tier-resident KV at the
+tier's bandwidth. `CostModel.fit` calibrates the coefficients by least squares on the
+measured records of a run on this machine; `CostModel.h200` states the published-figure
+assumptions for a GPU projection.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from client.bench.workloads import Workload
+
+
+@dataclass
+class CostModel:
+    overhead_s: float
+    per_token_s: float
+    per_token_ctx_s: float  # x recomputed tokens x context tokens (attention)
+    per_anchor_s: float
+    per_output_token_s: float
+    dram_bytes_per_s: float = 20e9
+    ssd_bytes_per_s: float = 2e9
+    name: str = "fitted"
+
+    @classmethod
+    def fit(cls, rows: list[dict]) -> CostModel:
+        """rows: recomputed, context, anchors, ttft (s), output_tokens, e2el (s)."""
+        a = np.array([[1.0, r["recomputed"], r["recomputed"] * r["context"], r["anchors"]]
+                      for r in rows])
+        y = np.array([r["ttft"] for r in rows])
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        coef = np.maximum(coef, 0.0)
+        decode = [(r["e2el"] - r["ttft"]) / max(r["output_tokens"] - 1, 1) for r in rows
+                  if r["output_tokens"] > 1]
+        return cls(*map(float, coef), float(np.median(decode)) if decode else 0.0)
+
+    @classmethod
+    def h200(cls, params_b: float, attn_layers: int, kv_heads: int, head_dim: int,
+             linear_fraction: float) -> CostModel:
+        """Assumptions (stated, not measured): H200 989 TFLOP/s dense bf16 at 40% utilisation
+        for prefill, 4.8 TB/s HBM for decode (weights read once per step), PCIe Gen5 x16
+        about 50 GB/s host-to-device, an NVMe RAID read of 12 GB/s; 2 x params FLOPs per
+        token plus 4 x layers x heads x head_dim per token-pair for attention."""
+        flops = 989e12 * 0.4
+        per_token = 2 * params_b * 1e9 / flops
+        per_pair = 4 * attn_layers * kv_heads * 8 * head_dim / flops  # GQA: 8 q heads per kv
+        per_anchor = per_token * linear_fraction
+        decode = 2 * params_b * 1e9 / 4.8e12
+        return cls(0.004, per_token, per_pair, per_anchor, decode, 50e9, 12e9, "h200-assumed")
+
+    def ttft(self, recomputed: int, context: int, anchors: int, dram_bytes: int = 0,
+             ssd_bytes: int = 0) -> float:
+        return (self.overhead_s + self.per_token_s * recomputed
+                + self.per_token_ctx_s * recomputed * context + self.per_anchor_s * anchors
+                + dram_bytes / self.dram_bytes_per_s + ssd_bytes / self.ssd_bytes_per_s)
+
+
+@dataclass
+class SimSystem:
+    policy: str  # "none" | "checkpoint" | "suffixreplay"
+    device_bytes: int
+    dram_bytes: int = 0
+    interval: int = 256
+
+
+@dataclass
+class Shapes:
+    """Bytes per page of KV, per checkpoint, per page of anchors; replay budget."""
+
+    page_size: int
+    kv_page: int
+    checkpoint: int
+    anchor_page: int
+    anchors_per_page: int
+    groups: int
+    budget_fraction: float = 0.05
+    k_max: int = 512
+
+
+def _page_keys(tokens: list[int], page: int) -> list[int]:
+    keys, h = [], 0
+    for i in range(len(tokens) // page):
+        h = hash((h, tuple(tokens[i * page:(i + 1) * page])))
+        keys.append(h)
+    return keys
+
+
+class _Tier:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used, self.items = capacity, 0, OrderedDict()
+
+    def get(self, key) -> bool:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return True
+        return False
+
+    def put(self, key, size: int) -> list:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return []
+        evicted = []
+        while self.used + size > self.capacity and self.items:
+            k, s = self.items.popitem(last=False)
+            self.used -= s
+            evicted.append((k, s))
+        if size <= self.capacity:
+            self.items[key] = size
+            self.used += size
+        return evicted
+
+
+def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostModel) -> dict:
+    ps = shapes.page_size
+    device, dram = _Tier(system.device_bytes), _Tier(system.dram_bytes)
+    checkpoints: set[int] = set()
+    page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
+    rows = []
+    for req in workload.requests:
+        keys = _page_keys(req.prompt, ps)
+        hit_pages, from_dram = 0, 0
+        if system.policy != "none":
+            for key in keys[: (len(req.prompt) - 1) // ps]:  # the last token is always computed
+                if device.get(key):
+                    hit_pages += 1
+                elif dram.get(key):
+                    hit_pages += 1
+                    from_dram += 1
+                else:
+                    break
+            if system.policy == "checkpoint":
+                while hit_pages and keys[hit_pages - 1] not in checkpoints:
+                    hit_pages -= 1
+                from_dram = min(from_dram, hit_pages)
+        cached = hit_pages * ps
+        anchors = 0
+        if system.policy == "suffixreplay" and cached:
+            k = min(math.ceil(shapes.budget_fraction * cached), shapes.k_max,
+                    hit_pages * shapes.anchors_per_page)
+            anchors = k * shapes.groups
+        recomputed = len(req.prompt) - cached
+        ttft = cost.ttft(recomputed, len(req.prompt), anchors, from_dram * shapes.kv_page)
+        e2el = ttft + cost.per_output_token_s * max(req.max_tokens - 1, 0)
+        rows.append({"tag": req.tag, "cached": cached, "ttft": ttft, "e2el": e2el,
+                     "prompt": len(req.prompt)})
+        if system.policy == "none":
+            continue
+        for i, key in enumerate(keys):  # insert every full page of the prompt
+            for k, _size in device.put(key, page_bytes):
+                if system.dram_bytes:
+                    dram.put(k, shapes.kv_page)
+                checkpoints.discard(k)
+            end = (i + 1) * ps
+            if system.policy == "checkpoint" and (end % system.interval == 0 or i == len(keys) - 1):
+                if key not in checkpoints:
+                    checkpoints.add(key)
+                    device.put(("ckpt", key), shapes.checkpoint)
+    total = sum(r["prompt"] for r in rows)
+    return {"hit_rate": sum(r["cached"] for r in rows) / max(total, 1),
+            "ttft_mean_s": float(np.mean([r["ttft"] for r in rows])),
+            "ttft_by_tag_s": {t: float(np.mean([r["ttft"] for r in rows if r["tag"] == t]))
+                              for t in {r["tag"] for r in rows}},
+            "throughput_requests_per_s": len(rows) / max(sum(r["e2el"] for r in rows), 1e-9)}
+
+
+def shapes_of(cfg, page_size: int = 64, dtype_bytes: int = 2, k_max: int = 512) -> Shapes:
+    from client.bench.systems import bytes_per_anchor_block, bytes_per_checkpoint, bytes_per_page
+
+    anchors = max(1, page_size // 16)
+    return Shapes(page_size, bytes_per_page(cfg, page_size, dtype_bytes),
+                  bytes_per_checkpoint(cfg, dtype_bytes),
+                  bytes_per_anchor_block(cfg, anchors, dtype_bytes), anchors, cfg.num_groups,
+                  k_max=k_max)

@@ -1,0 +1,229 @@
+"""Runs workloads against systems and measures them (in-process engine or the Triton server).
+
+`run_in_process` drives an `Engine` thread exactly as the Triton model does (submit with an
+output callback): closed-loop requests start when the previous one finished, open-loop ones at
+their arrival time. `run_served` sends the same requests to a real tritonserver over gRPC
+streaming (one server per system, its hybrid_llm configured like the in-process engine).
+Both record per request: TTFT, end-to-end latency, inter-token latencies, cached prompt tokens.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from backend.engine import Engine, EngineConfig, Request, SamplingParams
+from client.bench.workloads import BenchRequest, Workload
+
+
+@dataclass
+class Record:
+    rid: str
+    tag: str
+    prompt_tokens: int
+    submitted: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    replayed_anchors: int = 0
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float:
+        return (self.first or self.submitted) - self.submitted
+
+    @property
+    def e2el(self) -> float:
+        return (self.last or self.submitted) - self.submitted
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def describe(values: list[float]) -> dict[str, float]:
+    """Mean, P50, P95, P99 in milliseconds."""
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p95": float("nan"),
+                "p99": float("nan"), "n": 0}
+    ms = [v * 1000 for v in values]
+    return {"mean": statistics.fmean(ms), "p50": percentile(ms, 50), "p95": percentile(ms, 95),
+            "p99": percentile(ms, 99), "n": len(ms)}
+
+
+def _sampling(req: BenchRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=req.max_tokens, min_tokens=req.max_tokens, top_k=1)
+
+
+def run_in_process(engine: Engine, workload: Workload, timeout_s: float = 600.0) -> list[Record]:
+    records: dict[str, Record] = {}
+    done: dict[str, threading.Event] = {}
+    lock = threading.Lock()
+
+    def on_output(out) -> None:
+        now = time.perf_counter()
+        with lock:
+            rec = records[out.request_id]
+            if out.new_token_ids:
+                rec.first = rec.first or now
+                rec.token_times += [now] * len(out.new_token_ids)
+                rec.output_tokens += len(out.new_token_ids)
+            rec.cached_tokens = max(rec.cached_tokens, out.cached_tokens)
+            rec.replayed_anchors = max(rec.replayed_anchors, out.replayed_anchors)
+            if out.finished:
+                rec.last = now
+                if out.finish_reason == "error":
+                    rec.error = "error"
+                done[out.request_id].set()
+
+    engine.start()
+    t0 = time.perf_counter()
+    previous: threading.Event | None = None
+    try:
+        for req in workload.requests:
+            if req.arrival is None:
+                if previous is not None and not previous.wait(timeout_s):
+                    raise TimeoutError(f"{workload.name}: request before {req.rid} hung")
+            else:
+                delay = t0 + req.arrival - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
+            with lock:
+                records[req.rid] = rec
+                done[req.rid] = previous = threading.Event()
+            engine.submit(Request(req.rid, list(req.prompt), _sampling(req),
+                                  cache_salt=req.salt, on_output=on_output))
+        for rid, ev in done.items():
+            if not ev.wait(timeout_s):
+                raise TimeoutError(f"{workload.name}: request {rid} did not finish")
+    finally:
+        engine.stop()
+    return list(records.values())
+
+
+def run_served(grpc_url: str, workload: Workload, timeout_s: float = 600.0) -> list[Record]:
+    """The same workload through tritonserver (gRPC streaming, ensemble), one thread per
+    open-loop request."""
+    from client.generate import GenerateParams, stream_grpc
+
+    records: list[Record] = []
+    threads: list[threading.Thread] = []
+
+    def one(req: BenchRequest, rec: Record) -> None:
+        text = bytes(t for t in req.prompt if t < 256).decode("utf-8", "replace")
+        params = GenerateParams(text, max_tokens=req.max_tokens, min_tokens=req.max_tokens,
+                                top_k=1, cache_salt=req.salt)
+        try:
+            for chunk in stream_grpc(grpc_url, params):
+                now = time.perf_counter()
+                rec.first = rec.first or now
+                rec.token_times.append(now)
+                rec.output_tokens += chunk.counts.get("num_output_tokens", 1)
+                rec.cached_tokens = max(rec.cached_tokens, chunk.counts.get("cached_tokens", 0))
+                rec.replayed_anchors = max(rec.replayed_anchors,
+                                           chunk.counts.get("replayed_anchors", 0))
+        except Exception as e:  # the record shows the failure; the run goes on
+            rec.error = str(e)
+        rec.last = time.perf_counter()
+
+    t0 = time.perf_counter()
+    for req in workload.requests:
+        if req.arrival is not None:
+            delay = t0 + req.arrival - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
+        records.append(rec)
+        if req.arrival is None:
+            one(req, rec)
+        else:
+            th = threading.Thread(target=one, args=(req, rec), daemon=True)
+            th.start()
+            threads.append(th)
+    for th in threads:
+        th.join(timeout_s)
+    return records
+
+
+def summarize(records: list[Record], engine_stats: dict | None, makespan: float) -> dict:
+    ok = [r for r in records if r.error is None]
+    by_tag: dict[str, list[Record]] = {}
+    for r in ok:
+        by_tag.setdefault(r.tag, []).append(r)
+    out_tokens = sum(r.output_tokens for r in ok)
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    summary = {
+        "requests": len(records), "errors": len(records) - len(ok),
+        "ttft_ms": describe([r.ttft for r in ok]), "e2el_ms": describe([r.e2el for r in ok]),
+        "itl_ms": describe([x for r in ok for x in r.itls]),
+        "ttft_ms_by_tag": {t: describe([r.ttft for r in rs]) for t, rs in by_tag.items()},
+        "e2el_ms_by_tag": {t: describe([r.e2el for r in rs]) for t, rs in by_tag.items()},
+        "throughput_tokens_per_s": (prompt_tokens + out_tokens) / makespan if makespan else 0,
+        "throughput_requests_per_s": len(ok) / makespan if makespan else 0,
+        "prompt_tokens": prompt_tokens, "cached_tokens": sum(r.cached_tokens for r in ok),
+        "hit_rate": sum(r.cached_tokens for r in ok) / max(prompt_tokens, 1),
+        "replayed_anchors": sum(r.replayed_anchors for r in ok),
+        "makespan_s": makespan,
+    }
+    if engine_stats is not None:
+        cache, tiers = engine_stats.get("cache") or {}, engine_stats.get("tiers") or {}
+        by_tier = cache.get("hit_tokens_by_tier", {})
+        summary.update({
+            "hit_rate_by_tier": {t: n / max(prompt_tokens, 1) for t, n in by_tier.items()},
+            "recomputed_tokens": engine_stats.get("recomputed_tokens", 0),
+            "live_state_hits": engine_stats.get("live_state_hits", 0),
+            "prefetch": {k: tiers.get(k, 0) for k in ("prefetch_started", "prefetch_hits",
+                                                      "prefetch_late")},
+            "ssd_bytes_written": tiers.get("ssd_bytes_written", 0),
+            "cached_pages": engine_stats.get("cached_pages", 0),
+        })
+        started = summary["prefetch"]["prefetch_started"]
+        summary["prefetch_effectiveness"] = (summary["prefetch"]["prefetch_hits"] / started
+                                             if started else None)
+    return summary
+
+
+def measure_in_process(model, config: EngineConfig, workload: Workload) -> tuple[dict, list]:
+    engine = Engine(model, config)
+    t0 = time.perf_counter()
+    records = run_in_process(engine, workload)
+    makespan = time.perf_counter() - t0
+    stats = engine.stats()
+    engine.store.assert_invariants()
+    return summarize(records, stats, makespan), [asdict(r) | {"ttft": r.ttft, "e2el": r.e2el}
+                                                 for r in records]
+
+
+def stored_bytes(summary: dict, cfg, page_size: int, policy: str) -> int:
+    """Bytes the cache held at the end: KV pages plus anchors or checkpoints."""
+    from client.bench.systems import bytes_per_anchor_block, bytes_per_checkpoint, bytes_per_page
+
+    pages = summary.get("cached_pages", 0)
+    total = pages * bytes_per_page(cfg, page_size)
+    if policy == "suffixreplay":
+        total += pages * bytes_per_anchor_block(cfg, max(1, page_size // 16))
+    elif policy == "checkpoint":
+        total += (pages * page_size // 256) * bytes_per_checkpoint(cfg)
+    return total
+
+
+def results_dir(root: Path, name: str) -> Path:
+    out = root / name
+    out.mkdir(parents=True, exist_ok=True)
+    return out

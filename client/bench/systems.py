@@ -1,0 +1,109 @@
+"""The systems compared by the benchmark suite: one engine configuration each.
+
+Every system runs the same engine code; only the cache configuration differs. Memory is
+budgeted, not page-counted: each system gets the same device bytes for cached prefixes
+(`device_budget_bytes`) and spends them on KV pages plus what its policy stores beside them
+(checkpoint slots for the checkpoint baseline, anchor blocks for suffix replay), using the
+byte accounting of `backend/cache/accounting.py` for the served model.
+
+| system | states at a hit | KV tiers |
+| --- | --- | --- |
+| nocache | - (every prompt is prefilled) | - |
+| checkpoint | SGLang-style state checkpoints every 256 tokens and at prompt ends | device |
+| suffixreplay | anchors + budgeted replay at any page boundary | device |
+| pcr_dram | checkpoints | device + DRAM, plain LRU, no overlap, no prefetch |
+| lmcache_like | checkpoints | device + DRAM + SSD, no prefetch, no look-ahead, no overlap |
+| pcr_overlap | checkpoints | + layer-wise overlap |
+| pcr_full | checkpoints | + queue-driven prefetch + look-ahead eviction (full PCR) |
+| ours | anchors + replay | full PCR |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from backend.cache.config import CacheConfig
+from backend.config import ModelConfig
+from backend.engine import EngineConfig
+from backend.replay.budget import ReplayConfig
+
+SYSTEMS = ("nocache", "checkpoint", "suffixreplay", "pcr_dram", "lmcache_like", "pcr_overlap",
+           "pcr_full", "ours")
+INTERVAL = 256
+
+
+@dataclass(frozen=True)
+class Budget:
+    page_size: int = 64
+    device_budget_bytes: int = 8 << 20
+    host_pages: int = 256
+    ssd_bytes: int = 1 << 30
+    run_pages: int = 48  # pages for running requests, outside the cache budget
+    max_num_seqs: int = 4
+    max_tokens_per_step: int = 512
+
+
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype_bytes: int = 4) -> int:
+    return page_size * len(cfg.attention_layer_ids) * 2 * cfg.num_key_value_heads * \
+        cfg.head_dim * dtype_bytes
+
+
+def bytes_per_checkpoint(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = cfg.conv_dim * (cfg.linear_conv_kernel_dim - 1) * dtype_bytes
+    return len(cfg.linear_layer_ids) * (rec + conv)
+
+
+def bytes_per_anchor_block(cfg: ModelConfig, anchors_per_page: int, dtype_bytes: int = 4) -> int:
+    return cfg.num_groups * anchors_per_page * cfg.hidden_size * dtype_bytes
+
+
+def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
+                  ssd_dir: Path | None = None) -> dict[str, str]:
+    """The system as hybrid_llm string parameters (config.pbtxt form)."""
+    if system not in SYSTEMS:
+        raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS}")
+    ps = budget.page_size
+    density = ReplayConfig().anchor_density
+    page = bytes_per_page(cfg, ps)
+    anchors = CacheConfig(page_size=ps, anchor_density=density).anchors_per_page
+    if system == "nocache":
+        policy, pages, slots = "none", 0, 4
+    elif system in ("suffixreplay", "ours"):
+        policy = "suffixreplay"
+        pages = budget.device_budget_bytes // (page + bytes_per_anchor_block(cfg, anchors))
+        slots = 16  # live-state snapshots
+    else:
+        policy = "checkpoint"
+        group = INTERVAL // ps  # one checkpoint per interval, plus the KV pages it covers
+        units = budget.device_budget_bytes // (group * page + bytes_per_checkpoint(cfg))
+        pages, slots = units * group, max(units, 4)
+    params = {
+        "cache_policy": policy, "page_size": str(ps), "checkpoint_interval": str(INTERVAL),
+        "num_kv_pages": str(pages + budget.run_pages), "num_checkpoint_slots": str(slots),
+        "anchor_density": str(density), "k_max": str(k_max),
+        "lookahead_window": "0" if system in ("pcr_dram", "lmcache_like", "pcr_overlap") else "6",
+        "max_num_seqs": str(budget.max_num_seqs),
+        "max_tokens_per_step": str(budget.max_tokens_per_step), "max_context_len": "32768",
+    }
+    if system.startswith("pcr") or system in ("lmcache_like", "ours"):
+        ssd = system != "pcr_dram" and ssd_dir is not None
+        params.update({
+            "host_pages": str(budget.host_pages), "ssd_bytes": str(budget.ssd_bytes),
+            "enable_ssd": str(ssd).lower(), "o_direct": "false", "use_kvikio": "false",
+            "enable_overlap": str(system in ("pcr_overlap", "pcr_full", "ours")).lower(),
+            "enable_prefetch": str(system in ("pcr_full", "ours")).lower(),
+            "enable_lookahead": str(system in ("pcr_full", "ours")).lower(),
+        })
+        if ssd:
+            params["ssd_path"] = str(ssd_dir)
+    return params
+
+
+def engine_config(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
+                  ssd_dir: Path | None = None) -> EngineConfig:
+    params = system_params(system, cfg, budget, k_max, ssd_dir)
+    if "ssd_path" in params:
+        params["model_fingerprint"] = "bench-in-process"
+    return EngineConfig.from_params(params)
