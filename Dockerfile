@@ -20,6 +20,7 @@ RUN pip install ".[serve,gpu]"
 COPY backend backend
 COPY client client
 COPY engine_build engine_build
+COPY plugins plugins
 COPY model_repo model_repo
 # The project itself; its dependencies are pinned in pyproject.toml.
 # hadolint ignore=DL3013

@@ -103,6 +103,7 @@ class MixedSampler:
         ids: list[int] = []
         answer_targets: list[tuple[int, int]] = []
         lo, hi = self.task_context
+        hi = max(lo, min(hi, int(0.9 * n)))  # contexts grow with the sequence-length phases
         while len(ids) < n:
             ex = make_example(self.rng.choice(self.kinds), self.rng.randint(lo, hi), self.rng,
                               self.extra_queries)

@@ -19,7 +19,9 @@ import random
 from dataclasses import dataclass
 
 TASKS = ("kv", "needle", "vars")
-TRAIN_ONLY = ("copy",)  # warm-up task that teaches copying (induction) quickly
+# Training-only warm-ups: `copy` (repeat a string) and `recall` (associative recall over short
+# letter keys), which teach the attention layers content-based lookup before `kv` needs it.
+TRAIN_ONLY = ("copy", "recall")
 _WORDS = (
     "the of and to in is was for on that with as by it at from this be are or an which "
     "river stone market window garden morning silver letter engine valley harbor paper "
@@ -61,6 +63,8 @@ def make_example(kind: str, context_len: int, rng: random.Random,
         return _vars(context_len, rng)
     if kind == "copy":
         return _copy(context_len, rng)
+    if kind == "recall":
+        return _recall(context_len, rng, extra_queries)
     raise ValueError(f"unknown task {kind!r}; expected one of {TASKS}")
 
 
@@ -87,6 +91,24 @@ def _copy(context_len: int, rng: random.Random) -> TaskExample:
     alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
     s = "".join(rng.choice(alphabet) for _ in range(n))
     return TaskExample("copy", f"Copy: {s}\nAgain: ", s)
+
+
+def _recall(context_len: int, rng: random.Random, extra_queries: int = 0) -> TaskExample:
+    """`ab=3;xq=9;...|xq=` -> `9`: keys of 1-3 letters, one-digit values."""
+    key_len = rng.randint(1, 3)
+    num = max(2, min(context_len // (key_len + 3), 26 ** key_len // 2, 200))
+    keys: list[str] = []
+    seen: set[str] = set()
+    while len(keys) < num:
+        key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(key_len))
+        if key not in seen:
+            seen.add(key)
+            keys.append(key)
+    values = {k: str(rng.randrange(10)) for k in keys}
+    asked = [rng.choice(keys) for _ in range(1 + extra_queries)]
+    body = "".join(f"{k}={values[k]};" for k in keys)
+    more = tuple((f"|{k}=", values[k]) for k in asked[1:])
+    return TaskExample("recall", f"{body}|{asked[0]}=", values[asked[0]], more)
 
 
 def _filler_sentence(rng: random.Random) -> str:

@@ -48,11 +48,28 @@ def tiny_config(hidden: int = 256, layers: int = 8) -> ModelConfig:
 
 
 def init_weights(model: HybridForCausalLM, seed: int) -> None:
+    """Small normal weights; norms at identity; Gated DeltaNet decay set for long memory.
+
+    The decay per token is exp(-exp(A_log) * softplus(a + dt_bias)). With dt_bias = 1 (the
+    reference constructor's value) every head forgets within a few tokens. As Mamba and
+    flash-linear-attention initialise it, dt = softplus(dt_bias) is drawn log-uniformly in
+    [1e-3, 1e-1], so heads span memories from a few tokens to thousands and the delta rule
+    can act as an associative memory from the start.
+    """
     torch.manual_seed(seed)
     depth_scale = 1 / math.sqrt(2 * model.config.num_hidden_layers)
     for name, p in model.named_parameters():
-        if name.endswith(("norm.weight",)) or "A_log" in name or "dt_bias" in name:
-            continue  # norms at identity, decay parameters as constructed
+        if "dt_bias" in name:
+            with torch.no_grad():
+                dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus^-1(dt)
+            continue
+        if "A_log" in name:
+            with torch.no_grad():
+                p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+            continue
+        if name.endswith(("norm.weight",)):
+            continue  # norms at identity
         if "conv1d" in name:
             torch.nn.init.normal_(p, std=0.3)
         elif p.dim() >= 2:

@@ -21,11 +21,24 @@ torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
-def aot_engine(tmp_path_factory):
-    """The default tiny model compiled once per session by engine_build/aot.py (CPU)."""
-    from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
-    from engine_build.aot import build_aot_engine
+def aot_build(tmp_path_factory):
+    """A copy of the default tiny model built once per session with
+    `engine_build/build.py --backend aot` (CPU): (model dir, engine dir, model repository)."""
+    import shutil
 
-    model_dir = MODEL_REPO / DEFAULT_MODEL
-    out = tmp_path_factory.mktemp("aot") / "engine"
-    return model_dir, build_aot_engine(model_dir, out, progress=False)
+    from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
+    from engine_build import build
+
+    root = tmp_path_factory.mktemp("aot")
+    model_dir = root / "tiny"
+    shutil.copytree(MODEL_REPO / DEFAULT_MODEL, model_dir)
+    code = build.main(["--model", str(model_dir), "--repo", str(root / "repo"),
+                       "--backend", "aot"])
+    assert code == 0
+    return model_dir, model_dir / "aot", root / "repo"
+
+
+@pytest.fixture(scope="session")
+def aot_engine(aot_build):
+    """(model dir, compiled engine dir) of `aot_build`."""
+    return aot_build[0], aot_build[1]

@@ -8,7 +8,7 @@ from torch import nn
 
 from backend.config import ModelConfig
 from backend.model.conv import causal_conv1d
-from backend.model.delta_rule import chunk_gated_delta_rule, gated_delta_step
+from backend.model.kernels import delta_rule_for
 from backend.model.norm import GatedRMSNorm
 
 LinearState = tuple[torch.Tensor, torch.Tensor]  # (conv [B, C, W - 1], recurrent [B, H, K, V])
@@ -69,7 +69,7 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:
             keep = valid.unsqueeze(-1)
             beta, g = beta * keep, g * keep
-        rule = gated_delta_step if T == 1 else chunk_gated_delta_rule
+        rule = delta_rule_for(x, T)
         out, new_rec = rule(q, k, v, g, beta, initial_state=rec_state)
         z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
         out = self.norm(out, z).reshape(B, T, self.value_dim)

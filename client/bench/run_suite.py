@@ -63,30 +63,36 @@ class Runner:
         measure_in_process(self.model, engine_config("suffixreplay", self.cfg, budget,
                                                      self.k_max), warm)
 
-    def run(self, system: str, workload: W.Workload, budget: Budget | None = None) -> dict:
-        budget = budget or self.budget
+    def run_system(self, system: str, workloads: list[W.Workload], budget: Budget,
+                   progress) -> dict[str, dict]:
+        """All `workloads` on one system. In-process: a fresh engine per workload. Served: one
+        server per system and budget; each workload in its own cache-salt namespace."""
+        out: dict[str, dict] = {}
         ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
         if self.in_process:
-            config = engine_config(system, self.cfg, budget, self.k_max, ssd)
-            summary, records = measure_in_process(self.model, config, workload)
-        else:
-            params = system_params(system, self.cfg, budget, self.k_max, ssd)
-            summary, records = self._served(params, workload)
-        self.records[f"{workload.name}/{system}"] = records
-        return summary
-
-    def _served(self, params: dict, workload: W.Workload):
+            for wl in workloads:
+                progress(wl.name, system)
+                config = engine_config(system, self.cfg, budget, self.k_max,
+                                       Path(tempfile.mkdtemp(dir=ssd)))
+                out[wl.name], self.records[f"{wl.name}/{system}"] = measure_in_process(
+                    self.model, config, wl)
+            return out
         from client.bench.serving import served_repository
 
-        with served_repository(params) as server:
-            t0 = time.perf_counter()
-            records = run_served(server.urls.grpc, workload)
-            makespan = time.perf_counter() - t0
-        return summarize(records, None, makespan), [
-            {"rid": r.rid, "tag": r.tag, "prompt_tokens": r.prompt_tokens, "ttft": r.ttft,
-             "e2el": r.e2el, "cached_tokens": r.cached_tokens,
-             "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens}
-            for r in records]
+        with served_repository(system_params(system, self.cfg, budget, self.k_max, ssd)) as srv:
+            for wl in workloads:
+                progress(wl.name, system)
+                for req in wl.requests:
+                    req.salt = wl.name
+                t0 = time.perf_counter()
+                records = run_served(srv.urls.grpc, wl)
+                out[wl.name] = summarize(records, None, time.perf_counter() - t0)
+                self.records[f"{wl.name}/{system}"] = [
+                    {"rid": r.rid, "tag": r.tag, "prompt_tokens": r.prompt_tokens,
+                     "ttft": r.ttft, "e2el": r.e2el, "cached_tokens": r.cached_tokens,
+                     "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens,
+                     "error": r.error} for r in records]
+        return out
 
 
 def _mean_ttft(s: dict, tag: str | None = None) -> float:
@@ -119,14 +125,20 @@ def run(args: argparse.Namespace) -> dict:
     for f in p["capacity"]:
         jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"]),
                      CAPACITY_SYSTEMS, cap_budget))
-    total = sum(len(systems) for _, _, systems, _ in jobs)
-    bar = tqdm(total=total, desc="bench suite", unit="run")
-    t0 = time.time()
+    groups: dict[tuple[str, Budget], list[W.Workload]] = {}
     for _, workload, systems, budget in jobs:
         for system in systems:
-            bar.set_postfix(workload=workload.name, system=system)
-            results.setdefault(workload.name, {})[system] = runner.run(system, workload, budget)
-            bar.update(1)
+            groups.setdefault((system, budget or runner.budget), []).append(workload)
+    bar = tqdm(total=sum(len(v) for v in groups.values()), desc="bench suite", unit="run")
+
+    def progress(workload: str, system: str) -> None:
+        bar.set_postfix(workload=workload, system=system)
+        bar.update(1)
+
+    t0 = time.time()
+    for (system, budget), workloads in groups.items():
+        for name, summary in runner.run_system(system, workloads, budget, progress).items():
+            results.setdefault(name, {})[system] = summary
     bar.close()
     summary = ratios(results, p)
     summary.update(simulation(runner, jobs, results))

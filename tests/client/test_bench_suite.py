@@ -1,0 +1,115 @@
+"""The benchmark suite's parts: workloads, equal-budget systems, the runner, the simulator."""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from backend.model import load_model
+from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
+from client.bench import sim
+from client.bench import workloads as W
+from client.bench.suite import measure_in_process, percentile
+from client.bench.systems import (
+    SYSTEMS,
+    Budget,
+    bytes_per_anchor_block,
+    bytes_per_checkpoint,
+    bytes_per_page,
+    engine_config,
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(MODEL_REPO / DEFAULT_MODEL)
+
+
+def test_workloads_are_deterministic_and_shaped():
+    a, b = W.sharegpt(seed=3, sessions=2, turns=4), W.sharegpt(seed=3, sessions=2, turns=4)
+    assert [r.prompt for r in a.requests] == [r.prompt for r in b.requests]
+    assert W.sharegpt(seed=4, sessions=2, turns=4).requests[0].prompt != a.requests[0].prompt
+    tree = W.agentic(2000, fanout=2, depth=2)
+    root = tree.requests[0].prompt
+    assert len(root) == 2000 and len(tree.requests) == 1 + 2 + 4
+    assert all(r.prompt[:2000] == root for r in tree.requests[1:])
+    sweep = W.distance_sweep(doc_tokens=1024, step=64)
+    doc = sweep.requests[0].prompt
+    for r in sweep.requests[1:]:
+        d = int(r.tag[1:])
+        assert r.prompt[: 512 + d] == doc[: 512 + d]
+    cap = W.capacity(pool_tokens=1024, factor=4, doc_tokens=256, passes=2)
+    assert cap.params["docs"] == 16 and len(cap.requests) == 32
+
+
+def test_systems_spend_the_same_device_budget(model):
+    cfg, budget = model.config, Budget()
+    page, ckpt = bytes_per_page(cfg, 64), bytes_per_checkpoint(cfg)
+    anchors = bytes_per_anchor_block(cfg, 4)
+    configs = {s: engine_config(s, cfg, budget, 4, Path(tempfile.mkdtemp())) for s in SYSTEMS}
+    ck, sr = configs["checkpoint"].cache, configs["suffixreplay"].cache
+    ck_bytes = (ck.num_kv_pages - budget.run_pages) * page + ck.num_checkpoint_slots * ckpt
+    sr_bytes = (sr.num_kv_pages - budget.run_pages) * (page + anchors)
+    for spent in (ck_bytes, sr_bytes):
+        assert budget.device_budget_bytes * 0.85 <= spent <= budget.device_budget_bytes
+    assert sr.num_kv_pages > ck.num_kv_pages  # anchors are cheaper than checkpoints
+    assert configs["nocache"].cache.policy == "none" and configs["ours"].tiers.enable_prefetch
+    assert not configs["lmcache_like"].tiers.enable_prefetch
+    assert configs["lmcache_like"].tiers.enable_ssd and not configs["pcr_dram"].tiers.enable_ssd
+
+
+def test_branches_hit_deeper_with_suffix_replay_than_with_checkpoints(model):
+    wl = W.sharegpt(seed=1, sessions=2, turns=4, branch_prob=0.6)
+    budget = Budget(host_pages=64)
+    runs = {s: measure_in_process(model, engine_config(s, model.config, budget, 4), wl)
+            for s in ("nocache", "checkpoint", "suffixreplay")}
+    for summary, records in runs.values():
+        assert summary["errors"] == 0 and len(records) == len(wl.requests)
+        assert all(r["output_tokens"] == 8 for r in records)
+    assert runs["nocache"][0]["hit_rate"] == 0
+    cached = {s: sum(r["cached_tokens"] for r in recs if r["tag"] == "branch")
+              for s, (_, recs) in runs.items()}
+    assert cached["suffixreplay"] > cached["checkpoint"] > 0
+    assert runs["suffixreplay"][0]["replayed_anchors"] + runs["suffixreplay"][0][
+        "live_state_hits"] > 0
+
+
+def test_simulator_hit_rates_follow_the_policies(model):
+    wl = W.sharegpt(seed=1, sessions=2, turns=4, branch_prob=0.6)
+    cost = sim.CostModel(0.001, 1e-4, 1e-8, 1e-5, 1e-3)
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    hits = {p: sim.simulate(wl, sim.SimSystem(p, 64 << 20), shapes, cost)["hit_rate"]
+            for p in ("none", "checkpoint", "suffixreplay")}
+    assert hits["none"] == 0 < hits["checkpoint"] < hits["suffixreplay"]
+    tiny = sim.simulate(wl, sim.SimSystem("suffixreplay", shapes.kv_page), shapes, cost)
+    assert tiny["hit_rate"] < hits["suffixreplay"]  # a one-page budget forgets
+
+
+def test_cost_model_fit_recovers_known_coefficients():
+    rows = [{"recomputed": n, "context": c, "anchors": a, "ttft": 0.002 + 1e-4 * n
+             + 1e-8 * n * c + 3e-5 * a, "e2el": 0.5, "output_tokens": 5}
+            for n in (10, 100, 500, 1000) for c in (1000, 4000) for a in (0, 16, 64)]
+    fit = sim.CostModel.fit(rows)
+    assert math.isclose(fit.per_token_s, 1e-4, rel_tol=1e-3)
+    assert math.isclose(fit.per_anchor_s, 3e-5, rel_tol=1e-3)
+
+
+def test_percentiles():
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+    assert percentile([1, 2, 3, 4, 5], 100) == 5
+    assert math.isclose(percentile(list(range(101)), 99), 99)
+
+
+def test_rag_queries_retrieve_their_source_chunk():
+    corpus = W.rag_corpus(num_chunks=10, num_queries=6, top_k=3)
+    assert all(len(ids) == 3 and len(set(ids)) == 3 for _, ids in corpus.queries)
+    wl = W.rag(corpus, rate=4.0)
+    arrivals = [r.arrival for r in wl.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+    # the request is [documents : query], the documents in rank order
+    text = bytes(wl.requests[0].prompt)
+    first = corpus.chunks[corpus.queries[0][1][0]]
+    assert text.startswith(b"<doc>\n" + first)

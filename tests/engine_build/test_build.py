@@ -1,0 +1,81 @@
+"""engine_build/build.py: checkpoint validation, the repository it writes, each backend."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO, read_parameters
+from engine_build import build
+
+MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
+
+
+def _model_copy(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(MODEL_REPO / DEFAULT_MODEL, dst)
+    return dst
+
+
+def test_eager_build_writes_a_complete_repository(tmp_path, capsys):
+    ckpt = _model_copy(tmp_path)
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 0
+    for name in MODELS:
+        assert (tmp_path / "repo" / name / "config.pbtxt").is_file()
+    for name in ("preprocessing", "hybrid_llm", "postprocessing"):
+        assert (tmp_path / "repo" / name / "1" / "model.py").is_file()
+    params = read_parameters(tmp_path / "repo" / "hybrid_llm" / "config.pbtxt")
+    assert params["model_path"] == str(ckpt.resolve()) and params["executor"] == "torch"
+    pre = read_parameters(tmp_path / "repo" / "preprocessing" / "config.pbtxt")
+    assert pre["tokenizer_dir"] == str(ckpt.resolve())
+    assert "checkpoint ok" in capsys.readouterr().out
+    # a second build into the same place needs --force
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 1
+    assert "--force" in capsys.readouterr().err
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"), "--force"]) == 0
+
+
+def test_aot_build_selects_the_compiled_executor(aot_build):
+    model_dir, engine_dir, repo = aot_build
+    meta = json.loads((engine_dir / "engine.json").read_text())
+    assert meta["backend"] == "aot" and meta["device"] == "cpu"
+    assert sorted(meta["packages"]) == ["decode", "prefill", "replay_0", "replay_1"]
+    params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
+    assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
+
+
+def test_broken_checkpoints_are_refused(tmp_path, capsys):
+    ckpt = _model_copy(tmp_path)
+    (ckpt / "tokenizer.json").unlink()
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "r1")]) == 1
+    assert "tokenizer.json" in capsys.readouterr().err
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, "hidden_size": 128}))
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "r2")]) == 1
+    assert "shape" in capsys.readouterr().err
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
+
+
+def test_tensorrt_backend_says_tensorrt_is_missing(tmp_path, capsys):
+    pytest.importorskip("triton")
+    from plugins.tensorrt import tensorrt_available
+
+    if tensorrt_available()[0]:
+        pytest.skip("TensorRT is installed here")
+    code = build.main(["--model", str(_model_copy(tmp_path)), "--repo", str(tmp_path / "r"),
+                       "--backend", "tensorrt"])
+    assert code == build.TENSORRT_MISSING
+    assert "TensorRT" in capsys.readouterr().err
+
+
+def test_tensorrt_plugin_ptx_is_generated_without_a_gpu():
+    pytest.importorskip("triton")
+    from plugins.tensorrt import compile_ptx
+
+    for op in ("gated_delta_scan", "causal_conv1d", "anchor_capture"):
+        kernel = compile_ptx(op, "bfloat16", arch=90, heads=4, k_dim=64, v_dim=64)
+        assert f".entry {kernel.name}(" in kernel.ptx and ".target sm_90" in kernel.ptx
+    with pytest.raises(ValueError, match="unknown operator"):
+        compile_ptx("nope")
