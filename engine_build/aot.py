@@ -96,7 +96,7 @@ def replay_example(model: HybridForCausalLM):
 
 
 def export_step(model: HybridForCausalLM, decode: bool):
-    graph = StepGraph(model).eval()
+    graph = StepGraph(model, decode=decode).eval()
     ex = step_example(model, decode)
     with torch.no_grad():
         return torch.export.export(graph, ex, dynamic_shapes=step_dynamic_shapes(model, decode))

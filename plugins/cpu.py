@@ -31,7 +31,19 @@ def _pad(x: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Ten
     return out * valid.view(*valid.shape, *([1] * (x.dim() - 1))).to(out.dtype)
 
 
+def _one_token_each(x: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
+    """Every sequence has exactly one token (a decode step): no padding needed."""
+    n = cu_seqlens.shape[0] - 1
+    if x.shape[0] != n:
+        return False
+    return bool(torch.equal(cu_seqlens.long(), torch.arange(n + 1, device=cu_seqlens.device)))
+
+
 def gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    if _one_token_each(q, cu_seqlens):
+        o, final = gated_delta_step(q[:, None], k[:, None], v[:, None], g[:, None],
+                                    beta[:, None], initial_state=initial_state, scale=scale)
+        return o[:, 0].to(v.dtype), final.float()
     index, valid, _ = _padding_plan(cu_seqlens, q.shape[0])
     qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
     rule = gated_delta_step if qp.shape[1] == 1 else chunk_gated_delta_rule
@@ -40,6 +52,9 @@ def gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale):
 
 
 def causal_conv1d_cpu(x, weight, cu_seqlens, initial_state, silu):
+    if _one_token_each(x, cu_seqlens):
+        y, final = causal_conv1d(x[:, None], weight, initial_state, None, silu)
+        return y[:, 0], final.to(x.dtype)
     index, valid, lengths = _padding_plan(cu_seqlens, x.shape[0])
     y, final = causal_conv1d(_pad(x, index, valid), weight, initial_state, lengths, silu)
     return y[valid], final.to(x.dtype)

@@ -88,8 +88,8 @@ class CompiledExecutor(ExecutorBuffers):
         self._setup(model.config, model.device, model.dtype, num_kv_pages, page_size,
                     num_run_slots, num_saved_slots, num_anchor_rows, False)
         self.meta = {"backend": "eager-graphs"}
-        step = StepGraph(model).eval()
-        self.prefill = self.decode = torch.inference_mode()(step)
+        self.prefill = torch.inference_mode()(StepGraph(model).eval())
+        self.decode = torch.inference_mode()(StepGraph(model, decode=True).eval())
         self.replays = [torch.inference_mode()(ReplayGraph(model, g).eval())
                         for g in range(model.config.num_groups)]
         return self

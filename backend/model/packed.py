@@ -21,19 +21,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.batch import ForwardBatch
+from backend.model.conv import causal_conv1d
+from backend.model.delta_rule import gated_delta_step
 from backend.model.gated_deltanet import GatedDeltaNet, l2norm
 from backend.model.hybrid import DecoderLayer, HybridForCausalLM
 from backend.model.rotary import apply_rotary
 
 
 def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
-                        conv_state: torch.Tensor | None, rec_state: torch.Tensor | None):
-    """Gated DeltaNet over packed tokens x [N, D] -> (out [N, D], (conv, rec) per sequence)."""
+                        conv_state: torch.Tensor | None, rec_state: torch.Tensor | None,
+                        decode: bool = False):
+    """Gated DeltaNet over packed tokens x [N, D] -> (out [N, D], (conv, rec) per sequence).
+
+    decode: one token per sequence (N = B); the conv and the delta-rule step are then plain
+    tensor maths that the compiler fuses, instead of calls to the packed operators.
+    """
     import plugins  # registers the operators
 
     N = x.shape[0]
-    mixed, new_conv = plugins.causal_conv1d(mixer.in_proj_qkv(x), mixer.conv1d.weight.squeeze(1),
-                                            cu_seqlens, conv_state, True)
+    weight = mixer.conv1d.weight.squeeze(1)
+    if decode:
+        mixed, new_conv = causal_conv1d(mixer.in_proj_qkv(x)[:, None], weight, conv_state)
+        mixed = mixed[:, 0]
+    else:
+        mixed, new_conv = plugins.causal_conv1d(mixer.in_proj_qkv(x), weight, cu_seqlens,
+                                                conv_state, True)
     q, k, v = mixed.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
     q = l2norm(q.reshape(N, mixer.num_k_heads, mixer.head_k_dim).float())
     k = l2norm(k.reshape(N, mixer.num_k_heads, mixer.head_k_dim).float())
@@ -43,15 +55,21 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
     beta = mixer.in_proj_b(x).sigmoid()
     g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
-    out, new_rec = plugins.gated_delta_scan(q, k, v, g, beta, cu_seqlens, rec_state)
+    if decode:
+        out, new_rec = gated_delta_step(q[:, None], k[:, None], v[:, None], g[:, None],
+                                        beta[:, None], initial_state=rec_state)
+        out = out[:, 0]
+    else:
+        out, new_rec = plugins.gated_delta_scan(q, k, v, g, beta, cu_seqlens, rec_state)
     z = mixer.in_proj_z(x).reshape(N, mixer.num_v_heads, mixer.head_v_dim)
     out = mixer.norm(out, z).reshape(N, mixer.value_dim)
     return mixer.out_proj(out), (new_conv, new_rec)
 
 
-def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state):
+def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state,
+                        decode: bool = False):
     h, states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
-                                    conv_state, rec_state)
+                                    conv_state, rec_state, decode)
     return layer._ffn(x + h), states
 
 
@@ -66,9 +84,10 @@ class StepGraph(nn.Module):
     conv, rec (per linear layer). T is attn_mask's third dimension.
     """
 
-    def __init__(self, model: HybridForCausalLM) -> None:
+    def __init__(self, model: HybridForCausalLM, decode: bool = False) -> None:
         super().__init__()
         self.model = model
+        self.decode = decode  # every sequence adds exactly one token
         cfg = model.config
         self.entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
 
@@ -90,7 +109,7 @@ class StepGraph(nn.Module):
                 li = layer.state_index
                 c0 = conv[li].index_select(0, state_slots) * keep.to(conv[li].dtype)
                 r0 = rec[li].index_select(0, state_slots) * keep.unsqueeze(-1).float()
-                x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0)
+                x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0, self.decode)
                 conv[li].index_copy_(0, state_slots, c1.to(conv[li].dtype))
                 rec[li].index_copy_(0, state_slots, r1)
             else:

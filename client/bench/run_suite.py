@@ -84,15 +84,45 @@ class Runner:
                 progress(wl.name, system)
                 for req in wl.requests:
                     req.salt = wl.name
+                before = _counters(srv.urls.metrics)
                 t0 = time.perf_counter()
                 records = run_served(srv.urls.grpc, wl)
-                out[wl.name] = summarize(records, None, time.perf_counter() - t0)
+                out[wl.name] = summarize(records, _metrics_delta(before, _counters(
+                    srv.urls.metrics)), time.perf_counter() - t0)
                 self.records[f"{wl.name}/{system}"] = [
                     {"rid": r.rid, "tag": r.tag, "prompt_tokens": r.prompt_tokens,
                      "ttft": r.ttft, "e2el": r.e2el, "cached_tokens": r.cached_tokens,
                      "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens,
                      "error": r.error} for r in records]
         return out
+
+
+def _counters(url: str) -> dict:
+    """The served engine's counters (Prometheus, suffixreplay_*), metrics settle first."""
+    from client.metrics import scrape
+
+    time.sleep(0.3)  # the metrics thread samples engine.stats() every 100 ms
+    return {k: v for k, v in scrape(url).items() if k[0].startswith("suffixreplay_")}
+
+
+def _metrics_delta(before: dict, after: dict) -> dict:
+    """engine.stats()-shaped counters of one workload, from two scrapes."""
+    def delta(name: str, **labels) -> float:
+        return sum(v - before.get(k, 0.0) for k, v in after.items()
+                   if k[0] == name and set(labels.items()) <= k[1])
+
+    tiers = ("device", "host", "ssd")
+    return {
+        "cache": {"hit_tokens_by_tier": {t: delta("suffixreplay_hit_tokens_total", tier=t)
+                                         for t in tiers}},
+        "tiers": {"prefetch_hits": delta("suffixreplay_prefetch_total", result="hit"),
+                  "prefetch_late": delta("suffixreplay_prefetch_total", result="late"),
+                  "prefetch_started": delta("suffixreplay_prefetch_total"),
+                  "ssd_bytes_written": delta("suffixreplay_ssd_bytes_total", direction="written")},
+        "recomputed_tokens": delta("suffixreplay_recomputed_tokens_total"),
+        "live_state_hits": delta("suffixreplay_live_state_hits_total"),
+        "cached_pages": after.get(("suffixreplay_kv_pages", frozenset({("state", "cached")})), 0),
+    }
 
 
 def _mean_ttft(s: dict, tag: str | None = None) -> float:

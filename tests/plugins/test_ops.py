@@ -10,7 +10,7 @@ import plugins
 from plugins import reference as ref
 
 triton_ops = pytest.mark.skipif(not plugins.triton_available(), reason="triton not installed")
-LENGTHS = [[1], [5, 0, 17, 3], [70, 1, 64], [2, 2]]
+LENGTHS = [[1], [5, 0, 17, 3], [70, 1, 64], [2, 2], [1, 1, 1], [2, 0]]
 
 
 def _cu(lengths):
