@@ -42,23 +42,27 @@ def tiny_config(hidden: int = 256, layers: int = 8) -> ModelConfig:
         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
-        rope_theta=10_000.0, partial_rotary_factor=0.25, max_position_embeddings=8192,
+        rope_theta=10_000.0, partial_rotary_factor=0.25, max_position_embeddings=32768,
         tie_word_embeddings=True, eos_token_id=EOT,
     )
 
 
-def init_weights(model: HybridForCausalLM, seed: int) -> None:
-    """Small normal weights; norms at identity; Gated DeltaNet decay set for long memory.
+def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference") -> None:
+    """Small normal weights; norms at identity; Gated DeltaNet decay per `dt_init`.
 
-    The decay per token is exp(-exp(A_log) * softplus(a + dt_bias)). With dt_bias = 1 (the
-    reference constructor's value) every head forgets within a few tokens. As Mamba and
-    flash-linear-attention initialise it, dt = softplus(dt_bias) is drawn log-uniformly in
-    [1e-3, 1e-1], so heads span memories from a few tokens to thousands and the delta rule
-    can act as an associative memory from the start.
+    The decay per token is exp(-exp(A_log) * softplus(a + dt_bias)). "reference" keeps the
+    constructor's values (dt_bias = 1, as transformers builds it; the committed default model
+    was trained so): every head then starts forgetting within a few tokens. "log-uniform" draws
+    dt = softplus(dt_bias) log-uniformly in [1e-3, 1e-1] as Mamba and flash-linear-attention
+    do, so heads start with memories from a few tokens to thousands.
     """
+    if dt_init not in ("reference", "log-uniform"):
+        raise ValueError(f"dt_init must be 'reference' or 'log-uniform', got {dt_init!r}")
     torch.manual_seed(seed)
     depth_scale = 1 / math.sqrt(2 * model.config.num_hidden_layers)
     for name, p in model.named_parameters():
+        if ("dt_bias" in name or "A_log" in name) and dt_init == "reference":
+            continue
         if "dt_bias" in name:
             with torch.no_grad():
                 dt = torch.exp(torch.empty_like(p).uniform_(math.log(1e-3), math.log(1e-1)))
@@ -125,7 +129,7 @@ def train(args: argparse.Namespace) -> Path:
     else:
         cfg = tiny_config(args.hidden, args.layers)
         model = HybridForCausalLM(cfg)
-        init_weights(model, args.seed)
+        init_weights(model, args.seed, args.dt_init)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=0.1)
     sampler = MixedSampler(to_ids(load_split(held_out=False, max_bytes=args.max_corpus_bytes)),
@@ -220,6 +224,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dt-init", choices=("reference", "log-uniform"), default="reference",
+                   help="Gated DeltaNet decay initialisation (see init_weights)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--checkpoint-every", type=int, default=100)
     p.add_argument("--max-minutes", type=float, default=45.0)

@@ -15,6 +15,10 @@ output (a gather) and the runtime scatters them.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,11 +90,28 @@ def compile_ptx(op: str, dtype: str = "bfloat16", arch: int = 90, heads: int = 3
     specs = _specs(dtype, heads, k_dim, v_dim, conv_width)
     if op not in specs:
         raise ValueError(f"unknown operator {op!r}; expected one of {sorted(specs)}")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        # The interpreter patches triton.language process-wide: compile in a clean process.
+        return _compile_in_subprocess(op, dtype, arch, heads, k_dim, v_dim, conv_width)
     fn, signature, constexprs = specs[op]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32))
     meta = kernel.metadata
     return CompiledKernel(meta.name, kernel.asm["ptx"], meta.num_warps, meta.shared, arch)
+
+
+def _compile_in_subprocess(*args) -> CompiledKernel:
+    code = ("import json, sys; from plugins.tensorrt import compile_ptx; "
+            "k = compile_ptx(*json.loads(sys.argv[1])); "
+            "print(json.dumps([k.name, k.ptx, k.num_warps, k.shared_bytes, k.arch]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(list(args))], env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"PTX compilation failed: {out.stderr[-2000:]}")
+    return CompiledKernel(*json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def register_plugins(dtype: str = "bfloat16", arch: int = 90) -> list[str]:

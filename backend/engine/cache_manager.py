@@ -128,6 +128,14 @@ class CacheManager:
         if not (is_checkpoint or (at_boundary and pos >= len(seq.tokens))):
             return
         slots = self.store.alloc_state_slots(1)
+        if slots is None and seq.pending_states:
+            # The pool is full of this prompt's own earlier states (not evictable while it
+            # runs): give up the shallowest one. Deeper states cover longer matches, which is
+            # what re-sent prompts (turns, tool calls, retries) hit.
+            shallowest = min(seq.pending_states)
+            slots = [seq.pending_states.pop(shallowest)]
+            if seq.live_position == shallowest:
+                seq.live_position = None
         if slots is None:
             return  # an optimisation only: no free slot, no snapshot
         self.executor.save_state(seq.run_slot, slots[0])

@@ -36,11 +36,12 @@ CAPACITY_SYSTEMS = ("checkpoint", "suffixreplay")
 def plan(quick: bool) -> dict:
     if quick:
         return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
-                "agentic_fanout": 2, "rag": dict(num_chunks=40, num_queries=12),
-                "rates": [1.0, 3.0, 6.0], "sweep_step": 64, "capacity": [2, 4, 8],
+                "agentic_fanout": 2, "agentic_depth": 1, "rag": dict(num_chunks=40,
+                                                                     num_queries=12),
+                "rates": [2.0, 4.0, 8.0], "sweep_step": 64, "capacity": [2, 4, 8],
                 "capacity_passes": 2}
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
-            "agentic_fanout": 3, "rag": dict(num_chunks=96, num_queries=48),
+            "agentic_fanout": 3, "agentic_depth": 2, "rag": dict(num_chunks=96, num_queries=48),
             "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "capacity": [2, 4, 6, 8],
             "capacity_passes": 3}
 
@@ -142,23 +143,11 @@ def run(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     runner = Runner(Path(args.model), args.in_process, Budget(host_pages=64), work)
     results: dict[str, dict] = {}
-    jobs: list[tuple[str, W.Workload, tuple[str, ...], Budget | None]] = []
-    jobs += [(s, W.sharegpt(**p["sharegpt"]), BRANCH_SYSTEMS, None) for s in ["sharegpt"]]
-    for n in p["agentic"]:
-        jobs.append(("agentic", W.agentic(n, fanout=p["agentic_fanout"]), BRANCH_SYSTEMS, None))
-    corpus = W.rag_corpus(**p["rag"])
-    for rate in p["rates"]:
-        jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, None))
-    jobs.append(("sweep", W.distance_sweep(step=p["sweep_step"]), SWEEP_SYSTEMS, None))
-    cap_budget = Budget(device_budget_bytes=4 << 20, host_pages=64)
-    pool_tokens = cap_budget.device_budget_bytes // (runner.cfg and _kv_bytes_per_token(runner))
-    for f in p["capacity"]:
-        jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"]),
-                     CAPACITY_SYSTEMS, cap_budget))
+    jobs = build_jobs(p, runner)
     groups: dict[tuple[str, Budget], list[W.Workload]] = {}
     for _, workload, systems, budget in jobs:
         for system in systems:
-            groups.setdefault((system, budget or runner.budget), []).append(workload)
+            groups.setdefault((system, budget), []).append(workload)
     bar = tqdm(total=sum(len(v) for v in groups.values()), desc="bench suite", unit="run")
 
     def progress(workload: str, system: str) -> None:
@@ -182,6 +171,45 @@ def run(args: argparse.Namespace) -> dict:
 
     write_report(summary, out)
     return summary
+
+
+def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], Budget]]:
+    """(kind, workload, systems, budget) of every run of the plan (deterministic)."""
+    jobs: list = []
+    jobs += [(s, W.sharegpt(**p["sharegpt"]), BRANCH_SYSTEMS, None) for s in ["sharegpt"]]
+    for n in p["agentic"]:
+        jobs.append(("agentic", W.agentic(n, fanout=p["agentic_fanout"],
+                                          depth=p["agentic_depth"]), BRANCH_SYSTEMS, None))
+    corpus = W.rag_corpus(**p["rag"])
+    for rate in p["rates"]:
+        jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, None))
+    jobs.append(("sweep", W.distance_sweep(step=p["sweep_step"]), SWEEP_SYSTEMS, None))
+    cap_budget = Budget(device_budget_bytes=4 << 20, host_pages=64)
+    pool_tokens = cap_budget.device_budget_bytes // (runner.cfg and _kv_bytes_per_token(runner))
+    for f in p["capacity"]:
+        jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"]),
+                     CAPACITY_SYSTEMS, cap_budget))
+    # Room for running requests per family of workloads (one served engine per family and
+    # system): branching chat and agentic trees share one, RAG, the sweep and capacity their own.
+    family = {"sharegpt": "branch", "agentic": "branch"}
+    need: dict[str, Budget] = {}
+    for kind, wl, _, budget in jobs:
+        b = _with_run_pages(budget or runner.budget, wl)
+        key = family.get(kind, kind)
+        if key not in need or b.run_pages > need[key].run_pages:
+            need[key] = b
+    jobs = [(kind, wl, systems, need[family.get(kind, kind)]) for kind, wl, systems, _ in jobs]
+    return jobs
+
+
+def _with_run_pages(budget: Budget, workload: W.Workload) -> Budget:
+    """Room for the running requests outside the cache budget: the longest prompt (plus its
+    output) of the workload, for each request that may run at once."""
+    from dataclasses import replace
+
+    longest = max(len(r.prompt) + r.max_tokens for r in workload.requests)
+    concurrent = 1 if all(r.arrival is None for r in workload.requests) else budget.max_num_seqs
+    return replace(budget, run_pages=concurrent * (-(-longest // budget.page_size) + 1))
 
 
 def _kv_bytes_per_token(runner: Runner) -> int:
@@ -229,7 +257,7 @@ def ratios(results: dict, p: dict) -> dict:
     return r
 
 
-def simulation(runner: Runner, jobs, results: dict) -> dict:
+def simulation(runner, jobs, results: dict) -> dict:
     """Fits the cost model on the closed-loop runs, validates the simulator against them and
     projects to real model shapes on an H200 (stated assumptions)."""
     from backend.cache.accounting import CONFIG_DIR
@@ -252,12 +280,11 @@ def simulation(runner: Runner, jobs, results: dict) -> dict:
     for _, workload, systems, budget in jobs:
         if workload.name.startswith("rag"):
             continue
-        budget = budget or runner.budget
         for system in systems:
             if system not in ("nocache", "checkpoint", "suffixreplay"):
                 continue
-            policy = {"nocache": "none"}.get(system, system)
-            sim_sys = simulator.SimSystem(policy, budget.device_budget_bytes)
+            sim_sys = simulator.system_of(engine_config(system, runner.cfg, budget,
+                                                        runner.k_max), shapes)
             pred = simulator.simulate(workload, sim_sys, shapes, cost)["ttft_mean_s"] * 1000
             meas = results[workload.name][system]["ttft_ms"]["mean"]
             errors[f"{workload.name}/{system}"] = abs(pred - meas) / meas
@@ -265,19 +292,41 @@ def simulation(runner: Runner, jobs, results: dict) -> dict:
     for name, params_b in (("qwen3_5_4b", 4.0), ("qwen3_6_27b", 27.0)):
         cfg = ModelConfig.from_file(CONFIG_DIR / f"{name}.json")
         gpu = simulator.CostModel.h200(params_b, len(cfg.attention_layer_ids),
-                                       cfg.num_key_value_heads, cfg.head_dim, 0.75)
+                                       cfg.num_key_value_heads, cfg.head_dim,
+                                       len(cfg.groups[0]) / cfg.num_hidden_layers)
         sh = simulator.shapes_of(cfg, dtype_bytes=2)
         proj = {}
         for _, workload, _, _ in jobs:
             if not workload.name.startswith(("agentic", "sharegpt")):
                 continue
-            for policy in ("none", "checkpoint", "suffixreplay"):
-                s = simulator.simulate(workload, simulator.SimSystem(policy, 40 << 30), sh, gpu)
-                proj.setdefault(workload.name, {})[policy] = s
+            for gib in (1, 40):  # prefix-cache budget in HBM
+                for policy in ("none", "checkpoint", "suffixreplay"):
+                    s = simulator.simulate(workload, simulator.SimSystem(policy, gib << 30), sh,
+                                           gpu)
+                    proj.setdefault(workload.name, {})[f"{policy}@{gib}GiB"] = s
         projection[name] = proj
     mean_error = sum(errors.values()) / len(errors) if errors else float("nan")
     return {"sim_validation_error": mean_error, "sim_validation_errors": errors,
             "sim_cost_model": cost.__dict__, "sim_projection_h200": projection}
+
+
+def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:
+    """Recomputes the simulator part of a finished run from its records (no engine runs)."""
+    from types import SimpleNamespace
+
+    from backend.config import ModelConfig
+
+    summary = json.loads((out / "summary.json").read_text())
+    cfg = ModelConfig.from_file(model_dir / "config.json")
+    runner = SimpleNamespace(cfg=cfg, k_max=summary["k_max"], budget=Budget(host_pages=64),
+                             records=json.loads((out / "records.json").read_text()))
+    jobs = build_jobs(plan(not full), runner)
+    summary.update(simulation(runner, jobs, summary["results"]))
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    from client.bench.report import write_report
+
+    write_report(summary, out)
+    return summary
 
 
 def main(argv: list[str] | None = None) -> dict:

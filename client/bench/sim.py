@@ -50,15 +50,16 @@ class CostModel:
 
     @classmethod
     def h200(cls, params_b: float, attn_layers: int, kv_heads: int, head_dim: int,
-             linear_fraction: float) -> CostModel:
+             group_fraction: float) -> CostModel:
         """Assumptions (stated, not measured): H200 989 TFLOP/s dense bf16 at 40% utilisation
         for prefill, 4.8 TB/s HBM for decode (weights read once per step), PCIe Gen5 x16
         about 50 GB/s host-to-device, an NVMe RAID read of 12 GB/s; 2 x params FLOPs per
-        token plus 4 x layers x heads x head_dim per token-pair for attention."""
+        token plus 4 x layers x heads x head_dim per token-pair for attention; replaying one
+        anchor through one group costs that group's share of the layers (`group_fraction`)."""
         flops = 989e12 * 0.4
         per_token = 2 * params_b * 1e9 / flops
         per_pair = 4 * attn_layers * kv_heads * 8 * head_dim / flops  # GQA: 8 q heads per kv
-        per_anchor = per_token * linear_fraction
+        per_anchor = per_token * group_fraction
         decode = 2 * params_b * 1e9 / 4.8e12
         return cls(0.004, per_token, per_pair, per_anchor, decode, 50e9, 12e9, "h200-assumed")
 
@@ -75,6 +76,7 @@ class SimSystem:
     device_bytes: int
     dram_bytes: int = 0
     interval: int = 256
+    checkpoint_slots: int | None = None  # a separate pool of state slots (None: in bytes)
 
 
 @dataclass
@@ -127,7 +129,8 @@ class _Tier:
 def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostModel) -> dict:
     ps = shapes.page_size
     device, dram = _Tier(system.device_bytes), _Tier(system.dram_bytes)
-    checkpoints: set[int] = set()
+    slots = system.checkpoint_slots
+    checkpoints = _Tier(slots if slots is not None else 1 << 62)
     page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
     rows = []
     for req in workload.requests:
@@ -143,7 +146,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                 else:
                     break
             if system.policy == "checkpoint":
-                while hit_pages and keys[hit_pages - 1] not in checkpoints:
+                while hit_pages and not checkpoints.get(keys[hit_pages - 1]):
                     hit_pages -= 1
                 from_dram = min(from_dram, hit_pages)
         cached = hit_pages * ps
@@ -161,13 +164,16 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             continue
         for i, key in enumerate(keys):  # insert every full page of the prompt
             for k, _size in device.put(key, page_bytes):
-                if system.dram_bytes:
+                if isinstance(k, tuple):  # a checkpoint held in the byte budget
+                    checkpoints.items.pop(k[1], None)
+                elif system.dram_bytes:
                     dram.put(k, shapes.kv_page)
-                checkpoints.discard(k)
             end = (i + 1) * ps
             if system.policy == "checkpoint" and (end % system.interval == 0 or i == len(keys) - 1):
-                if key not in checkpoints:
-                    checkpoints.add(key)
+                if slots is not None:
+                    checkpoints.put(key, 1)
+                elif key not in checkpoints.items:
+                    checkpoints.put(key, 0)
                     device.put(("ckpt", key), shapes.checkpoint)
     total = sum(r["prompt"] for r in rows)
     return {"hit_rate": sum(r["cached"] for r in rows) / max(total, 1),
@@ -175,6 +181,16 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             "ttft_by_tag_s": {t: float(np.mean([r["ttft"] for r in rows if r["tag"] == t]))
                               for t in {r["tag"] for r in rows}},
             "throughput_requests_per_s": len(rows) / max(sum(r["e2el"] for r in rows), 1e-9)}
+
+
+def system_of(config, shapes: Shapes) -> SimSystem:
+    """The simulated twin of an EngineConfig: its whole device pool (any free page caches),
+    its checkpoint slots, its DRAM tier."""
+    cache = config.cache
+    page = shapes.kv_page + (shapes.anchor_page if cache.policy == "suffixreplay" else 0)
+    dram = config.tiers.host_pages * shapes.kv_page if config.tiers is not None else 0
+    return SimSystem(cache.policy, cache.num_kv_pages * page, dram, cache.checkpoint_interval,
+                     cache.num_checkpoint_slots)
 
 
 def shapes_of(cfg, page_size: int = 64, dtype_bytes: int = 2, k_max: int = 512) -> Shapes:

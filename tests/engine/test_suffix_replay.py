@@ -178,3 +178,13 @@ def test_int8_anchors_replay_close_to_model_dtype_anchors(model, prompt):
     diff = (outs["int8"].first_logits - outs["model"].first_logits).abs().max()
     scale = outs["model"].first_logits.abs().max()
     assert 0 < diff < 0.05 * scale
+
+
+def test_checkpoint_baseline_keeps_the_deepest_states_of_a_long_prompt(model):
+    """With fewer checkpoint slots than checkpoints, a prompt keeps its deepest ones."""
+    engine = make_engine(model, policy="checkpoint", interval=2 * PAGE, num_checkpoint_slots=3)
+    prompt = random_prompt(13 * PAGE, model.config.vocab_size, seed=41)
+    engine.generate(prompt, GREEDY)
+    again = engine.generate(prompt + random_prompt(5, model.config.vocab_size, seed=42), GREEDY)
+    assert again.cached_tokens >= 10 * PAGE
+    assert_no_leak(engine)

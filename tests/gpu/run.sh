@@ -13,3 +13,4 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.csv" || true
 python -m pytest -q -m gpu tests/gpu -p no:cacheprovider --junitxml "$OUT/junit.xml" \
   2>&1 | tee "$OUT/pytest.log"
+python tests/gpu/premise.py 2>&1 | tee "$OUT/premise.log"
