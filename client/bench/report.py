@@ -94,11 +94,11 @@ def plot_all(summary: dict, out: Path) -> list[Path]:
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4))
         for system, s in sweep.items():
-            pts = sorted((int(t[1:]), v["mean"]) for t, v in s["ttft_ms_by_tag"].items()
+            pts = sorted((int(t[1:]), v["p50"]) for t, v in s["ttft_ms_by_tag"].items()
                          if t.startswith("d"))
             ax.plot([d for d, _ in pts], [v for _, v in pts], marker="o", label=system)
         ax.set(xlabel="distance of the cut from the last checkpoint (tokens)",
-               ylabel="TTFT (ms)", title="TTFT versus checkpoint distance")
+               ylabel="median TTFT (ms)", title="TTFT versus checkpoint distance")
         ax.legend()
         paths.append(_save(fig, out / "ttft_vs_checkpoint_distance.png"))
     caps = {k: v for k, v in results.items() if k.startswith("capacity_")}

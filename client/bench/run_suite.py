@@ -84,7 +84,7 @@ class Runner:
             for wl in workloads:
                 progress(wl.name, system)
                 for req in wl.requests:
-                    req.salt = wl.name
+                    req.salt = f"{wl.name}/{req.salt}"
                 before = _counters(srv.urls.metrics)
                 t0 = time.perf_counter()
                 records = run_served(srv.urls.grpc, wl)
@@ -230,7 +230,7 @@ def ratios(results: dict, p: dict) -> dict:
     sweep = results.get("distance_sweep")
     if sweep:
         for system in ("suffixreplay", "checkpoint"):
-            ttfts = [v["mean"] for t, v in sweep[system]["ttft_ms_by_tag"].items()
+            ttfts = [v["p50"] for t, v in sweep[system]["ttft_ms_by_tag"].items()
                      if t.startswith("d")]
             key = f"checkpoint_distance_ttft_max_over_min_{system}"
             r[key] = max(ttfts) / min(ttfts)

@@ -116,14 +116,20 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
 
 
 def distance_sweep(doc_tokens: int = 1024, interval: int = 256, step: int = 32,
-                   suffix_tokens: int = 32, seed: int = 0) -> Workload:
+                   suffix_tokens: int = 32, seed: int = 0, repeats: int = 3) -> Workload:
     src = TextSource(seed + 2)
     doc = src.take(doc_tokens)
     base = doc_tokens // 2 // interval * interval
-    reqs = [BenchRequest("warm", doc, 1, "warm")]
-    for d in range(0, interval + 1, step):
-        cut = base + d
-        reqs.append(BenchRequest(f"d{d}", doc[:cut] + src.take(suffix_tokens), 1, f"d{d}"))
+    reqs = []
+    for r in range(repeats):  # each cut several times (new suffixes): medians, not one sample
+        for d in range(0, interval + 1, step):
+            # Each cut in its own cache namespace, warmed by the document alone: an earlier
+            # cut's prompt-end checkpoint must not serve a later one.
+            salt = f"sweep-r{r}-d{d}"
+            cut = base + d
+            reqs.append(BenchRequest(f"w{d}r{r}", doc, 1, "warm", salt=salt))
+            reqs.append(BenchRequest(f"d{d}r{r}", doc[:cut] + src.take(suffix_tokens), 1,
+                                     f"d{d}", salt=salt))
     return Workload("distance_sweep", reqs, {"interval": interval, "base": base, "step": step,
                                              "doc_tokens": doc_tokens})
 

@@ -36,11 +36,14 @@ def test_workloads_are_deterministic_and_shaped():
     root = tree.requests[0].prompt
     assert len(root) == 2000 and len(tree.requests) == 1 + 2 + 4
     assert all(r.prompt[:2000] == root for r in tree.requests[1:])
-    sweep = W.distance_sweep(doc_tokens=1024, step=64)
+    sweep = W.distance_sweep(doc_tokens=1024, step=64, repeats=2)
     doc = sweep.requests[0].prompt
-    for r in sweep.requests[1:]:
+    assert len(sweep.requests) == 2 * 2 * 5
+    for warm, r in zip(sweep.requests[::2], sweep.requests[1::2]):
         d = int(r.tag[1:])
+        assert warm.prompt == doc and warm.salt == r.salt
         assert r.prompt[: 512 + d] == doc[: 512 + d]
+    assert len({r.salt for r in sweep.requests}) == 10
     cap = W.capacity(pool_tokens=1024, factor=4, doc_tokens=256, passes=2)
     assert cap.params["docs"] == 16 and len(cap.requests) == 32
 
