@@ -23,12 +23,12 @@ import torch
 from torch.export import Dim
 from tqdm import tqdm
 
+from backend.engine.compiled import ENGINE_FORMAT
+from backend.engine.config import DTYPES
 from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
 from backend.model.packed import ReplayGraph, StepGraph
 
-ENGINE_FORMAT = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_TOKENS = 1 << 16
 
 

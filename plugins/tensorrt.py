@@ -174,8 +174,9 @@ def build_tensorrt_engine(model_dir: str | Path, out_dir: str | Path,
     import torch_tensorrt
     from torch_tensorrt.dynamo.conversion.plugins import generate_plugin_converter
 
+    from backend.engine.config import DTYPES
     from backend.model import load_model
-    from engine_build.aot import DTYPES, export_replay
+    from engine_build.aot import export_replay
 
     register_plugins(dtype)
     for op in ("gated_delta_scan", "causal_conv1d"):

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from backend.config import ModelConfig
+from backend.engine.config import DTYPES
 from backend.engine.executor import ExecutorBuffers
 from backend.model.batch import ForwardBatch, SeqInput
 from backend.model.packed import packed_from_batch
 
 ENGINE_FORMAT = 1
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class EngineFormatError(ValueError):

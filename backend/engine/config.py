@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
+import torch
+
 from backend.cache.config import CACHE_POLICIES, CacheConfig
 from backend.cache.tier_config import TierConfig
 from backend.replay.budget import SAMPLINGS, ReplayConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Placeholder until `Engine.from_model_dir` hashes the weights (TierConfig.model_fingerprint).
 FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
@@ -39,7 +43,7 @@ class EngineConfig:
         if self.executor == "compiled" and self.replay.anchor_dtype == "int8":
             raise ValueError("int8 anchors need executor 'torch' (compiled engines store "
                              "anchors in the model dtype)")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.replay.anchor_dtype == "int8":
             raise ValueError("int8 anchors are not tiered yet: use anchor_dtype='model' with tiers")

@@ -20,7 +20,7 @@ from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
 from backend.cache.tiers import TieredBackend
 from backend.engine.cache_manager import CacheManager
-from backend.engine.config import FINGERPRINT_FROM_MODEL_DIR, EngineConfig
+from backend.engine.config import DTYPES, FINGERPRINT_FROM_MODEL_DIR, EngineConfig
 from backend.engine.executor import TorchExecutor
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.scheduler import Scheduler
@@ -29,7 +29,6 @@ from backend.model import HybridForCausalLM, load_model
 from backend.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def calibrated_k_max(model_dir: str | Path, config: EngineConfig) -> int | None:

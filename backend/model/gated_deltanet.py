@@ -57,20 +57,36 @@ class GatedDeltaNet(nn.Module):
         mixed, new_conv = causal_conv1d(
             self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), conv_state, lengths
         )
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
-        k = l2norm(k.reshape(B, T, self.num_k_heads, self.head_k_dim).float())
-        v = v.reshape(B, T, self.num_v_heads, self.head_v_dim)
-        if self.num_v_heads != self.num_k_heads:
-            rep = self.num_v_heads // self.num_k_heads
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        q, k, v = self.split_heads(mixed)
+        beta, g = self.gates(x)
         if valid is not None:
             keep = valid.unsqueeze(-1)
             beta, g = beta * keep, g * keep
         rule = delta_rule_for(x, T)
         out, new_rec = rule(q, k, v, g, beta, initial_state=rec_state)
-        z = self.in_proj_z(x).reshape(B, T, self.num_v_heads, self.head_v_dim)
-        out = self.norm(out, z).reshape(B, T, self.value_dim)
-        return self.out_proj(out), (new_conv, new_rec)
+        return self.output(out, x), (new_conv, new_rec)
+
+    # Pieces shared with the packed form (backend/model/packed.py); any leading shape.
+    def split_heads(self, mixed: torch.Tensor):
+        """Conv output [..., conv_dim] -> q, k (L2-normalised fp32, expanded to the value
+        heads) [..., Hv, K] and v [..., Hv, V]."""
+        lead = mixed.shape[:-1]
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2norm(q.reshape(*lead, self.num_k_heads, self.head_k_dim).float())
+        k = l2norm(k.reshape(*lead, self.num_k_heads, self.head_k_dim).float())
+        v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
+        if self.num_v_heads != self.num_k_heads:
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+        return q, k, v
+
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """beta = sigmoid(b) and the log decay g (<= 0), [..., Hv]."""
+        beta = self.in_proj_b(x).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return beta, g
+
+    def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm with z = in_proj_z(x), then the out projection."""
+        z = self.in_proj_z(x).reshape(*out.shape)
+        return self.out_proj(self.norm(out, z).reshape(*x.shape[:-1], self.value_dim))

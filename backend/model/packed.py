@@ -23,7 +23,7 @@ from torch import nn
 from backend.model.batch import ForwardBatch
 from backend.model.conv import causal_conv1d
 from backend.model.delta_rule import gated_delta_step
-from backend.model.gated_deltanet import GatedDeltaNet, l2norm
+from backend.model.gated_deltanet import GatedDeltaNet
 from backend.model.hybrid import DecoderLayer, HybridForCausalLM
 from backend.model.rotary import apply_rotary
 
@@ -38,7 +38,6 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
     """
     import plugins  # registers the operators
 
-    N = x.shape[0]
     weight = mixer.conv1d.weight.squeeze(1)
     if decode:
         mixed, new_conv = causal_conv1d(mixer.in_proj_qkv(x)[:, None], weight, conv_state)
@@ -46,24 +45,15 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
     else:
         mixed, new_conv = plugins.causal_conv1d(mixer.in_proj_qkv(x), weight, cu_seqlens,
                                                 conv_state, True)
-    q, k, v = mixed.split([mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-    q = l2norm(q.reshape(N, mixer.num_k_heads, mixer.head_k_dim).float())
-    k = l2norm(k.reshape(N, mixer.num_k_heads, mixer.head_k_dim).float())
-    v = v.reshape(N, mixer.num_v_heads, mixer.head_v_dim)
-    if mixer.num_v_heads != mixer.num_k_heads:
-        rep = mixer.num_v_heads // mixer.num_k_heads
-        q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
-    beta = mixer.in_proj_b(x).sigmoid()
-    g = -mixer.A_log.float().exp() * F.softplus(mixer.in_proj_a(x).float() + mixer.dt_bias)
+    q, k, v = mixer.split_heads(mixed)
+    beta, g = mixer.gates(x)
     if decode:
         out, new_rec = gated_delta_step(q[:, None], k[:, None], v[:, None], g[:, None],
                                         beta[:, None], initial_state=rec_state)
         out = out[:, 0]
     else:
         out, new_rec = plugins.gated_delta_scan(q, k, v, g, beta, cu_seqlens, rec_state)
-    z = mixer.in_proj_z(x).reshape(N, mixer.num_v_heads, mixer.head_v_dim)
-    out = mixer.norm(out, z).reshape(N, mixer.value_dim)
-    return mixer.out_proj(out), (new_conv, new_rec)
+    return mixer.output(out, x), (new_conv, new_rec)
 
 
 def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state,

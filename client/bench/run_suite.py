@@ -26,7 +26,7 @@ from client.bench import sim as simulator
 from client.bench import workloads as W
 from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
 from client.bench.suite import measure_in_process, run_served, summarize
-from client.bench.systems import SYSTEMS, Budget, engine_config, system_params
+from client.bench.systems import SYSTEMS, Budget, bytes_per_page, engine_config, system_params
 
 BRANCH_SYSTEMS = SYSTEMS
 SWEEP_SYSTEMS = ("nocache", "checkpoint", "suffixreplay")
@@ -53,7 +53,7 @@ def k_max_of(model_dir: Path) -> int:
 
 class Runner:
     def __init__(self, model_dir: Path, in_process: bool, budget: Budget, work: Path) -> None:
-        self.model_dir, self.in_process = model_dir, in_process
+        self.in_process = in_process
         self.budget, self.work = budget, work
         self.model = load_model(model_dir)
         self.cfg = self.model.config
@@ -185,7 +185,7 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
         jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, None))
     jobs.append(("sweep", W.distance_sweep(step=p["sweep_step"]), SWEEP_SYSTEMS, None))
     cap_budget = Budget(device_budget_bytes=4 << 20, host_pages=64)
-    pool_tokens = cap_budget.device_budget_bytes // (runner.cfg and _kv_bytes_per_token(runner))
+    pool_tokens = cap_budget.device_budget_bytes // (bytes_per_page(runner.cfg, 64) // 64)
     for f in p["capacity"]:
         jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"]),
                      CAPACITY_SYSTEMS, cap_budget))
@@ -210,12 +210,6 @@ def _with_run_pages(budget: Budget, workload: W.Workload) -> Budget:
     longest = max(len(r.prompt) + r.max_tokens for r in workload.requests)
     concurrent = 1 if all(r.arrival is None for r in workload.requests) else budget.max_num_seqs
     return replace(budget, run_pages=concurrent * (-(-longest // budget.page_size) + 1))
-
-
-def _kv_bytes_per_token(runner: Runner) -> int:
-    from client.bench.systems import bytes_per_page
-
-    return bytes_per_page(runner.cfg, 64) // 64
 
 
 def ratios(results: dict, p: dict) -> dict:

@@ -13,7 +13,6 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
 from client.bench.workloads import BenchRequest, Workload
@@ -208,22 +207,3 @@ def measure_in_process(model, config: EngineConfig, workload: Workload) -> tuple
     engine.store.assert_invariants()
     return summarize(records, stats, makespan), [asdict(r) | {"ttft": r.ttft, "e2el": r.e2el}
                                                  for r in records]
-
-
-def stored_bytes(summary: dict, cfg, page_size: int, policy: str) -> int:
-    """Bytes the cache held at the end: KV pages plus anchors or checkpoints."""
-    from client.bench.systems import bytes_per_anchor_block, bytes_per_checkpoint, bytes_per_page
-
-    pages = summary.get("cached_pages", 0)
-    total = pages * bytes_per_page(cfg, page_size)
-    if policy == "suffixreplay":
-        total += pages * bytes_per_anchor_block(cfg, max(1, page_size // 16))
-    elif policy == "checkpoint":
-        total += (pages * page_size // 256) * bytes_per_checkpoint(cfg)
-    return total
-
-
-def results_dir(root: Path, name: str) -> Path:
-    out = root / name
-    out.mkdir(parents=True, exist_ok=True)
-    return out
