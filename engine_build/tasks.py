@@ -2,8 +2,8 @@
 
 Each task makes a `TaskExample`: a prompt of about `context_len` bytes whose answer depends on
 something far back in it, and the answer bytes. Three kinds:
-- `kv`: key-value retrieval over many `key NNNNN: VVVVV` lines; the question restates the key
-  (`Lookup key NNNNN: `) and the answer is its value;
+- `kv`: key-value retrieval over many `abc=NNNN` lines (three-letter keys, four-digit values);
+  the question restates the key (`Lookup abc=`) and the answer is its value;
 - `needle`: one `The secret code is NNNN.` line hidden in filler prose; the prompt ends by
   starting that sentence again;
 - `vars`: Python-style variable assignment chains mixed with distractor assignments (two hops).
@@ -69,20 +69,23 @@ def make_example(kind: str, context_len: int, rng: random.Random,
 
 
 def _kv(context_len: int, rng: random.Random, extra_queries: int = 0) -> TaskExample:
+    """`abc=4821` lines under a header, then `Lookup abc=` -> `4821`.
+
+    Keys are three lowercase letters (distinct within a context), values four digits."""
     head = "Key-value store. Remember every value.\n"
     pairs: dict[str, str] = {}
     size = len(head)
-    while size < context_len - 40 or not pairs:
-        key = f"{rng.randrange(10**5):05d}"
+    while size < context_len - 24 or not pairs:
+        key = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(3))
         if key in pairs:
             continue
-        pairs[key] = f"{rng.randrange(10**5):05d}"
-        size += len(f"key {key}: {pairs[key]}\n")
+        pairs[key] = f"{rng.randrange(10**4):04d}"
+        size += len(f"{key}={pairs[key]}\n")
     keys = list(pairs)
     asked = [rng.choice(keys) for _ in range(1 + extra_queries)]
-    body = "".join(f"key {k}: {pairs[k]}\n" for k in keys)
-    more = tuple((f"Lookup key {k}: ", pairs[k]) for k in asked[1:])
-    return TaskExample("kv", f"{head}{body}Lookup key {asked[0]}: ", pairs[asked[0]], more)
+    body = "".join(f"{k}={pairs[k]}\n" for k in keys)
+    more = tuple((f"Lookup {k}=", pairs[k]) for k in asked[1:])
+    return TaskExample("kv", f"{head}{body}Lookup {asked[0]}=", pairs[asked[0]], more)
 
 
 def _copy(context_len: int, rng: random.Random) -> TaskExample:

@@ -47,7 +47,8 @@ def tiny_config(hidden: int = 256, layers: int = 8) -> ModelConfig:
     )
 
 
-def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference") -> None:
+def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference",
+                 qk_gain: float = 1.0) -> None:
     """Small normal weights; norms at identity; Gated DeltaNet decay per `dt_init`.
 
     The decay per token is exp(-exp(A_log) * softplus(a + dt_bias)). "reference" keeps the
@@ -55,6 +56,10 @@ def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference"
     was trained so): every head then starts forgetting within a few tokens. "log-uniform" draws
     dt = softplus(dt_bias) log-uniformly in [1e-3, 1e-1] as Mamba and flash-linear-attention
     do, so heads start with memories from a few tokens to thousands.
+
+    `qk_gain` is the initial gain of the attention q/k norms (Qwen3.5 norms scale by 1 + w):
+    the attention logits are bounded by qk_gain^2 * sqrt(head_dim), so a gain above 1 lets
+    an attention head single out one position among thousands from the start.
     """
     if dt_init not in ("reference", "log-uniform"):
         raise ValueError(f"dt_init must be 'reference' or 'log-uniform', got {dt_init!r}")
@@ -72,6 +77,10 @@ def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference"
             with torch.no_grad():
                 p.copy_(torch.empty_like(p).uniform_(1, 16).log())
             continue
+        if name.endswith(("q_norm.weight", "k_norm.weight")) and "self_attn" in name:
+            with torch.no_grad():
+                p.fill_(qk_gain - 1.0)
+            continue
         if name.endswith(("norm.weight",)):
             continue  # norms at identity
         if "conv1d" in name:
@@ -80,6 +89,26 @@ def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference"
             std = 0.02 * (depth_scale if name.endswith(("out_proj.weight", "o_proj.weight",
                                                         "down_proj.weight")) else 1.0)
             torch.nn.init.normal_(p, std=std)
+
+
+def param_groups(model: HybridForCausalLM, qk_norm_lr_mult: float = 1.0) -> list[dict]:
+    """Weight decay on matrices only; norms, A_log and dt_bias are not pulled towards 0.
+
+    The attention q/k norms bound the attention logits: with unit gains |q.k|/sqrt(d) <= sqrt(d)
+    (8 for head dim 64), too flat to single out one key among a thousand positions. Decaying
+    their (1 + w) gains towards 1 kept them there; they also get `qk_norm_lr_mult` x the LR.
+    """
+    groups: dict[str, list] = {"decay": [], "no_decay": [], "qk_norm": []}
+    for name, p in model.named_parameters():
+        if name.endswith(("q_norm.weight", "k_norm.weight")) and "self_attn" in name:
+            groups["qk_norm"].append(p)
+        elif p.dim() >= 2:
+            groups["decay"].append(p)
+        else:
+            groups["no_decay"].append(p)
+    return [{"params": groups["decay"], "lr_mult": 1.0},
+            {"params": groups["no_decay"], "weight_decay": 0.0, "lr_mult": 1.0},
+            {"params": groups["qk_norm"], "weight_decay": 0.0, "lr_mult": qk_norm_lr_mult}]
 
 
 def seq_len_at(step: int, steps: int, phases=None) -> int:
@@ -129,9 +158,9 @@ def train(args: argparse.Namespace) -> Path:
     else:
         cfg = tiny_config(args.hidden, args.layers)
         model = HybridForCausalLM(cfg)
-        init_weights(model, args.seed, args.dt_init)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                            weight_decay=0.1)
+        init_weights(model, args.seed, args.dt_init, args.qk_gain)
+    opt = torch.optim.AdamW(param_groups(model, args.qk_norm_lr_mult), lr=args.lr,
+                            betas=(0.9, 0.95), weight_decay=0.1)
     sampler = MixedSampler(to_ids(load_split(held_out=False, max_bytes=args.max_corpus_bytes)),
                            task_fraction=args.task_fraction, answer_weight=args.answer_weight,
                            seed=args.seed, extra_queries=args.extra_queries,
@@ -154,7 +183,7 @@ def train(args: argparse.Namespace) -> Path:
         seq_len = seq_len_at(step, args.steps, phases)
         ids, weights = sampler.sample(max(args.batch_tokens // seq_len, 1), seq_len)
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup) * group["lr_mult"]
         loss = loss_fn(model, ids, weights)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -244,6 +273,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="loss weight of non-answer bytes in packed task sequences")
     p.add_argument("--extra-queries", type=int, default=0,
                    help="further key-value questions per task context (denser retrieval signal)")
+    p.add_argument("--qk-gain", type=float, default=1.0,
+                   help="initial gain of the attention q/k norms (see init_weights)")
+    p.add_argument("--qk-norm-lr-mult", type=float, default=1.0,
+                   help="learning-rate multiplier of the attention q/k norm gains")
     p.add_argument("--phases", default=None,
                    help='sequence-length schedule, e.g. "0:512,0.5:1024" (default: 512..4096)')
     return p.parse_args(argv)

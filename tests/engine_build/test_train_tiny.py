@@ -36,3 +36,27 @@ def test_a_few_steps_lower_the_loss_and_resume(tmp_path, monkeypatch):
     assert [h["step"] for h in history] == list(range(1, 15))
     logits = model.logits(torch.tensor([[1, 2, 3]]))
     assert torch.isfinite(logits).all()
+
+
+def test_param_groups_decay_matrices_only_and_single_out_qk_norms():
+    from backend.model import HybridForCausalLM
+    from engine_build.train_tiny import init_weights, param_groups, tiny_config
+
+    model = HybridForCausalLM(tiny_config(hidden=64, layers=4))
+    init_weights(model, seed=0, qk_gain=2.0)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay, qk = param_groups(model, qk_norm_lr_mult=10.0)
+    assert all(p.dim() >= 2 for p in decay["params"])
+    assert "weight_decay" not in decay  # AdamW's default (0.1 in train) applies
+    assert no_decay["weight_decay"] == qk["weight_decay"] == 0.0
+    assert qk["lr_mult"] == 10.0 and len(qk["params"]) == 2  # one attention layer: q and k
+    assert all(names[id(p)].endswith(("q_norm.weight", "k_norm.weight")) for p in qk["params"])
+    assert any(names[id(p)].endswith("A_log") for p in no_decay["params"])
+    total = sum(len(g["params"]) for g in (decay, no_decay, qk))
+    assert total == len(list(model.parameters()))
+    # A gain of 2 is stored as w = 1 in the zero-centred norm; other norms stay at identity.
+    for n, p in model.named_parameters():
+        if n.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            assert torch.equal(p, torch.ones_like(p)), n
+        elif n.endswith("layernorm.weight"):
+            assert torch.equal(p, torch.zeros_like(p)), n
