@@ -111,7 +111,8 @@ def export_replay(model: HybridForCausalLM, group: int):
 
 
 def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "cpu",
-                     dtype: str = "float32", progress: bool = True) -> Path:
+                     dtype: str = "float32", progress: bool = True,
+                     inductor_configs: dict | None = None) -> Path:
     """Exports and compiles every graph of `model_dir` into `out_dir`; returns out_dir."""
     import plugins  # noqa: F401  (registers the operators the graphs call)
 
@@ -126,6 +127,9 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
             ("decode", lambda: export_step(model, decode=True))]
     jobs += [(f"replay_{g}", lambda g=g: export_replay(model, g))
              for g in range(model.config.num_groups)]
+    if inductor_configs is None and device == "cpu":
+        # Weights become constants that Inductor pre-packs for oneDNN: batched decode ~1.2x.
+        inductor_configs = {"freezing": True}
     packages, timings = {}, {}
     bar = tqdm(jobs, desc="aot compile", unit="graph", disable=not progress)
     for name, export in bar:
@@ -133,13 +137,15 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
         t0 = time.time()
         program = export()
         path = out / f"{name}.pt2"
-        torch._inductor.aoti_compile_and_package(program, package_path=str(path))
+        torch._inductor.aoti_compile_and_package(program, package_path=str(path),
+                                                 inductor_configs=inductor_configs)
         packages[name] = path.name
         timings[name] = round(time.time() - t0, 1)
     shutil.copy(Path(model_dir) / "config.json", out / "config.json")
     meta = {"format": ENGINE_FORMAT, "backend": "aot", "device": device, "dtype": dtype,
             "torch": torch.__version__, "num_groups": model.config.num_groups,
             "packages": packages, "compile_seconds": timings,
+            "inductor_configs": inductor_configs or {},
             "source_model": str(Path(model_dir).resolve())}
     (out / "engine.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -107,9 +107,10 @@ def plot_all(summary: dict, out: Path) -> list[Path]:
         factors = sorted(caps, key=lambda k: int(k.split("_")[1].rstrip("x")))
         for system in next(iter(caps.values())):
             ax.plot([int(k.split("_")[1].rstrip("x")) for k in factors],
-                    [caps[k][system]["throughput_requests_per_s"] for k in factors], marker="o",
-                    label=system)
-        ax.set(xlabel="working set / device pool", ylabel="requests per second",
+                    [caps[k][system]["throughput_requests_per_s_by_tag"]["repeat"]
+                     for k in factors], marker="o", label=system)
+        ax.set(xlabel="working set / device pool",
+               ylabel="requests per second (repeat passes)",
                title="Throughput versus working-set size")
         ax.legend()
         paths.append(_save(fig, out / "throughput_vs_working_set.png"))

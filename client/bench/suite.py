@@ -160,6 +160,10 @@ def run_served(grpc_url: str, workload: Workload, timeout_s: float = 600.0) -> l
     return records
 
 
+def _span(records: list[Record]) -> float:
+    return max(r.last or r.submitted for r in records) - min(r.submitted for r in records)
+
+
 def summarize(records: list[Record], engine_stats: dict | None, makespan: float) -> dict:
     ok = [r for r in records if r.error is None]
     by_tag: dict[str, list[Record]] = {}
@@ -175,6 +179,10 @@ def summarize(records: list[Record], engine_stats: dict | None, makespan: float)
         "e2el_ms_by_tag": {t: describe([r.e2el for r in rs]) for t, rs in by_tag.items()},
         "throughput_tokens_per_s": (prompt_tokens + out_tokens) / makespan if makespan else 0,
         "throughput_requests_per_s": len(ok) / makespan if makespan else 0,
+        # Per tag, over the span from the tag's first submission to its last token (e.g. the
+        # steady state of repeated passes, without the first pass that fills the cache).
+        "throughput_requests_per_s_by_tag": {t: len(rs) / _span(rs) for t, rs in by_tag.items()
+                                             if _span(rs) > 0},
         "prompt_tokens": prompt_tokens, "cached_tokens": sum(r.cached_tokens for r in ok),
         "hit_rate": sum(r.cached_tokens for r in ok) / max(prompt_tokens, 1),
         "replayed_anchors": sum(r.replayed_anchors for r in ok),

@@ -116,3 +116,26 @@ def test_rag_queries_retrieve_their_source_chunk():
     text = bytes(wl.requests[0].prompt)
     first = corpus.chunks[corpus.queries[0][1][0]]
     assert text.startswith(b"<doc>\n" + first)
+
+
+def test_capacity_anchors_page_through_the_tiers_and_checkpoints_do_not(model, tmp_path):
+    """Working set 4x the device pool, two passes: only anchors (which page with their KV into
+    DRAM and SSD) let the second pass hit; device-slot checkpoints are gone by then, with or
+    without the KV in DRAM."""
+    from client.bench.run_suite import _with_run_pages
+
+    budget = Budget(device_budget_bytes=1 << 20, host_pages=8, ssd_bytes=64 << 20)
+    pool_tokens = budget.device_budget_bytes // (bytes_per_page(model.config, 64) // 64)
+    wl = W.capacity(pool_tokens, 4, doc_tokens=256, passes=2, max_tokens=1)
+    budget = _with_run_pages(budget, wl)
+    repeat_hits = {}
+    for system in ("checkpoint", "pcr_dram", "ours"):
+        config = engine_config(system, model.config, budget, 4, tmp_path / system)
+        summary, records = measure_in_process(model, config, wl)
+        assert summary["errors"] == 0
+        assert summary["throughput_requests_per_s_by_tag"]["repeat"] > 0
+        repeat = [r for r in records if r["tag"] == "repeat"]
+        repeat_hits[system] = sum(r["cached_tokens"] for r in repeat) / sum(
+            r["prompt_tokens"] for r in repeat)
+    assert repeat_hits["checkpoint"] == repeat_hits["pcr_dram"] == 0, repeat_hits
+    assert repeat_hits["ours"] > 0.5, repeat_hits
