@@ -39,8 +39,8 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
                 "agentic_fanout": 2, "agentic_depth": 1, "rag": dict(num_chunks=40,
-                                                                     num_queries=12),
-                "rates": [2.0, 4.0, 8.0], "sweep_step": 64, "capacity": [2, 4, 8],
+                                                                     num_queries=10),
+                "rates": [2.0, 4.0, 8.0], "sweep_step": 64, "capacity": [4],
                 "capacity_passes": 2}
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
             "agentic_fanout": 3, "agentic_depth": 2, "rag": dict(num_chunks=96, num_queries=48),
