@@ -47,6 +47,11 @@ def tiny_config(hidden: int = 256, layers: int = 8) -> ModelConfig:
     )
 
 
+def is_attention_qk_norm(name: str) -> bool:
+    """The per-head q/k norm gains of a full-attention layer (not the linear layers' norms)."""
+    return name.endswith(("q_norm.weight", "k_norm.weight")) and "self_attn" in name
+
+
 def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference",
                  qk_gain: float = 1.0) -> None:
     """Small normal weights; norms at identity; Gated DeltaNet decay per `dt_init`.
@@ -77,7 +82,7 @@ def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference"
             with torch.no_grad():
                 p.copy_(torch.empty_like(p).uniform_(1, 16).log())
             continue
-        if name.endswith(("q_norm.weight", "k_norm.weight")) and "self_attn" in name:
+        if is_attention_qk_norm(name):
             with torch.no_grad():
                 p.fill_(qk_gain - 1.0)
             continue
@@ -100,7 +105,7 @@ def param_groups(model: HybridForCausalLM, qk_norm_lr_mult: float = 1.0) -> list
     """
     groups: dict[str, list] = {"decay": [], "no_decay": [], "qk_norm": []}
     for name, p in model.named_parameters():
-        if name.endswith(("q_norm.weight", "k_norm.weight")) and "self_attn" in name:
+        if is_attention_qk_norm(name):
             groups["qk_norm"].append(p)
         elif p.dim() >= 2:
             groups["decay"].append(p)

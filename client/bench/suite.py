@@ -181,8 +181,8 @@ def summarize(records: list[Record], engine_stats: dict | None, makespan: float)
         "throughput_requests_per_s": len(ok) / makespan if makespan else 0,
         # Per tag, over the span from the tag's first submission to its last token (e.g. the
         # steady state of repeated passes, without the first pass that fills the cache).
-        "throughput_requests_per_s_by_tag": {t: len(rs) / _span(rs) for t, rs in by_tag.items()
-                                             if _span(rs) > 0},
+        "throughput_requests_per_s_by_tag": {t: len(rs) / span for t, rs in by_tag.items()
+                                             if (span := _span(rs)) > 0},
         "prompt_tokens": prompt_tokens, "cached_tokens": sum(r.cached_tokens for r in ok),
         "hit_rate": sum(r.cached_tokens for r in ok) / max(prompt_tokens, 1),
         "replayed_anchors": sum(r.replayed_anchors for r in ok),
