@@ -65,13 +65,16 @@ class MixedSampler:
     seed: int = 0
     extra_queries: int = 0  # further kv questions per task context (denser retrieval signal)
     kinds: tuple[str, ...] = TASKS
-    # Retrieval curriculum: fill task sequences with back-to-back examples whose contexts are
-    # `task_context` bytes (a (min, max) range; None: 30-95% of the sequence, one example then
-    # library text), and weigh their non-answer bytes by `text_weight`.
+    # Task contexts of `task_context` bytes (a (min, max) range; None: 30-95% of the sequence)
+    # and the layout of a task sequence: "single" (one example at the start, then library
+    # text) or "packed" (examples back to back). Non-answer bytes of tasks weigh `text_weight`.
     task_context: tuple[int, int] | None = None
     text_weight: float = 1.0
+    task_layout: str = "single"
 
     def __post_init__(self) -> None:
+        if self.task_layout not in ("single", "packed"):
+            raise ValueError(f"task_layout must be 'single' or 'packed', got {self.task_layout!r}")
         self.rng = random.Random(self.seed)
 
     def sample(self, batch_size: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,18 +88,28 @@ class MixedSampler:
         start = self.rng.randrange(len(self.text) - n)
         seq = self.text[start:start + n].clone()
         weight = torch.ones(n - 1)
-        if self.task_context is not None and self.rng.random() < self.task_fraction:
-            return self._packed_tasks(n)
-        if n >= 256 and self.rng.random() < self.task_fraction:
-            kind = self.rng.choice(self.kinds)
-            ctx = max(min(int(n * self.rng.uniform(0.3, 0.95)), n - 16), 128)
-            ex = make_example(kind, ctx, self.rng, self.extra_queries)
+        if self.task_layout == "packed" and self.task_context is not None:
+            if self.rng.random() < self.task_fraction:
+                return self._packed_tasks(n)
+            return seq, weight
+        if (n >= 256 or self.task_context is not None) and self.rng.random() < self.task_fraction:
+            ex = make_example(self.rng.choice(self.kinds), self._context_len(n), self.rng,
+                              self.extra_queries)
             task = list(ex.text.encode()) + [EOT]
             task = task[: n]
             seq[: len(task)] = torch.tensor(task)
-            for a0, a1 in ex.answer_spans():
-                weight[a0 - 1: a1 - 1] = self.answer_weight  # target t predicts byte t+1
+            weight[: len(task) - 1] = self.text_weight
+            for a0, a1 in ex.answer_spans():  # target t predicts byte t+1
+                weight[max(a0 - 1, 0): max(min(a1, len(task)) - 1, 0)] = self.answer_weight
         return seq, weight
+
+    def _context_len(self, n: int) -> int:
+        """Context bytes of a single task that leave room for its questions in n bytes."""
+        room = n - 24 - 18 * min(self.extra_queries, 3)  # later questions may be cut off
+        if self.task_context is None:
+            return max(min(int(n * self.rng.uniform(0.3, 0.95)), room), 128)
+        lo, hi = self.task_context
+        return self.rng.randint(min(lo, max(room, 32)), max(min(hi, room), 32))
 
     def _packed_tasks(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Examples back to back (each closed by the end-of-text marker) up to n ids."""

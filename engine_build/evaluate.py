@@ -1,6 +1,6 @@
 """Quality of a model directory with a plain full prefill: held-out bits per byte on the
-standard library's held-out files and exact-match accuracy on the synthetic long-context
-tasks at several context lengths.
+standard library's held-out files, exact-match accuracy on the synthetic long-context
+tasks at several context lengths, and sampled completions of a few code prompts.
 
     python -m engine_build.evaluate --model model_repo/hybrid_llm/1/tiny_qwen3_5 [--quick]
 """
@@ -22,6 +22,23 @@ from engine_build.corpus import load_split, to_ids
 from engine_build.tasks import TASKS, TaskExample, make_example
 
 CONTEXT_LENS = (512, 1024, 2048, 4096)
+SAMPLE_PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n",
+                  "class Stack:\n    def __init__(self):\n",
+                  "    for i in range(len(items)):\n")
+
+
+@torch.inference_mode()
+def sample_completion(model: HybridForCausalLM, prompt: str, max_new: int = 160,
+                      temperature: float = 0.7, top_k: int = 20, seed: int = 1) -> str:
+    """Top-k sampling from a full prefill per step (short texts; the card's samples)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt.encode())
+    for _ in range(max_new):
+        logits = model.logits(torch.tensor([ids]))[0, -1, :256] / temperature
+        top = torch.topk(logits, top_k)
+        probs = torch.softmax(top.values, -1)
+        ids.append(int(top.indices[torch.multinomial(probs, 1, generator=gen)]))
+    return bytes(ids).decode("utf-8", errors="replace")
 
 
 @torch.inference_mode()
@@ -69,6 +86,7 @@ def evaluate(model: HybridForCausalLM, heldout_bytes: int, num_examples: int,
     for kind, ctx in tqdm(jobs, desc="tasks"):
         result["tasks"].setdefault(kind, {})[str(ctx)] = task_accuracy(model, kind, ctx,
                                                                         num_examples)
+    result["samples"] = [sample_completion(model, p) for p in SAMPLE_PROMPTS]
     return result
 
 
@@ -79,6 +97,8 @@ def format_table(result: dict) -> str:
              "task      " + "".join(f"{c:>8}" for c in lens)]
     for kind, accs in result["tasks"].items():
         lines.append(f"{kind:<10}" + "".join(f"{accs[c]:>8.0%}" for c in lens))
+    for text in result.get("samples", []):
+        lines += ["--- sample (temperature 0.7, top-k 20, seed 1) ---", text]
     return "\n".join(lines)
 
 

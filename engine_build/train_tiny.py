@@ -170,7 +170,8 @@ def train(args: argparse.Namespace) -> Path:
                            task_fraction=args.task_fraction, answer_weight=args.answer_weight,
                            seed=args.seed, extra_queries=args.extra_queries,
                            kinds=tuple(args.tasks.split(",")),
-                           task_context=_range(args.task_context), text_weight=args.text_weight)
+                           task_context=_range(args.task_context), text_weight=args.text_weight,
+                           task_layout=args.task_layout)
     phases = parse_phases(args.phases)
     history: list[dict] = []
     step, elapsed = 0, 0.0
@@ -197,8 +198,11 @@ def train(args: argparse.Namespace) -> Path:
         step += 1
         history.append({"step": step, "loss": loss.item(), "seq_len": seq_len,
                         "time": time.time() - t0})
+        if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+            history[-1]["kv_accuracy"] = retrieval_probe(model, args.eval_context)
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", len=seq_len)
+        bar.set_postfix(loss=f"{loss.item():.3f}", len=seq_len,
+                        kv=f"{last_probe(history):.2f}")
         if step % args.checkpoint_every == 0 or step == args.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
                         "elapsed": time.time() - t0, "history": history,
@@ -222,6 +226,22 @@ def train(args: argparse.Namespace) -> Path:
     return out
 
 
+def retrieval_probe(model: HybridForCausalLM, context_len: int, n: int = 16) -> float:
+    """Key-value retrieval accuracy at `context_len` bytes on n fixed examples (the
+    evaluation's own examples, so the curve shows when retrieval appears in training)."""
+    from engine_build.evaluate import task_accuracy
+
+    model.eval()
+    try:
+        return task_accuracy(model, "kv", context_len, n)
+    finally:
+        model.train()
+
+
+def last_probe(history: list[dict]) -> float:
+    return next((h["kv_accuracy"] for h in reversed(history) if "kv_accuracy" in h), 0.0)
+
+
 def plot_loss(history: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -241,7 +261,14 @@ def plot_loss(history: list[dict], path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("weighted training loss (bits per byte)")
     ax.set_title("tiny Qwen3.5-architecture model: training loss")
-    ax.legend()
+    ax.legend(loc="upper left")
+    probes = [(h["step"], h["kv_accuracy"]) for h in history if "kv_accuracy" in h]
+    if probes:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*probes), color="tab:green", marker=".", label="key-value accuracy")
+        ax2.set_ylabel("key-value retrieval accuracy (probe)")
+        ax2.set_ylim(0, 1)
+        ax2.legend(loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -272,8 +299,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tasks", default="kv,needle,vars",
                    help="synthetic task kinds to mix in (engine_build/tasks.py; 'copy' too)")
     p.add_argument("--task-context", default=None,
-                   help='retrieval curriculum: task contexts of "MIN:MAX" bytes packed back to '
-                        'back in task sequences (default: one task then library text)')
+                   help='task contexts of "MIN:MAX" bytes (capped by the sequence length; '
+                        'default: 30-95%% of the sequence)')
     p.add_argument("--text-weight", type=float, default=1.0,
                    help="loss weight of non-answer bytes in packed task sequences")
     p.add_argument("--extra-queries", type=int, default=0,
@@ -282,6 +309,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="initial gain of the attention q/k norms (see init_weights)")
     p.add_argument("--qk-norm-lr-mult", type=float, default=1.0,
                    help="learning-rate multiplier of the attention q/k norm gains")
+    p.add_argument("--task-layout", choices=("single", "packed"), default="single",
+                   help="task sequences: one example then library text, or examples packed")
+    p.add_argument("--eval-every", type=int, default=100,
+                   help="probe key-value retrieval accuracy every N steps (0: never)")
+    p.add_argument("--eval-context", type=int, default=1024,
+                   help="context bytes of the retrieval probe")
     p.add_argument("--phases", default=None,
                    help='sequence-length schedule, e.g. "0:512,0.5:1024" (default: 512..4096)')
     return p.parse_args(argv)
