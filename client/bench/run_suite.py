@@ -41,11 +41,11 @@ def plan(quick: bool) -> dict:
                 "agentic_fanout": 2, "agentic_depth": 1, "rag": dict(num_chunks=40,
                                                                      num_queries=10),
                 "rates": [2.0, 4.0, 8.0], "sweep_step": 64, "capacity": [4],
-                "capacity_passes": 2}
+                "capacity_passes": 2, "capacity_doc_tokens": 1024}
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
             "agentic_fanout": 3, "agentic_depth": 2, "rag": dict(num_chunks=96, num_queries=48),
             "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "capacity": [2, 4, 6, 8],
-            "capacity_passes": 3}
+            "capacity_passes": 3, "capacity_doc_tokens": 1024}
 
 
 def k_max_of(model_dir: Path) -> int:
@@ -189,7 +189,8 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
     cap_budget = Budget(device_budget_bytes=4 << 20, host_pages=64)
     pool_tokens = cap_budget.device_budget_bytes // (bytes_per_page(runner.cfg, 64) // 64)
     for f in p["capacity"]:
-        jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"]),
+        jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"],
+                                            doc_tokens=p.get("capacity_doc_tokens", 512)),
                      CAPACITY_SYSTEMS, cap_budget))
     # Room for running requests per family of workloads (one served engine per family and
     # system): branching chat and agentic trees share one, RAG, the sweep and capacity their own.
