@@ -6,7 +6,7 @@ Deterministic (seeded), resumable (`--resume` continues from the last checkpoint
 Sequence length grows over training (512 -> 4096 bytes) at a constant number of tokens per
 step, so the full-attention layers learn retrieval at the lengths the tasks are measured at.
 
-    python -m engine_build.train_tiny                  # about 40 minutes on 2 cores
+    make model        # the default model's two-stage recipe (MODEL_CARD.md), ~46 minutes
     python -m engine_build.train_tiny --steps 5 --out /tmp/m   # smoke run
 """
 
@@ -302,7 +302,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help='task contexts of "MIN:MAX" bytes (capped by the sequence length; '
                         'default: 30-95%% of the sequence)')
     p.add_argument("--text-weight", type=float, default=1.0,
-                   help="loss weight of non-answer bytes in packed task sequences")
+                   help="loss weight of the non-answer bytes of tasks")
     p.add_argument("--extra-queries", type=int, default=0,
                    help="further key-value questions per task context (denser retrieval signal)")
     p.add_argument("--qk-gain", type=float, default=1.0,
