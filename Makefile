@@ -28,7 +28,7 @@ test: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m backend.triton.launcher --model-repository $(MODEL_REPO)
 
-# Retrains the default model from scratch (about 40 minutes on 2 cores; MODEL_CARD.md):
+# Retrains the default model from scratch (about 46 minutes on 2 cores; MODEL_CARD.md):
 # stage 1 forms the retrieval circuit on short key-value stores with many questions, stage 2
 # mixes library text in and grows the contexts to 4K. Then the evaluation and the replay
 # calibration, both written into the model directory.

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from backend.engine.request import SamplingParams
+from backend.engine.sampling import make_generator, sample
 from backend.model import HybridForCausalLM, load_model
 from engine_build.corpus import load_split, to_ids
 from engine_build.tasks import TASKS, TaskExample, make_example
@@ -30,14 +32,16 @@ SAMPLE_PROMPTS = ("import os\nimport sys\n\n\ndef main(argv):\n",
 @torch.inference_mode()
 def sample_completion(model: HybridForCausalLM, prompt: str, max_new: int = 160,
                       temperature: float = 0.7, top_k: int = 20, seed: int = 1) -> str:
-    """Top-k sampling from a full prefill per step (short texts; the card's samples)."""
-    gen = torch.Generator().manual_seed(seed)
+    """The engine's sampler over a full prefill per step (short texts; the card's samples),
+    byte tokens only (the special tokens are banned words)."""
+    special = tuple((i,) for i in range(256, model.config.vocab_size))
+    params = SamplingParams(max_tokens=max_new, temperature=temperature, top_k=top_k,
+                            seed=seed, bad_words=special)
+    gen = make_generator(seed)
     ids = list(prompt.encode())
-    for _ in range(max_new):
-        logits = model.logits(torch.tensor([ids]))[0, -1, :256] / temperature
-        top = torch.topk(logits, top_k)
-        probs = torch.softmax(top.values, -1)
-        ids.append(int(top.indices[torch.multinomial(probs, 1, generator=gen)]))
+    for n in range(max_new):
+        logits = model.logits(torch.tensor([ids]))[:, -1]
+        ids.append(int(sample(logits, [params], [gen], [n])[0]))
     return bytes(ids).decode("utf-8", errors="replace")
 
 

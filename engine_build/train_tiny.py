@@ -27,6 +27,7 @@ from backend.config import FULL, LINEAR, ModelConfig
 from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
 from engine_build.corpus import EOT, MixedSampler, load_split, to_ids
+from engine_build.evaluate import task_accuracy
 from engine_build.hf_export import save_hf_directory
 
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "model_repo/hybrid_llm/1/tiny_qwen3_5"
@@ -229,8 +230,6 @@ def train(args: argparse.Namespace) -> Path:
 def retrieval_probe(model: HybridForCausalLM, context_len: int, n: int = 16) -> float:
     """Key-value retrieval accuracy at `context_len` bytes on n fixed examples (the
     evaluation's own examples, so the curve shows when retrieval appears in training)."""
-    from engine_build.evaluate import task_accuracy
-
     model.eval()
     try:
         return task_accuracy(model, "kv", context_len, n)

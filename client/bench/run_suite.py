@@ -190,7 +190,7 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
     pool_tokens = cap_budget.device_budget_bytes // (bytes_per_page(runner.cfg, 64) // 64)
     for f in p["capacity"]:
         jobs.append(("capacity", W.capacity(pool_tokens, f, passes=p["capacity_passes"],
-                                            doc_tokens=p.get("capacity_doc_tokens", 512)),
+                                            doc_tokens=p["capacity_doc_tokens"]),
                      CAPACITY_SYSTEMS, cap_budget))
     # Room for running requests per family of workloads (one served engine per family and
     # system): branching chat and agentic trees share one, RAG, the sweep and capacity their own.

@@ -63,7 +63,7 @@ def test_heldout_sample_loss_has_not_regressed(model):
 
 def test_key_value_retrieval_has_not_regressed(model):
     # The model retrieves from the far past: exact-match accuracy at 1K bytes of context on
-    # the evaluation's own fixed examples (measured KV_ACCURACY_1K), with room for noise.
+    # the evaluation's own fixed examples, with room for noise.
     acc = evaluate.task_accuracy(model, "kv", 1024, 20)
     assert acc >= MIN_KV_ACCURACY_1K, acc
 
