@@ -85,11 +85,12 @@ class CacheManager:
             nodes = nodes[:on_device]
         return nodes
 
-    def offload_pages(self, seq: Sequence) -> list[int]:
-        """Pages this step will insert (the prompt's whole pages, at prefill completion)."""
+    def offload_pages(self, seq: Sequence, end: int) -> list[int]:
+        """Pages a prefill chunk ending at `end` completes and the step then inserts (the
+        whole pages of [0, end) not yet in the store)."""
         if seq.prefix_inserted:
             return []
-        return seq.page_table[seq.num_tree_pages: len(seq.tokens) // self.page_size]
+        return seq.page_table[seq.num_tree_pages: end // self.page_size]
 
     def _plan_snapshots(self, seq: Sequence) -> None:
         if not self.snapshots:
@@ -146,13 +147,19 @@ class CacheManager:
         seq.live_position = pos
 
     # Insert and release -----------------------------------------------------------------
-    def insert(self, seq: Sequence, num_tokens: int) -> None:
-        """Caches the whole pages of tokens [0, num_tokens) and moves the lock onto them."""
+    def insert(self, seq: Sequence, num_tokens: int, with_states: bool = True) -> None:
+        """Caches the whole pages of tokens [0, num_tokens) and moves the lock onto them.
+
+        Without `with_states` (a prefill chunk that is not the prompt's last) the saved
+        states stay pending: a locked node's state cannot be evicted, so inserting them
+        early would let a long prompt's shallow checkpoints crowd out its deep ones (see
+        `after_forward`); they join at the prompt's end."""
         num_pages = num_tokens // self.page_size
         if self.policy == "none" or num_pages <= seq.num_tree_pages:
             return
         end = num_pages * self.page_size
-        states = {p: s for p, s in seq.pending_states.items() if p <= end}
+        states = {p: s for p, s in seq.pending_states.items() if p <= end} if with_states \
+            else {}
         anchors = seq.anchor_blocks[:num_pages] if self.store.uses_anchors else ()
         result = self.store.insert(seq.tokens[:end], seq.request.cache_salt,
                                    seq.page_table[:num_pages], anchors, states)

@@ -59,6 +59,11 @@ class Scheduler:
         for c in chunks:
             c.seq.num_computed = c.end
             self.cache.after_forward(c.seq)
+            if c.end < len(c.seq.tokens):
+                # A prefill chunk that is not the prompt's last: its whole pages join the
+                # store now, so requests admitted from the next step on share them (as
+                # vLLM's block hashing and SGLang's cache_unfinished_req do).
+                self.cache.insert(c.seq, c.end, with_states=False)
         if done:
             rows = [chunks.index(c) for c in done]
             outputs.extend(self._sample([c.seq for c in done], logits[rows]))
@@ -142,8 +147,7 @@ class Scheduler:
                 dst.append(plan[1])
         transfers = None
         if self.cache.tiers is not None:
-            pages = [p for c in chunks if c.end == len(c.seq.tokens)
-                     for p in self.cache.offload_pages(c.seq)]
+            pages = [p for c in chunks for p in self.cache.offload_pages(c.seq, c.end)]
             transfers = LayerTransfers(self.cache.tiers, pages)
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
         logits = self.executor.forward(seqs, *capture, layer_hooks=transfers)

@@ -132,6 +132,36 @@ def test_concurrent_requests_match_sequential_greedy(model, prompt):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
+def test_a_running_prefill_shares_its_finished_pages(model, prompt, policy):
+    """The whole pages of a prompt's earlier prefill chunks are in the store before the
+    prompt ends: a request admitted meanwhile hits them (suffix replay; the checkpoint
+    baseline has no state there yet and misses), and every output equals plain greedy."""
+    from backend.engine import Request
+
+    engine = make_engine(model, policy=policy, max_tokens_per_step=96, interval=256,
+                         replay=ReplayConfig.exact())  # exact states: outputs comparable
+    branch = _branch(prompt, 170)
+    outs: dict[str, list] = {}
+
+    def collect(o):
+        outs.setdefault(o.request_id, []).append(o)
+
+    engine.submit(Request("a", prompt, GREEDY, on_output=collect))
+    engine.step()
+    engine.step()  # "a" has computed [0, 192): 12 whole pages
+    assert engine.store.num_cached_pages == 192 // PAGE
+    engine.store.assert_invariants()
+    engine.submit(Request("b", branch, GREEDY, on_output=collect))
+    while engine.has_work:
+        engine.step()
+    want = greedy_generate(model, [prompt, branch], max_new_tokens=12, page_size=PAGE)
+    got = {rid: sum((o.new_token_ids for o in v), []) for rid, v in outs.items()}
+    assert [got["a"], got["b"]] == want
+    assert outs["b"][-1].cached_tokens == (160 if policy == "suffixreplay" else 0)
+    assert_no_leak(engine)
+
+
 def test_preemption_under_page_pressure_keeps_outputs(model, prompt):
     # 40 pages cannot hold four 300-token sequences at once: some must be preempted.
     engine = make_engine(model, num_kv_pages=40, max_tokens_per_step=320)
