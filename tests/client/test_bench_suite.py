@@ -36,6 +36,9 @@ def test_workloads_are_deterministic_and_shaped():
     root = tree.requests[0].prompt
     assert len(root) == 2000 and len(tree.requests) == 1 + 2 + 4
     assert all(r.prompt[:2000] == root for r in tree.requests[1:])
+    a, b = tree.requests[1].prompt, tree.requests[2].prompt  # siblings: one call, two results
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared > 2000 + 60 and bytes(a[2000:shared]).count(b"<tool_call>") == 1
     sweep = W.distance_sweep(doc_tokens=1024, step=64, repeats=2)
     doc = sweep.requests[0].prompt
     assert len(sweep.requests) == 2 * 2 * 5
