@@ -20,7 +20,7 @@ Pools (exact accounting, for each of KV pages, anchor blocks and checkpoint slot
   P1  No id is referenced by two nodes, and no id is both referenced and caller-held.
   P2  Allocated ids == ids referenced by nodes + ids held by callers.
 Policy
-  E1  Every eviction candidate (unlocked device leaf; unlocked node with a checkpoint) has a
+  E1  Every eviction candidate (unlocked device leaf; any node with a checkpoint) has a
       valid entry in its LRU heap, so nothing evictable is ever lost from view.
 """
 

@@ -130,5 +130,8 @@ def is_evictable_leaf(node: PageNode) -> bool:
 
 
 def has_evictable_state(node: PageNode) -> bool:
-    """A state on an unlocked node: a running request may still read a locked one."""
-    return node.alive and node.state_slot is not None and node.lock_ref == 0
+    """Any cached state: a state is read only when a request is admitted (copied into its
+    run slot at once), so a lock, which keeps the path's KV for running requests, does not
+    pin the checkpoints on it (else a request holding a long matched path could pin every
+    slot and no new checkpoint could be saved)."""
+    return node.alive and node.state_slot is not None

@@ -217,7 +217,7 @@ class PrefixStore:
         return PageAllocation(kv, anchors)
 
     def alloc_state_slots(self, num_slots: int) -> list[int] | None:
-        """Checkpoint slots, evicting LRU checkpoints of unlocked nodes; None if impossible."""
+        """Checkpoint slots, evicting LRU checkpoints; None if impossible (all held by requests)."""
         if num_slots > self.state_pool.capacity:
             raise ValueError(
                 f"{num_slots} checkpoint slots asked, the pool holds {self.state_pool.capacity}"

@@ -155,11 +155,13 @@ class CacheManager:
         early would let a long prompt's shallow checkpoints crowd out its deep ones (see
         `after_forward`); they join at the prompt's end."""
         num_pages = num_tokens // self.page_size
-        if self.policy == "none" or num_pages <= seq.num_tree_pages:
+        if self.policy == "none" or num_pages < seq.num_tree_pages:
             return
         end = num_pages * self.page_size
         states = {p: s for p, s in seq.pending_states.items() if p <= end} if with_states \
             else {}
+        if num_pages == seq.num_tree_pages and not states:
+            return  # nothing new (states saved on pages an earlier chunk inserted do join)
         anchors = seq.anchor_blocks[:num_pages] if self.store.uses_anchors else ()
         result = self.store.insert(seq.tokens[:end], seq.request.cache_salt,
                                    seq.page_table[:num_pages], anchors, states)

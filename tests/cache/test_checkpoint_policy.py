@@ -106,7 +106,7 @@ def test_match_reports_the_checkpoint_to_resume_from():
     assert len(match.kv_pages) == 8
 
 
-def test_checkpoint_slots_are_recycled_lru_but_never_from_locked_paths():
+def test_checkpoint_slots_are_recycled_lru_also_from_locked_paths():
     store = make_store(policy="checkpoint", num_checkpoint_slots=2, num_kv_pages=16)
     a = cache_tokens(store, [1] * 8)  # one checkpoint, at 8 (interval and prompt end)
     b = cache_tokens(store, [2] * 8)
@@ -114,13 +114,19 @@ def test_checkpoint_slots_are_recycled_lru_but_never_from_locked_paths():
     assert a.nodes[-1].state_slot is None
     assert None not in (b.nodes[-1].state_slot, c.nodes[-1].state_slot)
     assert store.match_prefix([1] * 8).num_matched_tokens == 0  # KV stays, no resume point
+    # A lock keeps a running request's KV; a checkpoint is read only at admission, so the
+    # LRU one goes even on a locked path (a request holding a long matched path must not
+    # pin every slot), and its KV page stays.
     store.lock(b.nodes)
     store.lock(c.nodes)
-    assert store.alloc_state_slots(1) is None  # both checkpoints pinned by running requests
+    held = store.alloc_state_slots(1)
+    assert held is not None and b.nodes[-1].state_slot is None
+    assert b.nodes[-1].kv_page is not None and c.nodes[-1].state_slot is not None
+    held += store.alloc_state_slots(1)
+    assert c.nodes[-1].state_slot is None
+    assert store.alloc_state_slots(1) is None  # every slot is held by a caller now
+    store.free_state_slots(held)
     store.unlock(b.nodes)
-    slots = store.alloc_state_slots(1)
-    assert slots is not None and b.nodes[-1].state_slot is None
-    store.free_state_slots(slots)
     store.unlock(c.nodes)
     store.assert_invariants()
 

@@ -70,8 +70,6 @@ class StoreMachine(RuleBasedStateMachine):
             assert not any(
                 s == salt and t[: len(tokens)] == tokens and len(t) > len(tokens) for s, t in pages
             ), "a page with a surviving child was evicted"
-        for prefix in self.states - states:
-            assert prefix not in pages or self.locks[prefix] == 0, "a locked checkpoint went"
         self.pages, self.states = pages, states
 
     def _expected_match(self, tokens, salt) -> int:
@@ -132,7 +130,8 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(num=st.integers(0, 3))
     def evict_checkpoints(self, num):
-        self.store.evict_checkpoints(num)
+        # Every checkpoint is evictable, also on a locked path (read only at admission).
+        assert self.store.evict_checkpoints(num) == min(num, len(self.states))
         self._sync()
 
     @rule(num=st.integers(0, 10))

@@ -162,6 +162,20 @@ def test_a_running_prefill_shares_its_finished_pages(model, prompt, policy):
     assert_no_leak(engine)
 
 
+def test_checkpoints_of_a_chunked_prompt_join_the_store(model, prompt):
+    """Prefill chunks end at checkpoint positions and insert their pages as they go; the
+    states still join at the prompt's end, also when no page is left to insert then (two
+    output tokens do not reach the next page boundary)."""
+    from backend.engine import SamplingParams
+
+    engine = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=96)
+    short = SamplingParams(max_tokens=2, top_k=1)
+    engine.generate(prompt, short)  # 300 tokens: checkpoints at 64..256 and 288
+    assert engine.generate(prompt[:280] + [1, 2, 3], short).cached_tokens == 256
+    assert engine.generate(prompt + [1, 2, 3], short).cached_tokens == 288
+    assert_no_leak(engine)
+
+
 def test_preemption_under_page_pressure_keeps_outputs(model, prompt):
     # 40 pages cannot hold four 300-token sequences at once: some must be preempted.
     engine = make_engine(model, num_kv_pages=40, max_tokens_per_step=320)
