@@ -194,8 +194,9 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
                                             doc_tokens=p["capacity_doc_tokens"]),
                      CAPACITY_SYSTEMS, cap_budget))
     # Room for running requests per family of workloads (one served engine per family and
-    # system): branching chat and agentic trees share one, RAG, the sweep and capacity their own.
-    family = {"sharegpt": "branch", "agentic": "branch"}
+    # system): branching chat, agentic trees and the sweep (closed loop, each cut in its own
+    # namespace) share one; RAG and capacity have their own.
+    family = {"sharegpt": "branch", "agentic": "branch", "sweep": "branch"}
     need: dict[str, Budget] = {}
     for kind, wl, _, budget in jobs:
         b = _with_run_pages(budget or runner.budget, wl)

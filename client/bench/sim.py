@@ -93,8 +93,9 @@ class Shapes:
     k_max: int = 512
 
 
-def _page_keys(tokens: list[int], page: int) -> list[int]:
-    keys, h = [], 0
+def _page_keys(tokens: list[int], page: int, salt: str = "") -> list[int]:
+    """One key per whole page, chained over the prefix, in the request's cache namespace."""
+    keys, h = [], hash(salt)
     for i in range(len(tokens) // page):
         h = hash((h, tuple(tokens[i * page:(i + 1) * page])))
         keys.append(h)
@@ -134,7 +135,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
     page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
     rows = []
     for req in workload.requests:
-        keys = _page_keys(req.prompt, ps)
+        keys = _page_keys(req.prompt, ps, req.salt)
         hit_pages, from_dram = 0, 0
         if system.policy != "none":
             for key in keys[: (len(req.prompt) - 1) // ps]:  # the last token is always computed

@@ -142,3 +142,12 @@ def test_capacity_anchors_page_through_the_tiers_and_checkpoints_do_not(model, t
             r["prompt_tokens"] for r in repeat)
     assert repeat_hits["checkpoint"] == repeat_hits["pcr_dram"] == 0, repeat_hits
     assert repeat_hits["ours"] > 0.5, repeat_hits
+
+
+def test_simulator_keeps_cache_namespaces_apart(model):
+    prompt = [i % 200 for i in range(512)]
+    wl = W.Workload("salts", [W.BenchRequest(rid, prompt, 1, salt=salt)
+                              for rid, salt in (("a", "s1"), ("b", "s2"), ("c", "s1"))])
+    out = sim.simulate(wl, sim.SimSystem("suffixreplay", 1 << 30), sim.shapes_of(model.config),
+                       sim.CostModel(0.0, 1e-3, 0.0, 0.0, 0.0))
+    assert out["hit_rate"] == 448 / (3 * 512)  # only "c" hits: 7 whole pages before the last token
