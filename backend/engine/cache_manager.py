@@ -151,9 +151,9 @@ class CacheManager:
         """Caches the whole pages of tokens [0, num_tokens) and moves the lock onto them.
 
         Without `with_states` (a prefill chunk that is not the prompt's last) the saved
-        states stay pending: a locked node's state cannot be evicted, so inserting them
-        early would let a long prompt's shallow checkpoints crowd out its deep ones (see
-        `after_forward`); they join at the prompt's end."""
+        states stay pending and join at the prompt's end, as the checkpoint baseline was
+        measured; while pending, `after_forward` gives up a long prompt's shallowest ones
+        first when the slots run out."""
         num_pages = num_tokens // self.page_size
         if self.policy == "none" or num_pages < seq.num_tree_pages:
             return
