@@ -57,9 +57,10 @@ class MatchResult(NamedTuple):
         these cover `nodes[:len(kv_pages)]`; a shorter list means the tail sits on a lower
         tier and must be promoted (`PrefixStore.promote`) before use. `anchor_blocks` is empty
         unless the policy is "suffixreplay".
-    checkpoint: deepest resident state on the matched path (checkpoint policy: the match ends
-        there; suffixreplay: only a live state at the match end is useful) or None.
-    live_state: slot of the state at exactly the match end, or None.
+    checkpoint: deepest saved state on the matched path (checkpoint policy: the match ends
+        there; suffixreplay: only a live state at the match end is useful) or None. Its
+        `slot` is None when the state is on a lower tier (`TierBackend.load_state`).
+    live_state: device slot of the state at exactly the match end, or None.
     num_cached_pages: pages found in the tree before the policy cut the match (checkpoint
         policy resumes at its checkpoint even when deeper KV pages exist).
     """
@@ -135,6 +136,19 @@ class TierBackend(ABC):
     def on_free(self, kv_pages: list[int], anchor_blocks: list[int]) -> None:  # noqa: B027
         """Caller-held ids returned to the pools (`PrefixStore.free_pages`): whatever the
         backend staged for those device ids is stale now."""
+
+    def on_state_evict(self, node: PageNode, slot: int) -> None:  # noqa: B027
+        """A checkpoint's device slot `slot` is about to be freed while `node` stays in the
+        tree: a backend that tiers states copies it out here."""
+
+    def has_state(self, node: PageNode) -> bool:
+        """Whether a lower tier holds `node`'s checkpoint state."""
+        return False
+
+    def load_state(self, node: PageNode, dst, dst_slot: int) -> bool:
+        """Copies `node`'s lower-tier state into slot `dst_slot` of the StateSlots `dst`;
+        False (a miss) when no verified copy can be had."""
+        return False
 
 
 class DropTier(TierBackend):

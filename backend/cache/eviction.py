@@ -68,7 +68,11 @@ class Evictor:
             self.stats.protected_pages_passed_over = self.policy.num_passed_over
         return evicted
 
-    def drop_state(self, node: PageNode, reason: str) -> None:
+    def drop_state(self, node: PageNode, reason: str, spill: bool = True) -> None:
+        """Frees a checkpoint's device slot; with `spill` (the node stays in the tree) the
+        tier backend may keep the state on a lower tier first."""
+        if spill:
+            self.tier.on_state_evict(node, node.state_slot)
         self.state_pool.free([node.state_slot])
         node.state_slot = None
         self.stats.checkpoint_evictions_by_reason[reason] += 1
@@ -95,7 +99,7 @@ class Evictor:
         if decision.action == EvictAction.DEMOTE:
             self._check_demotion(decision.kv_location, decision.anchor_location)
         parent = node.parent
-        self._release_device_ids(node)
+        self._release_device_ids(node, spill=decision.action == EvictAction.DEMOTE)
         parent.num_device_children -= 1
         if decision.action == EvictAction.DROP:
             self.remove_subtree(node)
@@ -111,7 +115,7 @@ class Evictor:
         if self.uses_anchors and (anchor_tier is None or anchor_tier == Tier.DEVICE):
             raise ValueError(f"DEMOTE must name a lower tier for the anchors, got {anchor_tier}")
 
-    def _release_device_ids(self, node: PageNode) -> None:
+    def _release_device_ids(self, node: PageNode, spill: bool) -> None:
         self.kv_pool.free([node.kv_page])
         node.kv_page = None
         node.kv_location = None
@@ -120,7 +124,7 @@ class Evictor:
             node.anchor_block = None
             node.anchor_location = None
         if node.state_slot is not None:
-            self.drop_state(node, WITH_PAGE)
+            self.drop_state(node, WITH_PAGE, spill)
 
     def remove_subtree(self, node: PageNode) -> None:
         """Removes `node` and its descendants from the tree, children first (iterative: a
@@ -135,6 +139,6 @@ class Evictor:
             stack.extend(n.children.values())
         for n in reversed(order):  # every node comes after its ancestors in `order`
             if n.state_slot is not None:
-                self.drop_state(n, WITH_PAGE)
+                self.drop_state(n, WITH_PAGE, spill=False)
             self.tier.on_remove(n)
             self.tree.remove_leaf(n)

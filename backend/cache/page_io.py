@@ -123,6 +123,7 @@ class DeviceBuffers:
         page_size: int,
         anchors: torch.Tensor | None = None,
         anchors_per_page: int = 0,
+        states: Any = None,
     ) -> None:
         if not k or len(k) != len(v):
             raise ValueError(f"need one k and one v per attention layer, got {len(k)}, {len(v)}")
@@ -133,6 +134,7 @@ class DeviceBuffers:
             raise ValueError(f"{shape[0]} KV rows are not a whole number of {page_size}-pages")
         self.k, self.v, self.page_size = list(k), list(v), page_size
         self.anchors = anchors
+        self.states = states  # the executor's saved-state StateSlots (checkpoints), or None
         self.anchors_per_page = anchors_per_page if anchors is not None else 0
         if anchors is not None and (anchors_per_page < 1 or anchors.shape[1] % anchors_per_page):
             raise ValueError(
@@ -153,9 +155,10 @@ class DeviceBuffers:
 
     @classmethod
     def from_executor(cls, executor: Any, anchors_per_page: int, with_anchors: bool = True):
-        """From a `TorchExecutor` (its `kv` PagedKV and `anchors` tensor)."""
+        """From a `TorchExecutor` (its `kv` PagedKV, `anchors` tensor and saved states)."""
         anchors = executor.anchors if with_anchors and anchors_per_page > 0 else None
-        return cls(executor.kv.k, executor.kv.v, executor.kv.page_size, anchors, anchors_per_page)
+        return cls(executor.kv.k, executor.kv.v, executor.kv.page_size, anchors, anchors_per_page,
+                   getattr(executor, "saved_states", None))
 
     @property
     def num_pages(self) -> int:

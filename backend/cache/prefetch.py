@@ -39,7 +39,10 @@ class Prefetcher:
         started = 0
         for tokens, salt in window:
             tiers.on_lookup(salt)
-            for node in tiers.store.tree.walk(encode_tokens(tokens), salt):
+            path = tiers.store.tree.walk(encode_tokens(tokens), salt)
+            if tiers.states is not None:  # the checkpoint state the request will resume from
+                tiers.states.prefetch(path)
+            for node in path:
                 if node.on_device:
                     continue
                 e = tiers.entry(node)

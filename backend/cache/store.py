@@ -88,10 +88,16 @@ class PrefixStore:
         nodes = self.tree.walk(key, salt)
         num_cached = len(nodes)
         last_state = -1
+        tiered_states = self.config.policy == "checkpoint" and self.tier.has_state
         for i, node in enumerate(nodes):
             if node.state_slot is not None:
                 last_state = i
         if self.config.policy == "checkpoint":
+            # A lower tier may hold deeper states (their device slots were reclaimed).
+            for i in range(len(nodes) - 1, last_state, -1):
+                if tiered_states(nodes[i]):
+                    last_state = i
+                    break
             nodes = nodes[: last_state + 1]
         tick = self._tick()
         for node in nodes:
@@ -101,7 +107,8 @@ class PrefixStore:
             node = nodes[last_state]
             checkpoint = StateCheckpoint(node, node.state_slot, (node.depth + 1) * self.page_size)
             node.state_access = tick
-            self.evictor.push_state(node)
+            if node.state_slot is not None:
+                self.evictor.push_state(node)
         kv_pages, anchors = self._device_prefix(nodes)
         if kv_pages:
             self.evictor.push_leaf(nodes[len(kv_pages) - 1])

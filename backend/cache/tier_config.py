@@ -20,6 +20,9 @@ class TierConfig:
     prefetch_window: W, the waiting requests the prefetcher looks at. io_threads: SSD I/O
     workers. o_direct: use O_DIRECT where the filesystem accepts it (probed). use_kvikio:
     allow the KvikIO backend where `probe_kvikio()` finds a GPU and libcufile.
+    host_checkpoint_slots / ssd_checkpoint_slots: DRAM slots and SSD files for the saved
+    states of the checkpoint policy (`state_tier.py`); 0 / 0: states stay on the device and a
+    checkpoint is lost with its device slot.
     model_fingerprint: identifies the weights and dtype (`fingerprint_model_dir`); SSD chunks
     of another fingerprint are foreign and never served. The SSD tier is on when
     `enable_ssd` and `ssd_path` is set (the default config is DRAM only).
@@ -37,6 +40,8 @@ class TierConfig:
     use_kvikio: bool = True
     io_threads: int = 8
     model_fingerprint: str = ""
+    host_checkpoint_slots: int = 0
+    ssd_checkpoint_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.host_pages < 0:
@@ -45,6 +50,12 @@ class TierConfig:
             raise ValueError(f"ssd_bytes must be >= 0, got {self.ssd_bytes}")
         if self.prefetch_window < 0:
             raise ValueError(f"prefetch_window must be >= 0, got {self.prefetch_window}")
+        for name in ("host_checkpoint_slots", "ssd_checkpoint_slots"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.ssd_checkpoint_slots and self.uses_ssd and not self.host_checkpoint_slots:
+            raise ValueError("SSD checkpoint states are staged through DRAM: "
+                             "host_checkpoint_slots must be >= 1 with ssd_checkpoint_slots")
         if self.io_threads < 1:
             raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
         if self.uses_ssd and not self.model_fingerprint:

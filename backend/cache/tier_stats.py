@@ -56,6 +56,19 @@ class TierStats:
     prefetch_late: int = 0  # prefetch still in flight when the request needed it
     prefetch_misses: int = 0  # on SSD only when needed: a foreground read
     prefetch_wait_seconds: float = 0.0  # time `wait_for` spent waiting for reads
+    # checkpoint states (checkpoint policy, `state_tier.py`)
+    state_spills: int = 0  # device checkpoints copied to DRAM when their slot was reclaimed
+    state_spills_skipped: int = 0  # no DRAM state slot could be freed: the state was lost
+    state_host_evictions: int = 0  # DRAM state copies released (kept on SSD if written)
+    state_ssd_writes: int = 0
+    state_ssd_writes_skipped: int = 0  # every SSD state file busy
+    state_ssd_evictions: int = 0  # state files deleted for the SSD slot limit
+    state_loads_host: int = 0  # admissions resumed from a state in DRAM (prefetched or not)
+    state_loads_ssd: int = 0  # admissions that waited for a state file to be read
+    state_prefetch_started: int = 0
+    state_prefetch_hits: int = 0
+    state_prefetch_late: int = 0
+    state_prefetch_misses: int = 0  # on SSD only when needed: a foreground read
     # layer-wise overlap
     layer_loads: int = 0
     layer_offloads: int = 0

@@ -49,6 +49,7 @@ from backend.cache.overlap import LayerwiseLoad, LayerwiseOffload, TransferThrea
 from backend.cache.page_io import CopyStream, DeviceBuffers
 from backend.cache.prefetch import Prefetcher
 from backend.cache.ssd import SsdStore
+from backend.cache.state_tier import StateTier
 from backend.cache.tier_config import TierConfig
 from backend.cache.tier_entry import TierEntry
 from backend.cache.tier_io import TierIO
@@ -95,6 +96,7 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
                                 self.io, self.stats, chunk_io, config.o_direct)  # fmt: skip
             for chunk, header in self.ssd.scan():
                 self.pending_restore.setdefault(header.salt_hash, []).append((chunk, header))
+        self.states: StateTier | None = None  # checkpoint states (set up in attach)
         threads = config.enable_overlap and not self.copies.is_cuda
         self._load_worker = TransferThread("kv-load") if threads else None
         self._offload_worker = TransferThread("kv-offload") if threads else None
@@ -116,6 +118,24 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
                 f"store has {store.config.num_kv_pages} KV pages, buffers {self.buffers.num_pages}"
             )
         self.store = store
+        cfg = self.config
+        if store.config.policy == "checkpoint" and cfg.host_checkpoint_slots:
+            if self.buffers.states is None:
+                raise ValueError("host_checkpoint_slots needs the executor's saved-state slots "
+                                 "(DeviceBuffers(states=...))")
+            self.states = StateTier(self, self.buffers.states, cfg.host_checkpoint_slots,
+                                    cfg.ssd_path if self.ssd is not None else None,
+                                    cfg.ssd_checkpoint_slots, self.io)
+
+    def on_state_evict(self, node, slot: int) -> None:
+        if self.states is not None:
+            self.states.spill(node, slot)
+
+    def has_state(self, node) -> bool:
+        return self.states is not None and self.states.has(node)
+
+    def load_state(self, node, dst, dst_slot: int) -> bool:
+        return self.states is not None and self.states.load(node, dst, dst_slot)
 
     def on_lookup(self, salt: str | None) -> None:
         if self.pending_restore:
@@ -146,6 +166,8 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         return EvictDecision(EvictAction.DROP)
 
     def on_remove(self, node) -> None:
+        if self.states is not None:
+            self.states.remove(node)
         e = node.tier_data
         if e is None or e.dead:
             return
@@ -306,6 +328,8 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
 
     def reap(self) -> None:
         super().reap()
+        if self.states is not None:
+            self.states.reap()
         if self._loads:
             still = []
             for load, entries in self._loads:
@@ -321,6 +345,8 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         """Waits until every SSD operation and every deferred write-back is done."""
         while True:
             super().drain()
+            if self.states is not None:
+                self.states.drain()
             self._stage_backlog()
             if not self.inflight:
                 return
@@ -341,6 +367,8 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         from backend.cache.tier_invariants import check_tiers
 
         check_tiers(self)
+        if self.states is not None:
+            self.states.assert_invariants()
 
     # Helpers ----------------------------------------------------------------------------
     def _copy_out(self, node, slot: int, kv: bool = True):

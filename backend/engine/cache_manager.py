@@ -42,9 +42,10 @@ class CacheManager:
         live = match.live_state if n == match.num_matched_pages else None
         if self.policy == "suffixreplay" and not self.config.replay.live_state:
             live = None
-        if n and self.policy == "checkpoint" and live is None:
-            self.store.unlock(nodes)  # the checkpoint's page could not be brought back
-            n, nodes = 0, []
+        restored = False
+        if n and self.policy == "checkpoint":
+            nodes, restored = self._resume_checkpoint(seq, nodes)
+            n, live = len(nodes), None
         seq.locked_nodes = nodes
         seq.page_table = [node.kv_page for node in nodes]
         seq.anchor_blocks = [node.anchor_block for node in nodes] if self.store.uses_anchors else []
@@ -52,6 +53,8 @@ class CacheManager:
         seq.num_computed = seq.cached_tokens = n * self.page_size
         if n == 0:
             self.executor.reset_state(seq.run_slot)
+        elif restored:
+            self.num_live_state_hits += 1
         elif live is not None:
             self.executor.load_state(live, seq.run_slot)
             self.num_live_state_hits += 1
@@ -64,6 +67,27 @@ class CacheManager:
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
         self.num_recomputed_tokens += seq.recomputed_tokens
         self._plan_snapshots(seq)
+
+    def _resume_checkpoint(self, seq: Sequence, nodes: list) -> tuple[list, bool]:
+        """Checkpoint policy: the deepest node of the locked usable path `nodes` with a saved
+        state (a device slot, else a lower tier) is loaded into the sequence's run slot; the
+        path is cut there. Returns (path, whether a state was loaded)."""
+        for i in range(len(nodes) - 1, -1, -1):
+            node = nodes[i]
+            if node.state_slot is not None:
+                self.executor.load_state(node.state_slot, seq.run_slot)
+            elif not (self.tiers is not None and self.tiers.load_state(
+                    node, self.executor.run_states, seq.run_slot)):
+                continue
+            return self._relock(nodes, i + 1), True
+        return self._relock(nodes, 0), False
+
+    def _relock(self, nodes: list, n: int) -> list:
+        """Keeps the lock on `nodes[:n]` only (a locked path is unlocked root first)."""
+        if n < len(nodes):
+            self.store.unlock(nodes)
+            self.store.lock(nodes[:n])
+        return nodes[:n]
 
     def _usable_prefix(self, match) -> list:
         """The matched nodes whose KV (and anchors) are on the device, locked. With tiers,
@@ -81,8 +105,7 @@ class CacheManager:
             on_device = 0
             while on_device < len(nodes) and nodes[on_device].on_device:
                 on_device += 1
-            self.store.unlock(nodes[on_device:])
-            nodes = nodes[:on_device]
+            nodes = self._relock(nodes, on_device)
         return nodes
 
     def offload_pages(self, seq: Sequence, end: int) -> list[int]:

@@ -47,6 +47,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.replay.anchor_dtype == "int8":
             raise ValueError("int8 anchors are not tiered yet: use anchor_dtype='model' with tiers")
+        if self.tiers is not None and self.cache.policy != "checkpoint" and (
+                self.tiers.host_checkpoint_slots or self.tiers.ssd_checkpoint_slots):
+            raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots tier the states of "
+                             f"cache_policy 'checkpoint', not {self.cache.policy!r}")
         if self.cache.anchor_density != self.replay.anchor_density:
             raise ValueError(
                 f"cache.anchor_density={self.cache.anchor_density} differs from "

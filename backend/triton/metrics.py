@@ -42,6 +42,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "suffixreplay_checkpoint_evictions_total": ("State checkpoints evicted, by reason", COUNTER),
     "suffixreplay_prefetch_total": ("Prefetched SSD pages by result (hit = used in time)", COUNTER),
     "suffixreplay_ssd_bytes_total": ("Bytes moved to and from the SSD tier", COUNTER),
+    "suffixreplay_checkpoint_state_tier_total": (
+        "Checkpoint states below the device (checkpoint policy), by event",
+        COUNTER,
+    ),
     "suffixreplay_checksum_failures_total": ("SSD chunks rejected by their checksum", COUNTER),
     "suffixreplay_ssd_chunk_rejects_total": ("SSD chunks refused (a miss), by reason", COUNTER),
     "suffixreplay_requests_total": ("Requests finished by the engine", COUNTER),
@@ -91,6 +95,22 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_ssd_bytes_total", (("direction", "read"),), "tier:ssd_bytes_read"),
     ("suffixreplay_ssd_bytes_total", (("direction", "written"),), "tier:ssd_bytes_written"),
     ("suffixreplay_checksum_failures_total", (), "tier:checksum_failures"),
+    ("suffixreplay_checkpoint_state_tier_total", (("event", "spilled"),), "tier:state_spills"),
+    (
+        "suffixreplay_checkpoint_state_tier_total",
+        (("event", "loaded_from_dram"),),
+        "tier:state_loads_host",
+    ),
+    (
+        "suffixreplay_checkpoint_state_tier_total",
+        (("event", "loaded_from_ssd"),),
+        "tier:state_loads_ssd",
+    ),
+    (
+        "suffixreplay_checkpoint_state_tier_total",
+        (("event", "written_to_ssd"),),
+        "tier:state_ssd_writes",
+    ),
     ("suffixreplay_requests_total", (), "finished_requests"),
     ("suffixreplay_preemptions_total", (), "preemptions"),
 )

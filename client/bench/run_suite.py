@@ -38,9 +38,10 @@ CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
 def plan(quick: bool) -> dict:
     if quick:
         return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
-                "agentic_fanout": 3, "agentic_depth": 1, "rag": dict(num_chunks=40,
-                                                                     num_queries=10),
-                "rates": [2.0, 4.0, 8.0], "sweep_step": 64, "sweep_doc_tokens": 2048,
+                "agentic_fanout": 3, "agentic_depth": 1, "rag": dict(num_chunks=24,
+                                                                     num_queries=16,
+                                                                     chunk_tokens=192),
+                "rates": [1.5, 3.0, 6.0], "sweep_step": 64, "sweep_doc_tokens": 2048,
                 "capacity": [4], "capacity_passes": 2, "capacity_doc_tokens": 1024}
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
             "agentic_fanout": 3, "agentic_depth": 2, "rag": dict(num_chunks=96, num_queries=48),
@@ -194,9 +195,10 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
                                             doc_tokens=p["capacity_doc_tokens"]),
                      CAPACITY_SYSTEMS, cap_budget))
     # Room for running requests per family of workloads (one served engine per family and
-    # system): branching chat, agentic trees and the sweep (closed loop, each cut in its own
-    # namespace) share one; RAG and capacity have their own.
-    family = {"sharegpt": "branch", "agentic": "branch", "sweep": "branch"}
+    # system): branching chat, agentic trees, the sweep (closed loop, each cut in its own
+    # namespace) and RAG (open loop) share one, each workload in its own namespace;
+    # capacity, with its smaller device budget, has its own.
+    family = {"sharegpt": "branch", "agentic": "branch", "sweep": "branch", "rag": "branch"}
     need: dict[str, Budget] = {}
     for kind, wl, _, budget in jobs:
         b = _with_run_pages(budget or runner.budget, wl)

@@ -16,6 +16,10 @@ byte accounting of `backend/cache/accounting.py` for the served model.
 | pcr_overlap | checkpoints | + layer-wise overlap |
 | pcr_full | checkpoints | + queue-driven prefetch + look-ahead eviction (full PCR) |
 | ours | anchors + replay | full PCR |
+
+In the checkpoint-based tiered systems the states tier with their pages (`state_tier.py`):
+a KV page in DRAM or on SSD is usable only with a saved state at or below it, so DRAM and
+SSD bytes are split between KV pages and checkpoint slots as the device bytes are.
 """
 
 from __future__ import annotations
@@ -89,8 +93,17 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
     }
     if system.startswith("pcr") or system in ("lmcache_like", "ours"):
         ssd = system != "pcr_dram" and ssd_dir is not None
+        host_pages = budget.host_pages
+        if policy == "checkpoint":  # the same DRAM / SSD bytes, shared with the states
+            group = INTERVAL // ps
+            unit = group * page + bytes_per_checkpoint(cfg)
+            units = budget.host_pages * page // unit
+            host_pages = units * group
+            params["host_checkpoint_slots"] = str(units)
+            if ssd:
+                params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // unit)
         params.update({
-            "host_pages": str(budget.host_pages), "ssd_bytes": str(budget.ssd_bytes),
+            "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes),
             "enable_ssd": str(ssd).lower(), "o_direct": "false", "use_kvikio": "false",
             "enable_overlap": str(system in ("pcr_overlap", "pcr_full", "ours")).lower(),
             "enable_prefetch": str(system in ("pcr_full", "ours")).lower(),

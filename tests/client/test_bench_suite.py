@@ -123,8 +123,9 @@ def test_rag_queries_retrieve_their_source_chunk():
 
 def test_capacity_anchors_page_through_the_tiers_and_checkpoints_do_not(model, tmp_path):
     """Working set 4x the device pool, two passes: only anchors (which page with their KV into
-    DRAM and SSD) let the second pass hit; device-slot checkpoints are gone by then, with or
-    without the KV in DRAM."""
+    DRAM and SSD) let the second pass hit. Checkpoints are gone by then: from the device
+    slots, and the same DRAM bytes (8 pages) hold no checkpoint unit at all (a state is
+    larger than the 4 pages it serves), with or without the KV in DRAM."""
     from client.bench.run_suite import _with_run_pages
 
     budget = Budget(device_budget_bytes=1 << 20, host_pages=8, ssd_bytes=64 << 20)

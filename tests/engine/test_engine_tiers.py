@@ -71,3 +71,38 @@ def test_ssd_tier_survives_restart(model, tmp_path):
     assert restarted.stats()["tiers"]["ssd_bytes_read"] > 0
     assert_no_leak(restarted)
     restarted.stop()
+
+
+@pytest.mark.parametrize("where", ["none", "dram", "ssd"])
+def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
+    """Checkpoint policy over the tiers: the branch's pages were pushed to DRAM and their
+    checkpoint slots reclaimed; with state slots below the device it resumes at the deepest
+    checkpoint (128 of its 150 shared tokens) and decodes what a full prefill decodes."""
+    slots = {"none": dict(), "dram": dict(host_checkpoint_slots=16),
+             "ssd": dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16,
+                         ssd_path=str(tmp_path / "ssd"), model_fingerprint="m")}[where]
+    base = make_engine(model, policy="checkpoint", num_kv_pages=24, max_tokens_per_step=200,
+                       num_checkpoint_slots=3)
+    engine = Engine(model, replace(base.config, tiers=TierConfig(host_pages=64, **slots)))
+    prompts = [random_prompt(200, 97, seed=s) for s in range(20, 24)]
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    if engine.tiers.states is not None:
+        engine.tiers.drain()
+    branch = prompts[0][:150] + prompts[1][:30]
+    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    got = engine.generate(branch, GREEDY)
+    assert got.new_token_ids == want
+    tiers = engine.stats()["tiers"]
+    if where == "none":
+        assert got.cached_tokens == 0  # its KV is in DRAM, its states are gone
+    else:
+        assert got.cached_tokens == 128
+        assert tiers["state_spills"] > 0
+        loads = tiers["state_loads_host"] + tiers["state_loads_ssd"]
+        assert loads == 1, tiers
+    if where == "ssd":
+        assert tiers["state_ssd_writes"] > 0 and tiers["ssd_reads"] > 0
+    assert_no_leak(engine)
+    engine.tiers.assert_invariants()
+    engine.stop()

@@ -1,0 +1,475 @@
+"""`StateTier`: the checkpoint policy's saved states below the device slots (DRAM, then SSD).
+
+Under the checkpoint policy a cached page is usable only up to the deepest page that has a
+saved state (every linear layer's recurrent and conv state at that page's end). KV pages
+demote to DRAM and SSD through `TieredBackend`; without this tier their states would be
+dropped with their device slot and a page found in DRAM or on SSD could never be resumed
+from. This is what a KV-tiering system (LMCache, PCR) must also keep for a hybrid model.
+
+Rules (all on the engine thread; I/O threads touch only files and the buffers given):
+  - A checkpoint that loses its device slot (slot LRU, or its page leaves the device) is
+    copied into a DRAM slot (`spill`); with an SSD tier the copy is also written to a file
+    in the background (write-through, as new KV pages are).
+  - DRAM full: the least recently used copy that no look-ahead protects and no I/O uses
+    leaves DRAM; it stays on SSD when its file is written, else it is forgotten.
+  - SSD: at most `ssd_slots` files; the least recently used file goes first.
+  - A read (queue-driven prefetch, or on demand at admission) checks the header (magic,
+    model fingerprint, salt, prefix hash, layout) and the payload's xxh3; any mismatch is a
+    miss: the copy is forgotten and the file deleted. A cache may forget, never serve a
+    wrong state.
+  - Files are `<ssd_path>/states/<prefix hash>.<seq>.st`; the folder is emptied at start-up
+    (states are not restored after a restart: their KV pages are, lazily per namespace).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+
+from backend.cache.base import Tier
+from backend.cache.host_pool import aligned_empty, cuda_present
+from backend.cache.io_pool import IOPool, Priority
+from backend.cache.page_io import copy_tensor
+from backend.cache.pools import PagePool
+from backend.cache.tier_stats import BAD_HEADER, CHECKSUM, FOREIGN, IO_ERROR, LAYOUT, TORN
+
+MAGIC = b"PCRSTAT\x00"
+VERSION = 1
+# magic | version | fingerprint | salt_hash | prefix_hash | layout_xxh3 | payload_len |
+# payload_xxh3, then an xxh3-64 of those bytes.
+_HEADER = struct.Struct("<8sI16s16s16sQQQ")
+_CHECK = struct.Struct("<Q")
+HEADER_BYTES = _HEADER.size + _CHECK.size
+SUFFIX = ".st"
+_SEGMENT_ALIGN = 64
+
+
+class StateLayout:
+    """Byte layout of one saved state: per linear layer its recurrent then its conv state,
+    each segment 64-byte aligned in a flat row."""
+
+    def __init__(self, slots) -> None:  # slots: backend.model.StateSlots (device)
+        self.tensors: list[torch.Tensor] = []
+        self.segments: list[tuple[int, int, torch.dtype, tuple[int, ...]]] = []
+        offset = 0
+        for rec, conv in zip(slots.rec, slots.conv):
+            for t in (rec, conv):
+                nbytes = t[0].numel() * t.element_size()
+                self.tensors.append(t)
+                self.segments.append((offset, nbytes, t.dtype, tuple(t.shape[1:])))
+                offset += -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+        self.nbytes = offset
+        text = json.dumps([(o, n, str(d), list(s)) for o, n, d, s in self.segments])
+        self.digest = xxhash.xxh3_64_intdigest(text.encode())
+
+    def views(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of a flat uint8 row, one per segment."""
+        return [row[o : o + n].view(d).view(s) for o, n, d, s in self.segments]
+
+    def copy_out(self, slot: int, row: torch.Tensor) -> None:
+        for t, view in zip(self.tensors, self.views(row)):
+            copy_tensor(view, t[slot])
+
+    def copy_in(self, row: torch.Tensor, dst, dst_slot: int) -> None:
+        """row -> slot `dst_slot` of the StateSlots `dst` (same shapes as the source)."""
+        targets = [t for rec, conv in zip(dst.rec, dst.conv) for t in (rec, conv)]
+        for t, view in zip(targets, self.views(row)):
+            copy_tensor(t[dst_slot], view)
+
+
+class StateEntry:
+    """Lower-tier copies of one node's state: a verified DRAM slot and/or a written file;
+    `write` / `read` are I/O in flight (a write reads `host_slot`, a read fills
+    `read_slot`); `dead`: its node left the tree (freed once no I/O uses it)."""
+
+    __slots__ = ("node", "host_slot", "file", "write", "writing", "read", "read_slot",
+                 "prefetched", "dead")
+
+    def __init__(self, node) -> None:
+        self.node = node
+        self.host_slot: int | None = None
+        self.file: str | None = None
+        self.write: Future | None = None
+        self.writing: str | None = None  # the file `write` creates
+        self.read: Future | None = None
+        self.read_slot: int | None = None
+        self.prefetched = False
+        self.dead = False
+
+    @property
+    def busy(self) -> bool:
+        return self.write is not None or self.read is not None
+
+
+class StateTier:
+    """DRAM slots (`host_slots`) and SSD files (`ssd_slots`, 0: DRAM only) of saved states.
+
+    tiers: the owning `TieredBackend` (prefix hashes, salt hashes, fingerprint, look-ahead
+    protection, stats); device: the executor's saved-state `StateSlots`."""
+
+    def __init__(self, tiers, device, host_slots: int, ssd_dir: str | Path | None,
+                 ssd_slots: int, io: IOPool | None) -> None:
+        self.tiers, self.stats = tiers, tiers.stats
+        self.device = device
+        self.layout = StateLayout(device)
+        self.pool = PagePool(host_slots, "host state")
+        self.host = aligned_empty(max(host_slots, 1) * self.layout.nbytes,
+                                  cuda_present()).view(max(host_slots, 1), self.layout.nbytes)
+        self.entries: dict[object, StateEntry] = {}
+        self.host_lru: OrderedDict[StateEntry, None] = OrderedDict()
+        self.ssd_lru: OrderedDict[StateEntry, None] = OrderedDict()
+        self.inflight: list[StateEntry] = []
+        self.num_writing = 0
+        self.zombies: set[StateEntry] = set()
+        self.io = io
+        self.ssd_slots = ssd_slots if ssd_dir is not None and io is not None else 0
+        self.dir = Path(ssd_dir) / "states" if self.ssd_slots else None
+        self._seq = 0
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.iterdir():  # not restored across restarts
+                stale.unlink(missing_ok=True)
+
+    # Queries ----------------------------------------------------------------------------
+    def has(self, node) -> bool:
+        e = self.entries.get(node)
+        return e is not None and (e.host_slot is not None or e.file is not None)
+
+    def location(self, node) -> Tier | None:
+        e = self.entries.get(node)
+        if e is None:
+            return None
+        if e.host_slot is not None:
+            return Tier.HOST
+        return Tier.SSD if e.file is not None else None
+
+    # Spill ------------------------------------------------------------------------------
+    def spill(self, node, device_slot: int) -> bool:
+        """Keeps the state in device slot `device_slot` (about to be freed) for `node`."""
+        self.reap()
+        e = self.entries.get(node)
+        if e is not None and e.host_slot is not None:
+            self.host_lru.move_to_end(e)  # same prefix, same state: the copy stands
+            return True
+        slot = self._alloc_host()
+        if slot is None:
+            self.stats.state_spills_skipped += 1
+            return e is not None and e.file is not None
+        self.layout.copy_out(device_slot, self.host[slot])  # synchronous, also on CUDA
+        if e is None:
+            e = self.entries[node] = StateEntry(node)
+        e.host_slot = slot
+        self.host_lru[e] = None
+        self.stats.state_spills += 1
+        if self.dir is not None and e.file is None:
+            self._write(e)
+        return True
+
+    # Load -------------------------------------------------------------------------------
+    def load(self, node, dst, dst_slot: int) -> bool:
+        """Copies `node`'s state into slot `dst_slot` of the StateSlots `dst`; False (a miss)
+        when no verified copy can be had."""
+        self.reap()
+        e = self.entries.get(node)
+        if e is None:
+            return False
+        from_ssd = e.host_slot is None
+        if e.host_slot is None and e.read is None and e.file is not None:
+            self._read(e, Priority.FOREGROUND)
+            self.stats.state_prefetch_misses += 1
+        elif e.read is not None and e.prefetched:
+            self.stats.state_prefetch_late += 1
+        if e.read is not None:
+            start = time.perf_counter()
+            e.read.exception()  # waits; the outcome is applied below
+            self.stats.prefetch_wait_seconds += time.perf_counter() - start
+            self.reap()
+        if e.dead or e.host_slot is None:
+            if e.file is None or e.dead:
+                return False
+            return self._load_unstaged(e, dst, dst_slot)
+        self.stats.state_prefetch_hits += e.prefetched
+        e.prefetched = False
+        self.layout.copy_in(self.host[e.host_slot], dst, dst_slot)
+        self.host_lru.move_to_end(e)
+        if e.file is not None:
+            self.ssd_lru.move_to_end(e)
+        if from_ssd:  # read now (not prefetched in time)
+            self.stats.state_loads_ssd += 1
+        else:
+            self.stats.state_loads_host += 1
+        return True
+
+    def _load_unstaged(self, e: StateEntry, dst, dst_slot: int) -> bool:
+        """No DRAM slot could be had: read the file into a temporary row."""
+        row = aligned_empty(self.layout.nbytes)
+        outcome = _read_file(e.file, self._expected(e), row)
+        if outcome is not None:
+            self._reject(e, outcome)
+            return False
+        self.layout.copy_in(row, dst, dst_slot)
+        self.ssd_lru.move_to_end(e)
+        self.stats.state_loads_ssd += 1
+        return True
+
+    # Prefetch ---------------------------------------------------------------------------
+    def prefetch(self, nodes) -> int:
+        """Starts reading the deepest state among `nodes` (a waiting request's matched
+        path) that is only on SSD; returns the reads started (0 or 1)."""
+        self.reap()
+        for node in reversed(nodes):
+            e = self.entries.get(node)
+            if node.state_slot is not None or (e is not None and e.host_slot is not None):
+                return 0  # the deepest state is on the device or in DRAM already
+            if e is None or e.file is None:
+                continue
+            if e.read is not None:
+                return 0
+            if self._read(e, Priority.PREFETCH, take_protected=False):
+                e.prefetched = True
+                self.stats.state_prefetch_started += 1
+                return 1
+            return 0
+        return 0
+
+    # Removal ----------------------------------------------------------------------------
+    def remove(self, node) -> None:
+        e = self.entries.pop(node, None)
+        if e is None:
+            return
+        e.dead = True
+        self.host_lru.pop(e, None)
+        self.ssd_lru.pop(e, None)
+        if e.busy:
+            self.zombies.add(e)
+        else:
+            self._release(e)
+
+    def _release(self, e: StateEntry) -> None:
+        if e.host_slot is not None:
+            self.pool.free([e.host_slot])
+            e.host_slot = None
+        if e.file is not None:
+            self._delete(e.file)
+            e.file = None
+
+    # DRAM space -------------------------------------------------------------------------
+    def _alloc_host(self, take_protected: bool = True) -> int | None:
+        """A DRAM slot, releasing the LRU copy no I/O uses (look-ahead-protected copies
+        last, and never for a prefetch: `take_protected=False`)."""
+        if self.pool.capacity == 0:
+            return None
+        if self.pool.num_free == 0:
+            victim = self._host_victim(take_protected)
+            if victim is None:
+                return None
+            self._drop_host(victim)
+        return self.pool.alloc(1)[0]
+
+    def _host_victim(self, take_protected: bool) -> StateEntry | None:
+        fallback = None
+        for e in self.host_lru:  # least recently used first
+            if e.busy:
+                continue
+            if not self.tiers.protected(e.node):
+                return e
+            fallback = fallback or e
+        return fallback if take_protected else None
+
+    def _drop_host(self, e: StateEntry) -> None:
+        self.host_lru.pop(e, None)
+        self.pool.free([e.host_slot])
+        e.host_slot = None
+        self.stats.state_host_evictions += 1
+        if e.file is None:
+            del self.entries[e.node]
+
+    # SSD --------------------------------------------------------------------------------
+    def _expected(self, e: StateEntry) -> bytes:
+        entry = self.tiers.entry(e.node)
+        return _HEADER.pack(MAGIC, VERSION, self.tiers.fingerprint,
+                            self.tiers.salt_hash(e.node.salt), entry.prefix_hash,
+                            self.layout.digest, self.layout.nbytes, 0)
+
+    def _write(self, e: StateEntry) -> None:
+        while len(self.ssd_lru) + self.num_writing >= self.ssd_slots:
+            victim = next((x for x in self.ssd_lru if not x.busy), None)
+            if victim is None:
+                self.stats.state_ssd_writes_skipped += 1
+                return
+            self._drop_file(victim)
+        self._seq += 1
+        entry = self.tiers.entry(e.node)
+        path = str(self.dir / f"{entry.prefix_hash.hex()}.{self._seq}{SUFFIX}")
+        row = self.host[e.host_slot]
+        expected = self._expected(e)
+        e.write = self.io.submit(Priority.WRITEBACK, lambda: _write_file(path, expected, row))
+        e.writing = path
+        self.num_writing += 1
+        self.inflight.append(e)
+
+    def _read(self, e: StateEntry, priority: Priority, take_protected: bool = True) -> bool:
+        slot = self._alloc_host(take_protected)
+        if slot is None:
+            return False
+        row = self.host[slot]
+        path, expected = e.file, self._expected(e)
+        e.read_slot = slot
+        e.read = self.io.submit(priority, lambda: _read_file(path, expected, row))
+        if e not in self.inflight:
+            self.inflight.append(e)
+        return True
+
+    def _drop_file(self, e: StateEntry) -> None:
+        self.ssd_lru.pop(e, None)
+        self._delete(e.file)
+        e.file = None
+        self.stats.state_ssd_evictions += 1
+        if e.host_slot is None and not e.busy:
+            self.entries.pop(e.node, None)
+
+    def _delete(self, path: str) -> None:
+        _unlink(path)  # inline: one metadata operation, and never while I/O uses the file
+
+    def _reject(self, e: StateEntry, reason: str) -> None:
+        """A copy that failed its checks: forget the file (and the entry unless in DRAM)."""
+        self.stats.chunk_rejects[f"state_{reason}"] += 1
+        if e.file is not None:
+            self.ssd_lru.pop(e, None)
+            self._delete(e.file)
+            e.file = None
+        if e.host_slot is None and not e.busy and not e.dead:
+            self.entries.pop(e.node, None)
+
+    # Completions ------------------------------------------------------------------------
+    def reap(self) -> None:
+        if not self.inflight:
+            return
+        still = []
+        for e in self.inflight:
+            done = True
+            if e.write is not None:
+                if e.write.done():
+                    self._apply_write(e)
+                else:
+                    done = False
+            if e.read is not None:
+                if e.read.done():
+                    self._apply_read(e)
+                else:
+                    done = False
+            if not done:
+                still.append(e)
+            elif e.dead and e in self.zombies:
+                self.zombies.discard(e)
+                self._release(e)
+        self.inflight = still
+
+    def _apply_write(self, e: StateEntry) -> None:
+        future, e.write = e.write, None
+        path, e.writing = e.writing, None
+        self.num_writing -= 1
+        if future.exception() is not None:
+            self.stats.writes_failed += 1
+            _unlink(path + ".tmp")
+            return
+        self.stats.state_ssd_writes += 1
+        self.stats.ssd_bytes_written += self.layout.nbytes + HEADER_BYTES
+        e.file = path
+        if not e.dead:
+            self.ssd_lru[e] = None
+
+    def _apply_read(self, e: StateEntry) -> None:
+        future, e.read = e.read, None
+        slot, e.read_slot = e.read_slot, None
+        error = future.exception()
+        outcome = IO_ERROR if error is not None else future.result()
+        if outcome is None and not e.dead and e.host_slot is None:
+            e.host_slot = slot
+            self.host_lru[e] = None
+            self.stats.ssd_reads += 1
+            self.stats.ssd_bytes_read += self.layout.nbytes + HEADER_BYTES
+            return
+        self.pool.free([slot])
+        if outcome is not None:
+            self._reject(e, outcome)
+
+    def drain(self) -> None:
+        for e in list(self.inflight):
+            for f in (e.write, e.read):
+                if f is not None:
+                    f.exception()
+        self.reap()
+
+    def assert_invariants(self) -> None:
+        """Every DRAM slot is owned once (an entry's copy, or a read filling it)."""
+        owned = [e.host_slot for e in self.entries.values() if e.host_slot is not None]
+        owned += [e.host_slot for e in self.zombies if e.host_slot is not None]
+        owned += [e.read_slot for e in self.inflight if e.read_slot is not None]
+        assert len(owned) == len(set(owned)), f"a DRAM state slot is owned twice: {owned}"
+        assert len(owned) == self.pool.num_used, (
+            f"{self.pool.num_used} DRAM state slots used, {len(owned)} owned")
+        for e in self.host_lru:
+            assert e.host_slot is not None and not e.dead
+        for e in self.ssd_lru:
+            assert e.file is not None and not e.dead
+        assert len(self.ssd_lru) <= max(self.ssd_slots, 0)
+
+
+def _write_file(path: str, expected: bytes, row: torch.Tensor) -> None:
+    payload = row.numpy()
+    fields = list(_HEADER.unpack(expected))
+    fields[-1] = xxhash.xxh3_64_intdigest(payload)
+    header = _HEADER.pack(*fields)
+    header += _CHECK.pack(xxhash.xxh3_64_intdigest(header))
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(memoryview(payload))
+    os.replace(tmp, path)
+
+
+def _read_file(path: str, expected: bytes, row: torch.Tensor) -> str | None:
+    """Reads a state file into `row`; None when valid, else the reject reason."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(HEADER_BYTES)
+            if len(header) < HEADER_BYTES:
+                return TORN
+            buf = row.numpy()
+            n = f.readinto(memoryview(buf))
+    except OSError:
+        return IO_ERROR
+    (check,) = _CHECK.unpack_from(header, _HEADER.size)
+    if check != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
+        return BAD_HEADER
+    got, want = _HEADER.unpack_from(header), _HEADER.unpack(expected)
+    if got[0] != MAGIC or got[1] != VERSION:
+        return BAD_HEADER
+    if got[2] != want[2]:
+        return FOREIGN
+    if got[3:5] != want[3:5]:
+        return BAD_HEADER  # another namespace's or another prefix's state
+    if got[5:7] != want[5:7]:
+        return LAYOUT
+    if n != want[6]:
+        return TORN
+    if xxhash.xxh3_64_intdigest(np.ascontiguousarray(buf)) != got[7]:
+        return CHECKSUM
+    return None
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
