@@ -204,3 +204,29 @@ def test_store_and_buffers_must_agree(ssd_dir):
     with pytest.raises(ValueError, match="anchors"):
         PrefixStore(CacheConfig(page_size=4, num_kv_pages=4, policy="checkpoint"), tiers)
     tiers.close()
+
+
+def test_a_partly_promoted_path_keeps_only_its_device_part_locked():
+    """The device is full of pages a running request holds: admission keeps the matched
+    pages already on the device, unlocks the rest and recomputes from there."""
+    from backend.cache.config import CacheConfig
+    from backend.engine.cache_manager import CacheManager
+    from backend.engine.config import EngineConfig
+    from backend.replay.budget import ReplayConfig
+
+    store, tiers = make_tiered(num_kv_pages=4, host_pages=8)
+    a, b = pages(1, 2, 3), pages(4, 5, 6)
+    run_request(store, tiers, a)
+    b_nodes, _ = run_request(store, tiers, b)  # evicts a's two deepest pages to DRAM
+    store.lock(b_nodes)  # b is running: its pages cannot leave the device
+    config = EngineConfig(cache=CacheConfig(page_size=4, anchor_density=1 / 4, num_kv_pages=4),
+                          replay=ReplayConfig(anchor_density=1 / 4))
+    manager = CacheManager(config, store, None, tiers)
+    match = store.match_prefix(a, "")
+    assert [n.on_device for n in match.nodes] == [True, False, False]
+    nodes = manager._usable_prefix(match)
+    assert nodes == match.nodes[:1] and nodes[0].lock_ref == 1
+    assert all(n.lock_ref == 0 for n in match.nodes[1:])
+    store.unlock(nodes)
+    store.unlock(b_nodes)
+    store.assert_invariants()
