@@ -120,6 +120,8 @@ class Admitter:
         node.kv_page = page
         node.kv_location = Tier.DEVICE
         node.parent.num_device_children += 1
+        if node.lock_ref:  # promoted (or recomputed) under a running request's lock
+            self.evictor.num_locked_device += 1
         return True
 
     def adopt_anchor(self, node: PageNode, block: int, duplicates: list[int]) -> None:

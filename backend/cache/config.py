@@ -21,6 +21,9 @@ class CacheConfig:
     of one page, one checkpoint slot covers the states of all linear layers.
     `num_anchor_blocks=None` means "as many as KV pages" under suffixreplay and 0 otherwise.
     `lookahead_window` is W of PCR's look-ahead LRU (0 = plain LRU).
+    `max_cached_pages` caps the device KV pages the cache keeps for prefixes that no running
+    request holds (None: the whole pool): the rest of the pool stays free for running
+    requests, and a cache budget in bytes means what it says (benchmarks).
     """
 
     page_size: int = 64
@@ -31,6 +34,7 @@ class CacheConfig:
     num_checkpoint_slots: int = 16
     lookahead_window: int = 6
     anchor_density: float = 1 / 16
+    max_cached_pages: int | None = None
 
     def __post_init__(self) -> None:
         if self.page_size < 1:
@@ -53,6 +57,8 @@ class CacheConfig:
             )
         if self.num_checkpoint_slots < 0:
             raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+        if self.max_cached_pages is not None and self.max_cached_pages < 0:
+            raise ValueError(f"max_cached_pages must be >= 0, got {self.max_cached_pages}")
         if self.lookahead_window < 0:
             raise ValueError(f"lookahead_window must be >= 0, got {self.lookahead_window}")
         per_page = self.anchor_density * self.page_size

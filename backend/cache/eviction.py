@@ -32,6 +32,7 @@ class Evictor:
         self.tier = tier
         self.stats = stats
         self.uses_anchors = uses_anchors
+        self.num_locked_device = 0  # device pages on some running request's locked path
 
     def evict_pages(self, num_pages: int, reason: str) -> int:
         """Up to `num_pages` device leaves in policy order; returns how many went."""

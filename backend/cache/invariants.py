@@ -7,6 +7,8 @@ Tree
 Locks
   L1  lock_ref >= 0 and lock_ref(node) >= sum of its children's lock_ref: a lock always
       covers the whole path from the root, so a locked node's ancestors are locked.
+  L2  The store's count of locked device pages (`max_cached_pages` trims the others) is the
+      number of nodes that are locked and on the device.
 Residency
   R1  kv_location is DEVICE exactly when kv_page is set; every node has a KV copy somewhere
       (a node leaves the tree when its last copy goes).
@@ -43,6 +45,9 @@ def check_store(store: PrefixStore) -> None:
         _check_node(store, node)
     _check_pools(store, nodes)
     _check_heaps(store, nodes)
+    locked = sum(1 for n in nodes if n.lock_ref and n.on_device)
+    assert store.evictor.num_locked_device == locked, (
+        f"L2: {store.evictor.num_locked_device} locked device pages counted, {locked} in the tree")
 
 
 def _check_roots(store: PrefixStore) -> None:

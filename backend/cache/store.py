@@ -176,6 +176,8 @@ class PrefixStore:
         """Pins a path (root child first, as in MatchResult / InsertResult.nodes)."""
         _check_path(nodes)
         for node in nodes:
+            if node.lock_ref == 0 and node.on_device:
+                self.evictor.num_locked_device += 1
             node.lock_ref += 1
 
     def unlock(self, nodes: Sequence[PageNode]) -> None:
@@ -186,6 +188,8 @@ class PrefixStore:
         for node in nodes:
             node.lock_ref -= 1
             if node.lock_ref == 0:
+                if node.on_device:
+                    self.evictor.num_locked_device -= 1
                 if node.num_device_children == 0:
                     self.evictor.push_leaf(node)
                 if node.state_slot is not None:
@@ -195,6 +199,21 @@ class PrefixStore:
     def evict(self, num_pages: int) -> int:
         """Evicts up to `num_pages` unlocked device leaves; returns how many went."""
         return self.evictor.evict_pages(num_pages, EXPLICIT)
+
+    @property
+    def num_idle_device_pages(self) -> int:
+        """Device pages in the tree that no running request holds."""
+        in_tree = self.kv_pool.num_used - len(self.kv.ids)
+        return in_tree - self.evictor.num_locked_device
+
+    def trim(self) -> int:
+        """Evicts LRU leaves down to `max_cached_pages` idle device pages (demoted to the
+        lower tiers where there are any); returns how many went."""
+        cap = self.config.max_cached_pages
+        if cap is None:
+            return 0
+        excess = self.num_idle_device_pages - cap
+        return self.evictor.evict_pages(excess, CAPACITY) if excess > 0 else 0
 
     def evict_checkpoints(self, num_slots: int) -> int:
         """Drops up to `num_slots` checkpoints (LRU; their KV pages stay)."""

@@ -210,5 +210,6 @@ class CacheManager:
         self.store.free_pages(private, anchors)
         self.store.free_state_slots(list(seq.pending_states.values()))
         self.store.unlock(seq.locked_nodes)
+        self.store.trim()
         seq.page_table, seq.anchor_blocks, seq.locked_nodes = [], [], []
         seq.pending_states, seq.num_tree_pages, seq.live_position = {}, 0, None

@@ -29,6 +29,13 @@ from client.bench.suite import measure_in_process, run_served, summarize
 from client.bench.systems import SYSTEMS, Budget, bytes_per_page, engine_config, system_params
 
 BRANCH_SYSTEMS = SYSTEMS
+# Branching chat, agentic trees and the sweep: every system can keep the whole working set
+# (a 16K-token tree with its checkpoints every 256 tokens), so branches compare where each
+# policy can resume, not how much it can hold (that is the capacity workload's question).
+BRANCH_BUDGET = Budget(device_budget_bytes=48 << 20, host_pages=64)
+# RAG as in PCR: the device holds a fraction of the documents' prefixes, DRAM and SSD the
+# rest (the collection's pages are several times the device budget).
+RAG_BUDGET = Budget(device_budget_bytes=2 << 20, host_pages=64)
 SWEEP_SYSTEMS = ("nocache", "checkpoint", "suffixreplay")
 # Capacity as in the papers: state checkpoints live in fixed device slots (SGLang, also with
 # its KV offloaded to DRAM: pcr_dram), anchors page with their KV through every tier (ours).
@@ -38,8 +45,8 @@ CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
 def plan(quick: bool) -> dict:
     if quick:
         return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
-                "agentic_fanout": 3, "agentic_depth": 1, "rag": dict(num_chunks=24,
-                                                                     num_queries=16,
+                "agentic_fanout": 3, "agentic_depth": 1, "rag": dict(num_chunks=16,
+                                                                     num_queries=12,
                                                                      chunk_tokens=192),
                 "rates": [1.5, 3.0, 6.0], "sweep_step": 64, "sweep_doc_tokens": 2048,
                 "capacity": [4], "capacity_passes": 2, "capacity_doc_tokens": 1024}
@@ -144,7 +151,7 @@ def run(args: argparse.Namespace) -> dict:
     out = RESULTS_ROOT / args.out
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-"))
-    runner = Runner(Path(args.model), args.in_process, Budget(host_pages=64), work)
+    runner = Runner(Path(args.model), args.in_process, BRANCH_BUDGET, work)
     results: dict[str, dict] = {}
     jobs = build_jobs(p, runner)
     groups: dict[tuple[str, Budget], list[W.Workload]] = {}
@@ -185,7 +192,7 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
                                           depth=p["agentic_depth"]), BRANCH_SYSTEMS, None))
     corpus = W.rag_corpus(**p["rag"])
     for rate in p["rates"]:
-        jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, None))
+        jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, RAG_BUDGET))
     jobs.append(("sweep", W.distance_sweep(doc_tokens=p["sweep_doc_tokens"],
                                                 step=p["sweep_step"]), SWEEP_SYSTEMS, None))
     cap_budget = Budget(device_budget_bytes=4 << 20, host_pages=64)
@@ -195,10 +202,10 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
                                             doc_tokens=p["capacity_doc_tokens"]),
                      CAPACITY_SYSTEMS, cap_budget))
     # Room for running requests per family of workloads (one served engine per family and
-    # system): branching chat, agentic trees, the sweep (closed loop, each cut in its own
-    # namespace) and RAG (open loop) share one, each workload in its own namespace;
-    # capacity, with its smaller device budget, has its own.
-    family = {"sharegpt": "branch", "agentic": "branch", "sweep": "branch", "rag": "branch"}
+    # system): branching chat, agentic trees and the sweep (closed loop, each cut in its own
+    # namespace) share one; RAG and capacity, with their smaller device budgets, have their
+    # own.
+    family = {"sharegpt": "branch", "agentic": "branch", "sweep": "branch"}
     need: dict[str, Budget] = {}
     for kind, wl, _, budget in jobs:
         b = _with_run_pages(budget or runner.budget, wl)
@@ -332,7 +339,7 @@ def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:
 
     summary = json.loads((out / "summary.json").read_text())
     cfg = ModelConfig.from_file(model_dir / "config.json")
-    runner = SimpleNamespace(cfg=cfg, k_max=summary["k_max"], budget=Budget(host_pages=64),
+    runner = SimpleNamespace(cfg=cfg, k_max=summary["k_max"], budget=BRANCH_BUDGET,
                              records=json.loads((out / "records.json").read_text()))
     jobs = build_jobs(plan(not full), runner)
     summary.update(simulation(runner, jobs, summary["results"]))

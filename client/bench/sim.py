@@ -185,12 +185,13 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
 
 
 def system_of(config, shapes: Shapes) -> SimSystem:
-    """The simulated twin of an EngineConfig: its whole device pool (any free page caches),
-    its checkpoint slots, its DRAM tier."""
+    """The simulated twin of an EngineConfig: the device pages its cache may keep
+    (`max_cached_pages`, else the whole pool), its checkpoint slots, its DRAM tier."""
     cache = config.cache
     page = shapes.kv_page + (shapes.anchor_page if cache.policy == "suffixreplay" else 0)
     dram = config.tiers.host_pages * shapes.kv_page if config.tiers is not None else 0
-    return SimSystem(cache.policy, cache.num_kv_pages * page, dram, cache.checkpoint_interval,
+    pages = cache.num_kv_pages if cache.max_cached_pages is None else cache.max_cached_pages
+    return SimSystem(cache.policy, pages * page, dram, cache.checkpoint_interval,
                      cache.num_checkpoint_slots)
 
 

@@ -44,6 +44,7 @@ class Budget:
     host_pages: int = 256
     ssd_bytes: int = 1 << 30
     run_pages: int = 48  # pages for running requests, outside the cache budget
+    # (`max_cached_pages` keeps idle cached pages within the budget)
     max_num_seqs: int = 4
     max_tokens_per_step: int = 512
 
@@ -86,6 +87,8 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
     params = {
         "cache_policy": policy, "page_size": str(ps), "checkpoint_interval": str(INTERVAL),
         "num_kv_pages": str(pages + budget.run_pages), "num_checkpoint_slots": str(slots),
+        # The budget binds: pages no running request holds stay within it.
+        "max_cached_pages": str(pages) if policy != "none" else "",
         "anchor_density": str(density), "k_max": str(k_max),
         "lookahead_window": "0" if system in ("pcr_dram", "lmcache_like", "pcr_overlap") else "6",
         "max_num_seqs": str(budget.max_num_seqs),

@@ -201,3 +201,24 @@ def test_demote_must_name_a_lower_tier():
     with pytest.raises(ValueError, match="lower tier"):
         store.evict(1)
     store.assert_invariants()  # the bad answer changed nothing
+
+
+def test_max_cached_pages_trims_idle_pages_and_spares_locked_ones():
+    store = make_store(max_cached_pages=3)
+    running = cache_tokens(store, pages(1, 2, 3, 4, 5))
+    store.lock(running.nodes)  # a running request holds all five
+    assert store.num_idle_device_pages == 0 and store.trim() == 0
+    idle = cache_tokens(store, pages(6, 7, 8, 9))
+    assert store.num_idle_device_pages == 4
+    assert store.trim() == 1 and store.num_idle_device_pages == 3  # the LRU leaf went
+    assert store.match_prefix(pages(6, 7, 8, 9)).num_matched_pages == 3
+    store.unlock(running.nodes)
+    assert store.trim() == 5 and store.num_idle_device_pages == 3
+    store.assert_invariants()
+    assert idle is not None
+
+
+def test_without_max_cached_pages_the_whole_pool_caches():
+    store = make_store()
+    cache_tokens(store, pages(1, 2, 3, 4, 5))
+    assert store.trim() == 0 and store.num_idle_device_pages == 5

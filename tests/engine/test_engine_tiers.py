@@ -106,3 +106,21 @@ def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
     assert_no_leak(engine)
     engine.tiers.assert_invariants()
     engine.stop()
+
+
+def test_max_cached_pages_keeps_the_device_budget_and_the_rest_serves_from_dram(model):
+    base = make_engine(model, num_kv_pages=64, max_tokens_per_step=200)
+    cache = replace(base.config.cache, max_cached_pages=2)
+    engine = Engine(model, replace(base.config, cache=cache,
+                                   tiers=TierConfig(host_pages=64)))
+    prompt = random_prompt(200, 97, seed=31)
+    engine.generate(prompt, GREEDY)
+    assert engine.store.num_idle_device_pages == 2
+    branch = prompt[:150] + random_prompt(30, 97, seed=32)
+    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    got = engine.generate(branch, GREEDY)
+    assert got.new_token_ids == want and got.cached_tokens == 144
+    assert engine.stats()["cache"]["hit_tokens_by_tier"]["host"] >= 144 - 2 * 16
+    assert engine.store.num_idle_device_pages == 2
+    assert_no_leak(engine)
+    engine.stop()
