@@ -4,7 +4,9 @@ Every system runs the same engine code; only the cache configuration differs. Me
 budgeted, not page-counted: each system gets the same device bytes for cached prefixes
 (`device_budget_bytes`) and spends them on KV pages plus what its policy stores beside them
 (checkpoint slots for the checkpoint baseline, anchor blocks for suffix replay), using the
-byte accounting of `backend/cache/accounting.py` for the served model.
+byte accounting of `backend/cache/accounting.py` for the served model. Running requests get
+pages beyond the budget (`Budget.run_pages`); `max_cached_pages` keeps what stays cached
+once they finish within the budget.
 
 | system | states at a hit | KV tiers |
 | --- | --- | --- |
