@@ -188,3 +188,14 @@ def test_state_tier_parameters_are_checked(tmp_path):
         TierConfig(host_checkpoint_slots=-1)
     with pytest.raises(ValueError, match="staged through DRAM"):
         TierConfig(ssd_path=str(tmp_path), model_fingerprint="m", ssd_checkpoint_slots=4)
+
+
+def test_state_slots_below_the_device_are_for_the_checkpoint_policy_only():
+    from backend.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="tier the states of cache_policy 'checkpoint'"):
+        EngineConfig.from_params({"cache_policy": "suffixreplay", "host_pages": "8",
+                                  "host_checkpoint_slots": "4"})
+    config = EngineConfig.from_params({"cache_policy": "checkpoint", "host_pages": "8",
+                                       "host_checkpoint_slots": "4", "max_cached_pages": "16"})
+    assert config.tiers.host_checkpoint_slots == 4 and config.cache.max_cached_pages == 16
