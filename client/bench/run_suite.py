@@ -45,8 +45,8 @@ CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
 
 def plan(quick: bool) -> dict:
     if quick:
-        return {"sharegpt": dict(sessions=4, turns=5), "agentic": [5_000, 16_000],
-                "agentic_fanout": 6, "agentic_depth": 1, "rag": dict(num_chunks=16,
+        return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
+                "agentic_fanout": 3, "agentic_depth": 1, "rag": dict(num_chunks=16,
                                                                      num_queries=12,
                                                                      chunk_tokens=192),
                 "rates": [1.5, 3.0, 6.0], "sweep_step": 64, "sweep_doc_tokens": 2048,
