@@ -19,11 +19,11 @@ LAYERS, HEADS, HEAD_DIM = 3, 2, 8
 GROUPS, HIDDEN = 2, 16
 
 
-def make_buffers(num_pages: int, dtype=torch.float32) -> DeviceBuffers:
+def make_buffers(num_pages: int, dtype=torch.float32, device="cpu") -> DeviceBuffers:
     rows = num_pages * PAGE
-    k = [torch.zeros(rows, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
-    v = [torch.zeros(rows, HEADS, HEAD_DIM, dtype=dtype) for _ in range(LAYERS)]
-    anchors = torch.zeros(GROUPS, num_pages, HIDDEN, dtype=dtype)
+    k = [torch.zeros(rows, HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in range(LAYERS)]
+    v = [torch.zeros(rows, HEADS, HEAD_DIM, dtype=dtype, device=device) for _ in range(LAYERS)]
+    anchors = torch.zeros(GROUPS, num_pages, HIDDEN, dtype=dtype, device=device)
     return DeviceBuffers(k, v, PAGE, anchors, anchors_per_page=1)
 
 
@@ -33,6 +33,7 @@ def make_tiered(
     host_pages: int = 4,
     io_pool=None,
     chunk_io=None,
+    device="cpu",
     **overrides,
 ) -> tuple[PrefixStore, TieredBackend]:
     fields = dict(
@@ -45,7 +46,7 @@ def make_tiered(
         enable_overlap=False,
     )
     fields.update(overrides)
-    buffers = make_buffers(num_kv_pages)
+    buffers = make_buffers(num_kv_pages, device=device)
     tiers = TieredBackend(TierConfig(**fields), buffers, io_pool=io_pool, chunk_io=chunk_io)
     cfg = CacheConfig(page_size=PAGE, anchor_density=1 / PAGE, num_kv_pages=num_kv_pages,
                       num_checkpoint_slots=0, lookahead_window=2)  # fmt: skip
@@ -78,7 +79,7 @@ def write_page(buffers: DeviceBuffers, kv_page: int, block: int, prefix, salt=""
 def read_page(buffers: DeviceBuffers, kv_page: int, block: int) -> tuple[torch.Tensor, ...]:
     rows = slice(kv_page * PAGE, (kv_page + 1) * PAGE)
     kv = torch.stack([torch.stack([buffers.k[a][rows], buffers.v[a][rows]]) for a in range(LAYERS)])
-    return kv, buffers.anchors[:, block : block + 1].clone()
+    return kv.cpu(), buffers.anchors[:, block : block + 1].cpu()
 
 
 def assert_page_served(tiers: TieredBackend, node, tokens, salt="") -> None:
