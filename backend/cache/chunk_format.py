@@ -91,8 +91,13 @@ class ChunkHeader(NamedTuple):
 
 def header_len(layout: PageLayout) -> int:
     """Bytes of the (padded) header of a chunk of this layout."""
-    used = _FIXED.size + len(layout.describe().encode()) + layout.page_size * 4 + _CHECK.size
-    return align_up(used)
+    return header_len_of(layout.describe(), layout.page_size)
+
+
+def header_len_of(layout_text: str, page_size: int) -> int:
+    """Bytes of the (padded) header of a chunk whose layout reads `layout_text` (also the
+    checkpoint-state files of `state_tier.py`, which describe a state, not a page)."""
+    return align_up(_FIXED.size + len(layout_text.encode()) + page_size * 4 + _CHECK.size)
 
 
 def pack_header(h: ChunkHeader) -> bytes:

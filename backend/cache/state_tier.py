@@ -17,38 +17,42 @@ Rules (all on the engine thread; I/O threads touch only files and the buffers gi
     model fingerprint, salt, prefix hash, layout) and the payload's xxh3; any mismatch is a
     miss: the copy is forgotten and the file deleted. A cache may forget, never serve a
     wrong state.
-  - Files are `<ssd_path>/states/<prefix hash>.<seq>.st`; the folder is emptied at start-up
-    (states are not restored after a restart: their KV pages are, lazily per namespace).
+  - Files are `<ssd_path>/states/<prefix hash>.<seq>.st` in the SSD chunk format
+    (`chunk_format.py`: the same header, with the state's layout in place of a page's, and
+    the state as the payload), written and read through `PosixChunkIO`; the folder is
+    emptied at start-up (states are not restored after a restart: their KV pages are,
+    lazily per namespace).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import struct
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
 
-import numpy as np
 import torch
-import xxhash
 
 from backend.cache.base import Tier
+from backend.cache.chunk_format import (
+    ChunkError,
+    ChunkHeader,
+    Expected,
+    check_header,
+    header_len_of,
+    pack_header,
+    payload_checksum,
+    unpack_header,
+)
+from backend.cache.file_io import PosixChunkIO
 from backend.cache.host_pool import aligned_empty, cuda_present
 from backend.cache.io_pool import IOPool, Priority
 from backend.cache.page_io import copy_tensor
 from backend.cache.pools import PagePool
-from backend.cache.tier_stats import BAD_HEADER, CHECKSUM, FOREIGN, IO_ERROR, LAYOUT, TORN
+from backend.cache.tier_stats import CHECKSUM, IO_ERROR, MISSING, TORN
 
-MAGIC = b"PCRSTAT\x00"
-VERSION = 1
-# magic | version | fingerprint | salt_hash | prefix_hash | layout_xxh3 | payload_len |
-# payload_xxh3, then an xxh3-64 of those bytes.
-_HEADER = struct.Struct("<8sI16s16s16sQQQ")
-_CHECK = struct.Struct("<Q")
-HEADER_BYTES = _HEADER.size + _CHECK.size
 SUFFIX = ".st"
 _SEGMENT_ALIGN = 64
 
@@ -68,8 +72,8 @@ class StateLayout:
                 self.segments.append((offset, nbytes, t.dtype, tuple(t.shape[1:])))
                 offset += -(-nbytes // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
         self.nbytes = offset
-        text = json.dumps([(o, n, str(d), list(s)) for o, n, d, s in self.segments])
-        self.digest = xxhash.xxh3_64_intdigest(text.encode())
+        self.text = "state:" + json.dumps([(o, n, str(d), list(s)) for o, n, d, s in
+                                           self.segments])
 
     def views(self, row: torch.Tensor) -> list[torch.Tensor]:
         """Typed views of a flat uint8 row, one per segment."""
@@ -133,6 +137,9 @@ class StateTier:
         self.io = io
         self.ssd_slots = ssd_slots if ssd_dir is not None and io is not None else 0
         self.dir = Path(ssd_dir) / "states" if self.ssd_slots else None
+        self.file_io = PosixChunkIO(o_direct=False)  # state rows are not 4 KiB-aligned
+        self.header_len = header_len_of(self.layout.text, tiers.layout.page_size)
+        self.file_bytes = self.header_len + self.layout.nbytes
         self._seq = 0
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -153,17 +160,17 @@ class StateTier:
         return Tier.SSD if e.file is not None else None
 
     # Spill ------------------------------------------------------------------------------
-    def spill(self, node, device_slot: int) -> bool:
+    def spill(self, node, device_slot: int) -> None:
         """Keeps the state in device slot `device_slot` (about to be freed) for `node`."""
         self.reap()
         e = self.entries.get(node)
         if e is not None and e.host_slot is not None:
             self.host_lru.move_to_end(e)  # same prefix, same state: the copy stands
-            return True
+            return
         slot = self._alloc_host()
         if slot is None:
-            self.stats.state_spills_skipped += 1
-            return e is not None and e.file is not None
+            self.stats.state_spills_skipped += 1  # (a file, if any, still holds it)
+            return
         self.layout.copy_out(device_slot, self.host[slot])  # synchronous, also on CUDA
         if e is None:
             e = self.entries[node] = StateEntry(node)
@@ -172,7 +179,6 @@ class StateTier:
         self.stats.state_spills += 1
         if self.dir is not None and e.file is None:
             self._write(e)
-        return True
 
     # Load -------------------------------------------------------------------------------
     def load(self, node, dst, dst_slot: int) -> bool:
@@ -212,7 +218,7 @@ class StateTier:
     def _load_unstaged(self, e: StateEntry, dst, dst_slot: int) -> bool:
         """No DRAM slot could be had: read the file into a temporary row."""
         row = aligned_empty(self.layout.nbytes)
-        outcome = _read_file(e.file, self._expected(e), row)
+        outcome = self._read_file(e.file, self._expected(e), row)
         if outcome is not None:
             self._reject(e, outcome)
             return False
@@ -294,11 +300,10 @@ class StateTier:
             del self.entries[e.node]
 
     # SSD --------------------------------------------------------------------------------
-    def _expected(self, e: StateEntry) -> bytes:
-        entry = self.tiers.entry(e.node)
-        return _HEADER.pack(MAGIC, VERSION, self.tiers.fingerprint,
-                            self.tiers.salt_hash(e.node.salt), entry.prefix_hash,
-                            self.layout.digest, self.layout.nbytes, 0)
+    def _expected(self, e: StateEntry) -> Expected:
+        return Expected(self.tiers.fingerprint, self.tiers.salt_hash(e.node.salt),
+                        self.tiers.entry(e.node).prefix_hash, e.node.key, self.layout.text,
+                        self.layout.nbytes, 0)
 
     def _write(self, e: StateEntry) -> None:
         while len(self.ssd_lru) + self.num_writing >= self.ssd_slots:
@@ -311,8 +316,17 @@ class StateTier:
         entry = self.tiers.entry(e.node)
         path = str(self.dir / f"{entry.prefix_hash.hex()}.{self._seq}{SUFFIX}")
         row = self.host[e.host_slot]
-        expected = self._expected(e)
-        e.write = self.io.submit(Priority.WRITEBACK, lambda: _write_file(path, expected, row))
+        header = ChunkHeader(self.tiers.fingerprint, self.tiers.salt_hash(e.node.salt),
+                             entry.prefix_hash, entry.parent_hash, e.node.depth,
+                             self.tiers.layout.page_size, self.layout.nbytes, 0, 0,
+                             self.layout.text, e.node.key, self.header_len)
+
+        def write() -> int:
+            payload = memoryview(row.numpy())
+            head = pack_header(header._replace(payload_xxh3=payload_checksum([payload])))
+            return self.file_io.write(path, [memoryview(head), payload])
+
+        e.write = self.io.submit(Priority.WRITEBACK, write)
         e.writing = path
         self.num_writing += 1
         self.inflight.append(e)
@@ -324,10 +338,31 @@ class StateTier:
         row = self.host[slot]
         path, expected = e.file, self._expected(e)
         e.read_slot = slot
-        e.read = self.io.submit(priority, lambda: _read_file(path, expected, row))
+        e.read = self.io.submit(priority, lambda: self._read_file(path, expected, row))
         if e not in self.inflight:
             self.inflight.append(e)
         return True
+
+    def _read_file(self, path: str, want: Expected, row: torch.Tensor) -> str | None:
+        """Reads a state file into `row` (on an I/O thread); None when it is valid, else why
+        it must not be served (a `tier_stats` reject reason)."""
+        head = aligned_empty(self.header_len)
+        payload = memoryview(row.numpy())
+        try:
+            n, size = self.file_io.read(path, [memoryview(head.numpy()), payload])
+            h = unpack_header(head.numpy())
+            check_header(h, want)
+            if h.header_len != self.header_len or not size == n == self.file_bytes:
+                raise ChunkError(TORN, f"{path}: {size} bytes, expected {self.file_bytes}")
+            if payload_checksum([payload]) != h.payload_xxh3:
+                raise ChunkError(CHECKSUM, path)
+        except FileNotFoundError:
+            return MISSING
+        except OSError:
+            return IO_ERROR
+        except ChunkError as err:
+            return err.reason
+        return None
 
     def _drop_file(self, e: StateEntry) -> None:
         self.ssd_lru.pop(e, None)
@@ -380,10 +415,9 @@ class StateTier:
         self.num_writing -= 1
         if future.exception() is not None:
             self.stats.writes_failed += 1
-            _unlink(path + ".tmp")
             return
         self.stats.state_ssd_writes += 1
-        self.stats.ssd_bytes_written += self.layout.nbytes + HEADER_BYTES
+        self.stats.ssd_bytes_written += self.file_bytes
         e.file = path
         if not e.dead:
             self.ssd_lru[e] = None
@@ -397,7 +431,7 @@ class StateTier:
             e.host_slot = slot
             self.host_lru[e] = None
             self.stats.ssd_reads += 1
-            self.stats.ssd_bytes_read += self.layout.nbytes + HEADER_BYTES
+            self.stats.ssd_bytes_read += self.file_bytes
             return
         self.pool.free([slot])
         if outcome is not None:
@@ -423,49 +457,6 @@ class StateTier:
         for e in self.ssd_lru:
             assert e.file is not None and not e.dead
         assert len(self.ssd_lru) <= max(self.ssd_slots, 0)
-
-
-def _write_file(path: str, expected: bytes, row: torch.Tensor) -> None:
-    payload = row.numpy()
-    fields = list(_HEADER.unpack(expected))
-    fields[-1] = xxhash.xxh3_64_intdigest(payload)
-    header = _HEADER.pack(*fields)
-    header += _CHECK.pack(xxhash.xxh3_64_intdigest(header))
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(memoryview(payload))
-    os.replace(tmp, path)
-
-
-def _read_file(path: str, expected: bytes, row: torch.Tensor) -> str | None:
-    """Reads a state file into `row`; None when valid, else the reject reason."""
-    try:
-        with open(path, "rb") as f:
-            header = f.read(HEADER_BYTES)
-            if len(header) < HEADER_BYTES:
-                return TORN
-            buf = row.numpy()
-            n = f.readinto(memoryview(buf))
-    except OSError:
-        return IO_ERROR
-    (check,) = _CHECK.unpack_from(header, _HEADER.size)
-    if check != xxhash.xxh3_64_intdigest(header[: _HEADER.size]):
-        return BAD_HEADER
-    got, want = _HEADER.unpack_from(header), _HEADER.unpack(expected)
-    if got[0] != MAGIC or got[1] != VERSION:
-        return BAD_HEADER
-    if got[2] != want[2]:
-        return FOREIGN
-    if got[3:5] != want[3:5]:
-        return BAD_HEADER  # another namespace's or another prefix's state
-    if got[5:7] != want[5:7]:
-        return LAYOUT
-    if n != want[6]:
-        return TORN
-    if xxhash.xxh3_64_intdigest(np.ascontiguousarray(buf)) != got[7]:
-        return CHECKSUM
-    return None
 
 
 def _unlink(path: str) -> None:

@@ -88,14 +88,13 @@ class PrefixStore:
         nodes = self.tree.walk(key, salt)
         num_cached = len(nodes)
         last_state = -1
-        tiered_states = self.config.policy == "checkpoint" and self.tier.has_state
         for i, node in enumerate(nodes):
             if node.state_slot is not None:
                 last_state = i
         if self.config.policy == "checkpoint":
             # A lower tier may hold deeper states (their device slots were reclaimed).
             for i in range(len(nodes) - 1, last_state, -1):
-                if tiered_states(nodes[i]):
+                if self.tier.has_state(nodes[i]):
                     last_state = i
                     break
             nodes = nodes[: last_state + 1]
