@@ -71,7 +71,7 @@ class Runner:
         self.k_max = k_max_of(model_dir)
         self.records: dict[str, list] = {}
         # Warm-up (lazy initialisation, allocator) so the first system measured is not charged.
-        warm = W.Workload("warmup", [W.BenchRequest("w", list(b"def f(x):\n" * 40), 4)])
+        warm = _warmup()
         measure_in_process(self.model, engine_config("suffixreplay", self.cfg, budget,
                                                      self.k_max), warm)
 
@@ -94,8 +94,7 @@ class Runner:
         with served_repository(system_params(system, self.cfg, budget, self.k_max, ssd)) as srv:
             # One unmeasured request first (its own namespace): the server's first forward
             # pays lazy initialisation, which would land on one system's first measurement.
-            warm = W.BenchRequest("warmup", list(b"def f(x):\n" * 40), 4, salt="warmup")
-            run_served(srv.urls.grpc, W.Workload("warmup", [warm]))
+            run_served(srv.urls.grpc, _warmup())
             for wl in workloads:
                 progress(wl.name, system)
                 for req in wl.requests:
@@ -111,6 +110,12 @@ class Runner:
                      "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens,
                      "error": r.error} for r in records]
         return out
+
+
+def _warmup() -> W.Workload:
+    """One short unmeasured request in its own cache namespace."""
+    return W.Workload("warmup", [W.BenchRequest("w", list(b"def f(x):\n" * 40), 4,
+                                                salt="warmup")])
 
 
 def _counters(url: str) -> dict:

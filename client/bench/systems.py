@@ -75,6 +75,10 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
     density = ReplayConfig().anchor_density
     page = bytes_per_page(cfg, ps)
     anchors = CacheConfig(page_size=ps, anchor_density=density).anchors_per_page
+    # The checkpoint baseline's unit of memory: one checkpoint per interval, plus the KV
+    # pages it covers (device, DRAM and SSD bytes are all split this way).
+    group = INTERVAL // ps
+    unit = group * page + bytes_per_checkpoint(cfg)
     if system == "nocache":
         policy, pages, slots = "none", 0, 4
     elif system in ("suffixreplay", "ours"):
@@ -83,8 +87,7 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
         slots = 16  # live-state snapshots
     else:
         policy = "checkpoint"
-        group = INTERVAL // ps  # one checkpoint per interval, plus the KV pages it covers
-        units = budget.device_budget_bytes // (group * page + bytes_per_checkpoint(cfg))
+        units = budget.device_budget_bytes // unit
         pages, slots = units * group, max(units, 4)
     params = {
         "cache_policy": policy, "page_size": str(ps), "checkpoint_interval": str(INTERVAL),
@@ -100,8 +103,6 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
         ssd = system != "pcr_dram" and ssd_dir is not None
         host_pages = budget.host_pages
         if policy == "checkpoint":  # the same DRAM / SSD bytes, shared with the states
-            group = INTERVAL // ps
-            unit = group * page + bytes_per_checkpoint(cfg)
             units = budget.host_pages * page // unit
             host_pages = units * group
             params["host_checkpoint_slots"] = str(units)
