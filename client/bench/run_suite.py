@@ -30,8 +30,8 @@ from client.bench.systems import SYSTEMS, Budget, bytes_per_page, engine_config,
 
 BRANCH_SYSTEMS = SYSTEMS
 # Branching chat, agentic trees and the sweep: a budget under which every policy keeps the
-# whole working set (the checkpoint baseline: the 16K-token tree's 262 pages and its 69
-# checkpoints need 63 MiB), so branches compare where each policy can resume, not how much it
+# whole working set (the checkpoint baseline: the 16K-token tree's ~264 pages and ~69
+# checkpoints need about 63 MiB), so branches compare where each policy can resume, not how much it
 # can hold (that is the capacity workload's question). Generous to the baseline.
 BRANCH_BUDGET = Budget(device_budget_bytes=80 << 20, host_pages=64)
 # RAG as in PCR: the device holds a fraction of the documents' prefixes, DRAM and SSD the

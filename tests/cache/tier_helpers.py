@@ -79,7 +79,7 @@ def write_page(buffers: DeviceBuffers, kv_page: int, block: int, prefix, salt=""
 def read_page(buffers: DeviceBuffers, kv_page: int, block: int) -> tuple[torch.Tensor, ...]:
     rows = slice(kv_page * PAGE, (kv_page + 1) * PAGE)
     kv = torch.stack([torch.stack([buffers.k[a][rows], buffers.v[a][rows]]) for a in range(LAYERS)])
-    return kv.cpu(), buffers.anchors[:, block : block + 1].cpu()
+    return kv.cpu(), buffers.anchors[:, block : block + 1].to("cpu", copy=True)
 
 
 def assert_page_served(tiers: TieredBackend, node, tokens, salt="") -> None:
