@@ -132,7 +132,6 @@ class StateTier:
         self.host_lru: OrderedDict[StateEntry, None] = OrderedDict()
         self.ssd_lru: OrderedDict[StateEntry, None] = OrderedDict()
         self.inflight: list[StateEntry] = []
-        self.num_writing = 0
         self.zombies: set[StateEntry] = set()
         self.io = io
         self.ssd_slots = ssd_slots if ssd_dir is not None and io is not None else 0
@@ -306,7 +305,8 @@ class StateTier:
                         self.layout.nbytes, 0)
 
     def _write(self, e: StateEntry) -> None:
-        while len(self.ssd_lru) + self.num_writing >= self.ssd_slots:
+        writing = sum(x.write is not None for x in self.inflight)
+        while len(self.ssd_lru) + writing >= self.ssd_slots:
             victim = next((x for x in self.ssd_lru if not x.busy), None)
             if victim is None:
                 self.stats.state_ssd_writes_skipped += 1
@@ -328,7 +328,6 @@ class StateTier:
 
         e.write = self.io.submit(Priority.WRITEBACK, write)
         e.writing = path
-        self.num_writing += 1
         self.inflight.append(e)
 
     def _read(self, e: StateEntry, priority: Priority, take_protected: bool = True) -> bool:
@@ -412,7 +411,6 @@ class StateTier:
     def _apply_write(self, e: StateEntry) -> None:
         future, e.write = e.write, None
         path, e.writing = e.writing, None
-        self.num_writing -= 1
         if future.exception() is not None:
             self.stats.writes_failed += 1
             return
