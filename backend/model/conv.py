@@ -18,20 +18,26 @@ def causal_conv1d(
     Returns silu(conv(x)) (conv(x) with silu=False) [B, T, C] and the new state
     [B, C, W - 1]: the last W - 1 inputs
     before each sequence's end (`lengths` [B] for right-padded batches, else T).
+
+    Computed channels-last as W shifted multiply-adds over [B, T, C] (in place after the
+    first): the kernel is tiny (W = 4), so this streams the input a few times where a
+    depthwise convolution call would transpose it twice and cost more at every size measured
+    (`tests/model/test_conv.py` holds it to F.conv1d).
     """
     B, T, C = x.shape
     W = weight.shape[-1]
-    xt = x.transpose(1, 2)
-    if state is None:
-        state = xt.new_zeros(B, C, W - 1)
-    full = torch.cat((state.to(xt.dtype), xt), dim=-1)  # [B, C, W - 1 + T]
+    head = x.new_zeros(B, W - 1, C) if state is None else state.transpose(1, 2).to(x.dtype)
+    full = torch.cat((head, x), dim=1)  # [B, W - 1 + T, C]
+    taps = weight.t().to(x.dtype)  # [W, C]
     if T == 1:
-        y = (full * weight).sum(-1, keepdim=True)
+        y = (full * taps).sum(1, keepdim=True)
     else:
-        y = F.conv1d(full, weight.unsqueeze(1), groups=C)
+        y = torch.mul(full[:, :T], taps[0])
+        for i in range(1, W):
+            y.addcmul_(full[:, i:i + T], taps[i])
     if lengths is None:
-        new_state = full[..., T:]
+        new_state = full[:, T:]
     else:
-        idx = lengths.view(B, 1, 1) + torch.arange(W - 1, device=x.device).view(1, 1, W - 1)
-        new_state = full.gather(2, idx.expand(B, C, W - 1))
-    return (F.silu(y) if silu else y).transpose(1, 2), new_state
+        idx = lengths.view(B, 1, 1) + torch.arange(W - 1, device=x.device).view(1, W - 1, 1)
+        new_state = full.gather(1, idx.expand(B, W - 1, C))
+    return (F.silu(y, inplace=True) if silu else y), new_state.transpose(1, 2)

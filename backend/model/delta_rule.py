@@ -76,11 +76,14 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = 64,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    output: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Chunked (parallel within a chunk, sequential across chunks) form; differentiable.
 
     Within a chunk the T sequential rank-one updates are folded into one lower-triangular
     solve (the WY / UT transform), then the chunk reads and writes the carried state once.
+    output=False returns (None, final state) and skips the outputs' work (suffix replay's
+    last layer of a group needs only its state).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -111,16 +114,23 @@ def chunk_gated_delta_rule(
     sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = sol[..., :V], sol[..., V:]  # u: new values; w: how much each reads the old state
 
-    intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal incl. diagonal
-    q_decayed = q * gc.exp().unsqueeze(-1)
     k_to_end = k * (gc[..., -1:] - gc).exp().unsqueeze(-1)
     chunk_decay = gc[..., -1].exp()[..., None, None]  # [B, H, N, 1, 1]
+    if output:
+        intra = (q @ k.transpose(-1, -2)) * decay  # [B, H, N, C, C], causal incl. diagonal
+        q_decayed = q * gc.exp().unsqueeze(-1)
 
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    zero = initial_state is None  # the first chunk reads nothing from the state
     outs = []
     for n in range(N):
-        v_new = u[:, :, n] - w[:, :, n] @ S
-        outs.append(q_decayed[:, :, n] @ S + intra[:, :, n] @ v_new)
+        first = zero and n == 0
+        v_new = u[:, :, n] if first else u[:, :, n] - w[:, :, n] @ S
+        if output:
+            o_n = intra[:, :, n] @ v_new
+            outs.append(o_n if first else o_n + q_decayed[:, :, n] @ S)
         S = S * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+    if not output:
+        return None, S
     o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
     return o.transpose(1, 2).to(out_dtype), S

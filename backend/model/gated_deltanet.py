@@ -8,6 +8,7 @@ from torch import nn
 
 from backend.config import ModelConfig
 from backend.model.conv import causal_conv1d
+from backend.model.delta_rule import chunk_gated_delta_rule
 from backend.model.kernels import delta_rule_for
 from backend.model.norm import GatedRMSNorm
 
@@ -44,11 +45,13 @@ class GatedDeltaNet(nn.Module):
         state: LinearState | None = None,
         valid: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, LinearState]:
+        output: bool = True,
+    ) -> tuple[torch.Tensor | None, LinearState]:
         """x: [B, T, D]; state: initial (conv, recurrent) or None for zeros.
 
         valid: [B, T] marks real tokens of a right-padded batch (padding leaves states
-        untouched); lengths: [B] real lengths. Returns the output and the final states.
+        untouched); lengths: [B] real lengths. Returns the output and the final states;
+        output=False: (None, final states), without the output's work.
         """
         B, T, _ = x.shape
         if valid is not None:
@@ -63,6 +66,9 @@ class GatedDeltaNet(nn.Module):
             keep = valid.unsqueeze(-1)
             beta, g = beta * keep, g * keep
         rule = delta_rule_for(x, T)
+        if not output:
+            kw = {"output": False} if rule is chunk_gated_delta_rule else {}
+            return None, (new_conv, rule(q, k, v, g, beta, initial_state=rec_state, **kw)[1])
         out, new_rec = rule(q, k, v, g, beta, initial_state=rec_state)
         return self.output(out, x), (new_conv, new_rec)
 

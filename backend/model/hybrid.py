@@ -32,10 +32,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def mix_linear(
-        self, x: torch.Tensor, state: LinearState | None, valid, lengths
-    ) -> tuple[torch.Tensor, LinearState]:
-        h, new_state = self.linear_attn(self.input_layernorm(x), state, valid, lengths)
-        return self._ffn(x + h), new_state
+        self, x: torch.Tensor, state: LinearState | None, valid, lengths, output: bool = True
+    ) -> tuple[torch.Tensor | None, LinearState]:
+        """output=False: only the final states (None for the layer's output)."""
+        h, new_state = self.linear_attn(self.input_layernorm(x), state, valid, lengths, output)
+        return (self._ffn(x + h) if output else None), new_state
 
     def mix_attention(self, x, cos, sin, batch: ForwardBatch | None) -> torch.Tensor:
         return self._ffn(x + self.self_attn(self.input_layernorm(x), cos, sin, batch))
@@ -151,8 +152,11 @@ class HybridForCausalLM(nn.Module):
             lengths = None
         x = hidden.to(self.dtype)
         states = []
-        for layer_id in self.config.groups[group]:
-            x, st = self.model.layers[layer_id].mix_linear(x, None, valid, lengths)
+        layer_ids = self.config.groups[group]
+        for i, layer_id in enumerate(layer_ids):
+            # The group's last layer: its state only (its output feeds nothing here).
+            x, st = self.model.layers[layer_id].mix_linear(x, None, valid, lengths,
+                                                           output=i + 1 < len(layer_ids))
             states.append(st)
         return states
 

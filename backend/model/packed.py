@@ -30,11 +30,12 @@ from backend.model.rotary import apply_rotary
 
 def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
                         conv_state: torch.Tensor | None, rec_state: torch.Tensor | None,
-                        decode: bool = False):
+                        decode: bool = False, output: bool = True):
     """Gated DeltaNet over packed tokens x [N, D] -> (out [N, D], (conv, rec) per sequence).
 
     decode: one token per sequence (N = B); the conv and the delta-rule step are then plain
     tensor maths that the compiler fuses, instead of calls to the packed operators.
+    output=False: (None, states), without the gated norm and the out projection.
     """
     import plugins  # registers the operators
 
@@ -53,14 +54,14 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
         out = out[:, 0]
     else:
         out, new_rec = plugins.gated_delta_scan(q, k, v, g, beta, cu_seqlens, rec_state)
-    return mixer.output(out, x), (new_conv, new_rec)
+    return (mixer.output(out, x) if output else None), (new_conv, new_rec)
 
 
 def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state,
-                        decode: bool = False):
+                        decode: bool = False, output: bool = True):
     h, states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
-                                    conv_state, rec_state, decode)
-    return layer._ffn(x + h), states
+                                    conv_state, rec_state, decode, output)
+    return (layer._ffn(x + h) if output else None), states
 
 
 class StepGraph(nn.Module):
@@ -146,9 +147,10 @@ class ReplayGraph(nn.Module):
     def forward(self, hidden, cu_seqlens):
         x = hidden.to(self.model.dtype)
         out = []
-        for layer_id in self.layer_ids:
+        for i, layer_id in enumerate(self.layer_ids):
+            # The last layer's output feeds nothing: its states only.
             x, (c, r) = linear_layer_packed(self.model.model.layers[layer_id], x, cu_seqlens,
-                                            None, None)
+                                            None, None, output=i + 1 < len(self.layer_ids))
             out += [c, r]
         return tuple(out)
 

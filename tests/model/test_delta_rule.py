@@ -42,6 +42,19 @@ def test_chunked_equals_recurrent(shape, with_state):
     torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}c{}".format(*s))
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "init-state"])
+def test_state_only_chunked_equals_recurrent(shape, with_state):
+    """output=False (suffix replay's last layer of a group): the same final state, no output."""
+    B, T, H, K, V, C = shape
+    q, k, v, g, beta, s0 = _inputs(B, T, H, K, V, seed=5)
+    init = s0 if with_state else None
+    _, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, init)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, init, chunk_size=C, output=False)
+    assert o is None
+    torch.testing.assert_close(s, s_ref, atol=2e-5, rtol=1e-4)
+
+
 def test_padding_with_zero_decay_and_beta_keeps_final_state():
     q, k, v, g, beta, s0 = _inputs(1, 50, 2, 8, 8)
     _, s_ref = chunk_gated_delta_rule(q, k, v, g, beta, s0)
