@@ -46,13 +46,13 @@ CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
 def plan(quick: bool) -> dict:
     if quick:
         return {"sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
-                "agentic_fanout": 3, "agentic_depth": 1, "rag": dict(num_chunks=16,
-                                                                     num_queries=12,
-                                                                     chunk_tokens=192),
+                "agentic_fanout": 3, "agentic_depth": 2, "agentic_grow": 1,
+                "rag": dict(num_chunks=16, num_queries=12, chunk_tokens=192),
                 "rates": [1.5, 3.0, 6.0], "sweep_step": 64, "sweep_doc_tokens": 2048,
                 "capacity": [4], "capacity_passes": 2, "capacity_doc_tokens": 1024}
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
-            "agentic_fanout": 3, "agentic_depth": 2, "rag": dict(num_chunks=96, num_queries=48),
+            "agentic_fanout": 3, "agentic_depth": 2, "agentic_grow": 3,
+            "rag": dict(num_chunks=96, num_queries=48),
             "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "sweep_doc_tokens": 2048,
             "capacity": [2, 4, 6, 8], "capacity_passes": 3, "capacity_doc_tokens": 1024}
 
@@ -199,7 +199,8 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
     jobs += [(s, W.sharegpt(**p["sharegpt"]), BRANCH_SYSTEMS, None) for s in ["sharegpt"]]
     for n in p["agentic"]:
         jobs.append(("agentic", W.agentic(n, fanout=p["agentic_fanout"],
-                                          depth=p["agentic_depth"]), BRANCH_SYSTEMS, None))
+                                          depth=p["agentic_depth"], grow=p["agentic_grow"]),
+                     BRANCH_SYSTEMS, None))
     corpus = W.rag_corpus(**p["rag"])
     for rate in p["rates"]:
         jobs.append(("rag", W.rag(corpus, rate), SYSTEMS, RAG_BUDGET))

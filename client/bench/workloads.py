@@ -94,12 +94,12 @@ def sharegpt(seed: int = 0, sessions: int = 4, turns: int = 5, branch_prob: floa
 
 
 def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
-            max_tokens: int = 8) -> Workload:
+            max_tokens: int = 8, grow: int | None = None) -> Workload:
     """A tool-call tree: at each step the assistant calls one tool (name and JSON arguments)
     and the `fanout` branches are different results of that call (retries, sampled
-    environments, parallel explorations); the next level grows from the first branches.
-    Siblings share [context : call], a point inside the earlier sibling's prompt and past
-    the parent's prompt end."""
+    environments, parallel explorations); the next level grows from the first `grow`
+    branches (default `fanout`). Siblings share [context : call], a point inside the earlier
+    sibling's prompt and past the parent's prompt end."""
     src, rng = TextSource(seed + 1), random.Random(seed + 1)
     tools = _tokens("<|im_start|>system\n# Tools\nYou may call the functions below.\n")
     root = tools + src.take(prompt_tokens - len(tools))
@@ -120,9 +120,10 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
                 child = f"{name}.{b}"
                 reqs.append(BenchRequest(child, prompt, max_tokens, "branch"))
                 nxt.append((child, prompt))
-        frontier = nxt[: fanout]  # the next level grows from the first branches only
+        frontier = nxt[: fanout if grow is None else grow]  # grows from the first branches
     return Workload(f"agentic{prompt_tokens // 1000}k", reqs,
-                    {"prompt_tokens": prompt_tokens, "fanout": fanout, "depth": depth})
+                    {"prompt_tokens": prompt_tokens, "fanout": fanout, "depth": depth,
+                     "grow": fanout if grow is None else grow})
 
 
 def distance_sweep(doc_tokens: int = 1024, interval: int = 256, step: int = 32,

@@ -39,6 +39,9 @@ def test_workloads_are_deterministic_and_shaped():
     a, b = tree.requests[1].prompt, tree.requests[2].prompt  # siblings: one call, two results
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert shared > 2000 + 60 and bytes(a[2000:shared]).count(b"<tool_call>") == 1
+    narrow = W.agentic(2000, fanout=3, depth=2, grow=1)  # level 2 grows from one branch
+    parents = [r.rid.rsplit(".", 1)[0] for r in narrow.requests[1:]]
+    assert parents == ["root"] * 3 + ["root.0"] * 3
     sweep = W.distance_sweep(doc_tokens=1024, step=64, repeats=2)
     doc = sweep.requests[0].prompt
     assert len(sweep.requests) == 2 * 2 * 5
