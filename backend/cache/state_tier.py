@@ -270,11 +270,19 @@ class StateTier:
     # DRAM space -------------------------------------------------------------------------
     def _alloc_host(self, take_protected: bool = True) -> int | None:
         """A DRAM slot, releasing the LRU copy no I/O uses (look-ahead-protected copies
-        last, and never for a prefetch: `take_protected=False`)."""
+        last, and never for a prefetch: `take_protected=False`). A spill (several may come
+        in one step) waits for the oldest copy's SSD write rather than lose the state."""
         if self.pool.capacity == 0:
             return None
         if self.pool.num_free == 0:
             victim = self._host_victim(take_protected)
+            if victim is None and take_protected:
+                writing = next((e for e in self.host_lru if e.write is not None
+                                and e.read is None), None)
+                if writing is not None:
+                    writing.write.exception()  # waits (one state's write); applied by reap
+                    self.reap()
+                    victim = self._host_victim(take_protected)
             if victim is None:
                 return None
             self._drop_host(victim)

@@ -10,6 +10,7 @@ from backend.cache.store import PrefixStore
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
 from backend.engine.sequence import Sequence
+from backend.model.batch import SNAPSHOT_ALIGN
 from backend.replay.anchors import AnchorLayout
 from backend.replay.budget import replay_budget
 
@@ -124,6 +125,24 @@ class CacheManager:
             positions.add(end)
         seq.capture_positions = positions
 
+    def plan_snapshots(self, seq: Sequence, start: int, end: int) -> tuple[int, list]:
+        """The states a prefill step [start, end) saves on its way: returns the step's end
+        and [(position, saved slot)] for the planned positions strictly inside it. Where the
+        executor saves states mid-step (chunk-aligned offsets) one step covers them all;
+        otherwise, or when no slot is free, the step ends at that position and
+        `after_forward` saves it (making room as it does). The slots are the sequence's
+        pending states from now on (a failed step's release frees them)."""
+        planned: list[tuple[int, int]] = []
+        for pos in sorted(p for p in seq.capture_positions if start < p < end):
+            if not (self.executor.supports_snapshots and (pos - start) % SNAPSHOT_ALIGN == 0):
+                return pos, planned
+            slots = self.store.alloc_state_slots(1)
+            if slots is None:
+                return pos, planned
+            self._keep_state(seq, pos, slots[0])
+            planned.append((pos, slots[0]))
+        return end, planned
+
     # Growth -----------------------------------------------------------------------------
     def ensure_pages(self, seq: Sequence, end: int) -> int:
         """Allocates pages so tokens [0, end) have KV slots; returns the end covered."""
@@ -163,10 +182,15 @@ class CacheManager:
         if slots is None:
             return  # an optimisation only: no free slot, no snapshot
         self.executor.save_state(seq.run_slot, slots[0])
+        self._keep_state(seq, pos, slots[0])
+
+    def _keep_state(self, seq: Sequence, pos: int, slot: int) -> None:
+        """The state at `pos` (in `slot`) becomes the sequence's latest; the previous latest
+        goes unless it is a planned checkpoint."""
         old = seq.live_position
         if old is not None and old in seq.pending_states and old not in seq.capture_positions:
             self.store.free_state_slots([seq.pending_states.pop(old)])
-        seq.pending_states[pos] = slots[0]
+        seq.pending_states[pos] = slot
         seq.live_position = pos
 
     # Insert and release -----------------------------------------------------------------

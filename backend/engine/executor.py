@@ -12,12 +12,25 @@ from __future__ import annotations
 import torch
 
 from backend.config import ModelConfig
-from backend.model import Capture, ForwardBatch, HybridForCausalLM, PagedKV, SeqInput, StateSlots
+from backend.model import (
+    Capture,
+    ForwardBatch,
+    HybridForCausalLM,
+    PagedKV,
+    SeqInput,
+    Snapshots,
+    StateSlots,
+)
+from backend.model.kernels import fla_available
 from backend.model.quant import dequantize_int8
 
 
 class ExecutorBuffers:
     """The buffers every executor owns, and the state-slot copies the cache manager asks for."""
+
+    # Whether `forward` can save linear states in the middle of a step (`snapshots`); where
+    # it cannot, the scheduler ends a step wherever a state is to be saved.
+    supports_snapshots = False
 
     def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device, num_kv_pages: int,
                   page_size: int, num_run_slots: int, num_saved_slots: int,
@@ -69,17 +82,32 @@ class TorchExecutor(ExecutorBuffers):
         self._allocate(model.config, model.dtype, model.device, num_kv_pages, page_size,
                        num_run_slots, num_saved_slots, num_anchor_rows, int8_anchors)
 
+    @property
+    def supports_snapshots(self) -> bool:
+        """The PyTorch chunked delta rule carries the state between 64-token chunks, so a
+        state at a chunk boundary costs a copy; flash-linear-attention's kernels (CUDA) do
+        not hand it out."""
+        return not (self.model.device.type == "cuda" and fla_available())
+
     def forward(
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
         capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
+        snapshots: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
-        """One batched step; returns last-token logits [B, V] (fp32)."""
+        """One batched step; returns last-token logits [B, V] (fp32).
+
+        snapshots: (row, offset, saved slot): after the row's first `offset` new tokens (a
+        multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot."""
         capture = None
         if capture_src is not None and capture_src.numel():
             capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, capture,
                                    device=self.model.device)
         batch.layer_hooks = layer_hooks
+        if snapshots:
+            rows, offsets, slots = (torch.tensor(v, device=self.model.device)
+                                    for v in zip(*snapshots))
+            batch.snapshots = Snapshots(rows, offsets, slots, self.saved_states)
         return self.model.forward_batch(batch).float()
 
     def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ class Chunk:
     seq: Sequence
     start: int
     end: int
+    snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, saved slot)
 
 
 class Scheduler:
@@ -107,11 +108,10 @@ class Scheduler:
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             end = min(len(seq.tokens), seq.num_computed + budget)
-            later = [p for p in seq.capture_positions if seq.num_computed < p < end]
-            end = min(later, default=end)
             end = self.cache.ensure_pages(seq, end)
+            end, snapshots = self.cache.plan_snapshots(seq, seq.num_computed, end)
             if end > seq.num_computed:
-                chunks.append(Chunk(seq, seq.num_computed, end))
+                chunks.append(Chunk(seq, seq.num_computed, end, snapshots))
                 budget -= end - seq.num_computed
         return chunks
 
@@ -136,11 +136,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        seqs, src, dst = [], [], []
+        seqs, src, dst, snapshots = [], [], [], []
         T = max(c.end - c.start for c in chunks)
         for b, c in enumerate(chunks):
             table = torch.tensor(c.seq.page_table)
             seqs.append(SeqInput(c.seq.tokens[c.start:c.end], c.start, table, c.seq.run_slot))
+            snapshots += [(b, pos - c.start, slot) for pos, slot in c.snapshots]
             plan = self.cache.capture_plan(c.seq, c.start, c.end)
             if plan is not None:
                 src.append(plan[0] + b * T)
@@ -150,7 +151,8 @@ class Scheduler:
             pages = [p for c in chunks for p in self.cache.offload_pages(c.seq, c.end)]
             transfers = LayerTransfers(self.cache.tiers, pages)
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
-        logits = self.executor.forward(seqs, *capture, layer_hooks=transfers)
+        extra = {"snapshots": snapshots} if snapshots else {}
+        logits = self.executor.forward(seqs, *capture, layer_hooks=transfers, **extra)
         if transfers is not None:
             transfers.finish()
         return logits

@@ -35,6 +35,29 @@ class Capture(NamedTuple):
         self.scales[group].index_copy_(0, self.dst, scale)
 
 
+class Snapshots(NamedTuple):
+    """Linear states to save in the middle of a forward (checkpoints without splitting it).
+
+    rows: [M] batch rows; offsets: [M] token counts into each row's new tokens, multiples of
+    SNAPSHOT_ALIGN (the chunked delta rule's chunk size, where the state exists anyway);
+    slots: [M] destination slots of `pool`. The state saved is the one after the row's first
+    `offset` new tokens, exactly what a forward ending there would leave.
+    """
+
+    rows: torch.Tensor
+    offsets: torch.Tensor
+    slots: torch.Tensor
+    pool: StateSlots
+
+    def write(self, index: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
+        """conv [M, C, W - 1] and rec [M, H, K, V] of linear layer `index`."""
+        self.pool.conv[index].index_copy_(0, self.slots, conv.to(self.pool.conv[index].dtype))
+        self.pool.rec[index].index_copy_(0, self.slots, rec)
+
+
+SNAPSHOT_ALIGN = 64
+
+
 @dataclass
 class SeqInput:
     """One sequence of a batch: `token_ids` follow `start` tokens already in KV / states."""
@@ -64,6 +87,7 @@ class ForwardBatch:
     # new KV, `before_read(a)` before it reads cached KV.
     layer_hooks: object | None = None
     fresh_rows: torch.Tensor | None = None  # [B] bool: rows that start from zero state
+    snapshots: Snapshots | None = None  # states saved mid-forward
 
 
     @property

@@ -12,12 +12,15 @@ def causal_conv1d(
     state: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     silu: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    at: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """x: [B, T, C]; weight: [C, W]; state: [B, C, W - 1] or None (zeros).
 
     Returns silu(conv(x)) (conv(x) with silu=False) [B, T, C] and the new state
     [B, C, W - 1]: the last W - 1 inputs
     before each sequence's end (`lengths` [B] for right-padded batches, else T).
+    With `at` = (rows [M], offsets [M]) a third result: the state [M, C, W - 1] after the
+    first `offset` tokens of each `row` (a mid-forward snapshot).
 
     Computed channels-last as W shifted multiply-adds over [B, T, C] (in place after the
     first): the kernel is tiny (W = 4), so this streams the input a few times where a
@@ -40,4 +43,11 @@ def causal_conv1d(
     else:
         idx = lengths.view(B, 1, 1) + torch.arange(W - 1, device=x.device).view(1, W - 1, 1)
         new_state = full.gather(1, idx.expand(B, W - 1, C))
-    return (F.silu(y, inplace=True) if silu else y), new_state.transpose(1, 2)
+    y = F.silu(y, inplace=True) if silu else y
+    # States are small: contiguous copies (custom operators promise contiguous outputs).
+    new_state = new_state.transpose(1, 2).contiguous()
+    if at is None:
+        return y, new_state
+    rows, offsets = at
+    idx = offsets.view(-1, 1) + torch.arange(W - 1, device=x.device).view(1, W - 1)
+    return y, new_state, full[rows.view(-1, 1), idx].transpose(1, 2).contiguous()

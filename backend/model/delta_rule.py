@@ -77,13 +77,16 @@ def chunk_gated_delta_rule(
     scale: float | None = None,
     chunk_size: int = 64,
     output: bool = True,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
+    states_at: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """Chunked (parallel within a chunk, sequential across chunks) form; differentiable.
 
     Within a chunk the T sequential rank-one updates are folded into one lower-triangular
     solve (the WY / UT transform), then the chunk reads and writes the carried state once.
     output=False returns (None, final state) and skips the outputs' work (suffix replay's
-    last layer of a group needs only its state).
+    last layer of a group needs only its state). With `states_at` = (rows [M], offsets [M],
+    multiples of `chunk_size`) a third result: the state [M, H, K, V] after the first
+    `offset` tokens of each `row`, the carried state between chunks (mid-forward snapshots).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -123,6 +126,13 @@ def chunk_gated_delta_rule(
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
     zero = initial_state is None  # the first chunk reads nothing from the state
     outs = []
+    if states_at is not None:
+        snap_rows, snap_chunk = states_at[0], states_at[1] // C - 1
+        bad = (states_at[1] % C != 0) | (snap_chunk < 0) | (snap_chunk >= N)
+        if bool(bad.any()):
+            raise ValueError(f"snapshot offsets must be multiples of {C} within the forward")
+        snaps = S.new_empty(snap_rows.numel(), H, K, V)
+        wanted = set(snap_chunk.tolist())
     for n in range(N):
         first = zero and n == 0
         v_new = u[:, :, n] if first else u[:, :, n] - w[:, :, n] @ S
@@ -130,7 +140,16 @@ def chunk_gated_delta_rule(
             o_n = intra[:, :, n] @ v_new
             outs.append(o_n if first else o_n + q_decayed[:, :, n] @ S)
         S = S * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v_new
+        if states_at is not None and n in wanted:
+            hit = (snap_chunk == n).nonzero().view(-1)
+            snaps[hit] = S[snap_rows[hit]]
+    o = _chunk_result(outs, output, B, H, N, C, V, T, out_dtype)
+    return (o, S) if states_at is None else (o, S, snaps)
+
+
+def _chunk_result(outs, output, B, H, N, C, V, T, out_dtype) -> torch.Tensor | None:
+    """The chunks' outputs as [B, T, H, V] (None without outputs)."""
     if not output:
-        return None, S
+        return None
     o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
-    return o.transpose(1, 2).to(out_dtype), S
+    return o.transpose(1, 2).to(out_dtype)

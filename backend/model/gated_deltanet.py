@@ -46,26 +46,37 @@ class GatedDeltaNet(nn.Module):
         valid: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
         output: bool = True,
-    ) -> tuple[torch.Tensor | None, LinearState]:
+        snapshot_at: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ):
         """x: [B, T, D]; state: initial (conv, recurrent) or None for zeros.
 
         valid: [B, T] marks real tokens of a right-padded batch (padding leaves states
         untouched); lengths: [B] real lengths. Returns the output and the final states;
-        output=False: (None, final states), without the output's work.
+        output=False: (None, final states), without the output's work. With `snapshot_at`
+        = (rows [M], offsets [M], chunk-aligned) a third result: the (conv, recurrent)
+        states after those tokens (`chunk_gated_delta_rule` form only: see
+        `supports_snapshots`).
         """
         B, T, _ = x.shape
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
         conv_state, rec_state = state if state is not None else (None, None)
-        mixed, new_conv = causal_conv1d(
-            self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), conv_state, lengths
-        )
+        conv = causal_conv1d(self.in_proj_qkv(x), self.conv1d.weight.squeeze(1), conv_state,
+                             lengths, at=snapshot_at)
+        mixed, new_conv = conv[0], conv[1]
         q, k, v = self.split_heads(mixed)
         beta, g = self.gates(x)
         if valid is not None:
             keep = valid.unsqueeze(-1)
             beta, g = beta * keep, g * keep
         rule = delta_rule_for(x, T)
+        if snapshot_at is not None:
+            if rule is not chunk_gated_delta_rule:
+                raise ValueError("mid-forward snapshots need the chunked PyTorch delta rule")
+            out, new_rec, rec_snap = rule(q, k, v, g, beta, initial_state=rec_state,
+                                          output=output, states_at=snapshot_at)
+            out = self.output(out, x) if output else None
+            return out, (new_conv, new_rec), (conv[2], rec_snap)
         if not output:
             kw = {"output": False} if rule is chunk_gated_delta_rule else {}
             return None, (new_conv, rule(q, k, v, g, beta, initial_state=rec_state, **kw)[1])

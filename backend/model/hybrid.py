@@ -11,7 +11,7 @@ from torch import nn
 
 from backend.config import LINEAR, ModelConfig
 from backend.model.attention import Attention
-from backend.model.batch import Capture, ForwardBatch, SeqInput
+from backend.model.batch import Capture, ForwardBatch, SeqInput, Snapshots
 from backend.model.gated_deltanet import GatedDeltaNet, LinearState
 from backend.model.mlp import SwiGLU
 from backend.model.norm import RMSNorm
@@ -32,10 +32,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def mix_linear(
-        self, x: torch.Tensor, state: LinearState | None, valid, lengths, output: bool = True
+        self, x: torch.Tensor, state: LinearState | None, valid, lengths, output: bool = True,
+        snapshots: Snapshots | None = None,
     ) -> tuple[torch.Tensor | None, LinearState]:
-        """output=False: only the final states (None for the layer's output)."""
-        h, new_state = self.linear_attn(self.input_layernorm(x), state, valid, lengths, output)
+        """output=False: only the final states (None for the layer's output). `snapshots`:
+        the states after the requested tokens are written to their slots too."""
+        if snapshots is None:
+            h, new_state = self.linear_attn(self.input_layernorm(x), state, valid, lengths,
+                                            output)
+        else:
+            h, new_state, (conv, rec) = self.linear_attn(
+                self.input_layernorm(x), state, valid, lengths, output,
+                snapshot_at=(snapshots.rows, snapshots.offsets))
+            snapshots.write(self.state_index, conv, rec)
         return (self._ffn(x + h) if output else None), new_state
 
     def mix_attention(self, x, cos, sin, batch: ForwardBatch | None) -> torch.Tensor:
@@ -108,7 +117,8 @@ class HybridForCausalLM(nn.Module):
                 batch.capture.write(self._entry_to_group[i], x)
             if layer.is_linear:
                 state = self._read_state(layer.state_index, batch)
-                x, new_state = layer.mix_linear(x, state, valid, lengths)
+                snapshots = batch.snapshots if batch is not None else None
+                x, new_state = layer.mix_linear(x, state, valid, lengths, snapshots=snapshots)
                 self._write_state(layer.state_index, batch, new_state)
             else:
                 x = layer.mix_attention(x, cos, sin, batch)

@@ -91,7 +91,9 @@ class Runner:
             return out
         from client.bench.serving import served_repository
 
-        with served_repository(system_params(system, self.cfg, budget, self.k_max, ssd)) as srv:
+        # Each server shuts down while the next one starts (never while one measures).
+        with served_repository(system_params(system, self.cfg, budget, self.k_max, ssd),
+                               stop_in_background=True) as srv:
             # One unmeasured request first (its own namespace): the server's first forward
             # pays lazy initialisation, which would land on one system's first measurement.
             run_served(srv.urls.grpc, _warmup())
@@ -178,6 +180,10 @@ def run(args: argparse.Namespace) -> dict:
     for (system, budget), workloads in groups.items():
         for name, summary in runner.run_system(system, workloads, budget, progress).items():
             results.setdefault(name, {})[system] = summary
+    if not args.in_process:
+        from client.bench.serving import wait_for_stopped_servers
+
+        wait_for_stopped_servers()
     bar.close()
     summary = ratios(results, p)
     summary.update(simulation(runner, jobs, results))

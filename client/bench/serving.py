@@ -3,13 +3,20 @@
 `served_repository` starts tritonserver on free loopback ports over a temporary copy of
 `model_repo/` (parameters overridable); `in_process_engine` builds the `Engine` that copy's
 hybrid_llm would build, from the same config.pbtxt parameters.
+
+A benchmark that starts many servers one after another may let each one shut down in the
+background (`stop_in_background`): Triton's shutdown is mostly waiting (it polls for unloaded
+models once a second), so the next server starts meanwhile, and is used only once every
+server stopping in the background has exited.
 """
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,10 +37,34 @@ MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
 READY_TIMEOUT_S = 300.0
 
 
+_stopping: list[threading.Thread] = []  # servers shutting down in the background
+
+
+def wait_for_stopped_servers() -> None:
+    """Returns once every server stopping in the background has exited."""
+    while _stopping:
+        _stopping.pop().join()
+
+
 @contextmanager
-def served_repository(params: Mapping[str, str] | None = None) -> Iterator[ServerHandle]:
-    """A ready server for a copy of model_repo/ with hybrid_llm `params` set."""
-    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+def served_repository(params: Mapping[str, str] | None = None,
+                      stop_in_background: bool = False) -> Iterator[ServerHandle]:
+    """A ready server for a copy of model_repo/ with hybrid_llm `params` set.
+
+    stop_in_background: on exit the server is signalled and left to finish its shutdown in a
+    thread; the next `served_repository` waits for it once its own server is ready (so
+    measurements never overlap a shutdown), as does `wait_for_stopped_servers`."""
+    tmp = tempfile.mkdtemp(prefix="bench-")
+    server = None
+
+    def stop() -> None:
+        try:
+            if server is not None:
+                server.stop()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    try:
         repo = copy_models(MODELS, Path(tmp) / "model_repo", TOKENIZER_FILES)
         set_parameters(repo / "hybrid_llm" / "config.pbtxt", dict(params or {}))
         if ensure_default_model(repo):
@@ -48,11 +79,18 @@ def served_repository(params: Mapping[str, str] | None = None) -> Iterator[Serve
             log_path=Path(tmp) / "tritonserver.log",
             extra_args=["--model-control-mode=explicit", *loads],
         )
-        try:
-            server.wait_ready(READY_TIMEOUT_S)
-            yield server
-        finally:
-            server.stop()
+        server.wait_ready(READY_TIMEOUT_S)
+        wait_for_stopped_servers()
+        yield server
+    except BaseException:
+        stop()
+        raise
+    if stop_in_background:
+        thread = threading.Thread(target=stop, name="server-stop", daemon=True)
+        thread.start()
+        _stopping.append(thread)
+    else:
+        stop()
 
 
 def in_process_engine(server: ServerHandle) -> Engine:

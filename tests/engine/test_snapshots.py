@@ -1,0 +1,90 @@
+"""Linear states saved in the middle of a prefill step (checkpoints without splitting it)
+against the same states from steps that end there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import GREEDY, PAGE, assert_no_leak, make_engine, random_prompt
+from hf_oracle import make_hf_checkpoint
+
+from backend.engine.executor import TorchExecutor
+from backend.model import SeqInput, load_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("snapshot-model")
+    make_hf_checkpoint(path, seed=23)
+    return load_model(path)
+
+
+def _executor(model):
+    return TorchExecutor(model, num_kv_pages=64, page_size=PAGE, num_run_slots=2,
+                         num_saved_slots=8, num_anchor_rows=4)
+
+
+def _states(ex, slot):
+    return [t[slot] for t in ex.saved_states.conv + ex.saved_states.rec]
+
+
+def test_mid_step_snapshots_equal_states_of_split_steps(model):
+    """Row 0 starts fresh (200 tokens), row 1 continues a 64-token prefix (150 tokens): one
+    step with snapshots after 64 and 128 new tokens of each row saves what steps ending
+    there leave in the run slots, and ends with the same logits and states."""
+    V = model.config.vocab_size
+    ids = [random_prompt(200, V, seed=1), random_prompt(214, V, seed=2)]
+    tables = [torch.arange(0, 16), torch.arange(16, 32)]
+    one, split = _executor(model), _executor(model)
+    for ex in (one, split):  # row 1's prefix
+        ex.forward([SeqInput(ids[1][:64], 0, tables[1], 1)])
+    snaps = [(0, 64, 0), (0, 128, 1), (1, 64, 2), (1, 128, 3)]
+    logits = one.forward([SeqInput(ids[0], 0, tables[0], 0),
+                          SeqInput(ids[1][64:], 64, tables[1], 1)], snapshots=snaps)
+    bounds = {0: [0, 64, 128, 200], 1: [64, 128, 192, 214]}
+    for b in (0, 1):
+        for i, (start, end) in enumerate(zip(bounds[b], bounds[b][1:])):
+            last = split.forward([SeqInput(ids[b][start:end], start, tables[b], b)])
+            if i < 2:
+                split.save_state(b, 2 * b + i)
+        torch.testing.assert_close(logits[b], last[0], atol=1e-4, rtol=1e-4)
+    for slot in range(4):
+        for got, want in zip(_states(one, slot), _states(split, slot)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        assert any(t.abs().sum() > 0 for t in _states(one, slot))
+    for got, want in zip(one.run_states.conv + one.run_states.rec,
+                         split.run_states.conv + split.run_states.rec):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_snapshot_offsets_must_be_chunk_aligned(model):
+    ex = _executor(model)
+    ids = random_prompt(100, model.config.vocab_size, seed=3)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        ex.forward([SeqInput(ids, 0, torch.arange(0, 16), 0)], snapshots=[(0, 32, 0)])
+
+
+def test_checkpoint_policy_saves_its_grid_in_one_step(model, monkeypatch):
+    """The checkpoint baseline's prompt of 300 tokens (checkpoints every 64 and at the last
+    page boundary, 288) prefills in two steps, not six: 64..256 are saved mid-step; 288,
+    32 tokens past a 64-token chunk boundary, still ends a step (pages of 16 tokens here;
+    with the default 64-token pages every page boundary is a chunk boundary). Resuming at
+    each checkpoint gives what the split prefill gives."""
+    V = model.config.vocab_size
+    prompt = random_prompt(300, V, seed=5)
+    branches = [prompt[:at] + random_prompt(20, V, seed=at) for at in (70, 130, 200, 290)]
+
+    def run(engine):
+        engine.generate(prompt, GREEDY)
+        steps = engine.scheduler.num_steps
+        outs = [engine.generate(b, GREEDY) for b in branches]
+        assert_no_leak(engine)
+        return steps, [(o.new_token_ids, o.cached_tokens) for o in outs]
+
+    one_step = run(make_engine(model, policy="checkpoint", interval=64,
+                               max_tokens_per_step=512))
+    monkeypatch.setattr(TorchExecutor, "supports_snapshots", False)
+    split = run(make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=512))
+    assert one_step[1] == split[1]
+    assert [c for _, c in one_step[1]] == [64, 128, 192, 288]
+    assert one_step[0] == split[0] - 4  # 2 + 11 decode steps, against 6 + 11
