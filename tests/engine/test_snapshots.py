@@ -88,3 +88,28 @@ def test_checkpoint_policy_saves_its_grid_in_one_step(model, monkeypatch):
     assert one_step[1] == split[1]
     assert [c for _, c in one_step[1]] == [64, 128, 192, 288]
     assert one_step[0] == split[0] - 4  # 2 + 11 decode steps, against 6 + 11
+
+
+def test_snapshots_in_batches_with_decodes_keep_outputs_and_states(model):
+    """Concurrent prompts under the checkpoint policy: steps mix decode rows with prefill
+    rows that save checkpoints mid-step; every output equals plain greedy decoding, and each
+    prompt's checkpoints serve later branches with plain greedy's tokens."""
+    from backend.engine import Request
+    from backend.model.generate import greedy_generate
+
+    V = model.config.vocab_size
+    prompts = [random_prompt(n, V, seed=60 + n) for n in (40, 200, 330, 260)]
+    engine = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=400)
+    outs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        engine.submit(Request(f"r{i}", p, GREEDY, on_output=lambda o: outs.setdefault(
+            o.request_id, []).extend(o.new_token_ids)))
+    while engine.has_work:
+        engine.step()
+    want = greedy_generate(model, prompts, max_new_tokens=12, page_size=PAGE)
+    assert [outs[f"r{i}"] for i in range(4)] == want
+    branches = [prompts[1][:140] + [1, 2, 3], prompts[2][:300] + [4, 5], prompts[3][:70]]
+    got = [engine.generate(b, GREEDY) for b in branches]
+    assert [g.new_token_ids for g in got] == greedy_generate(model, branches, 12, PAGE)
+    assert [g.cached_tokens for g in got] == [128, 256, 64]
+    assert_no_leak(engine)
