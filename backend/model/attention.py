@@ -51,11 +51,28 @@ class Attention(nn.Module):
                 is_causal=T > 1, enable_gqa=True,
             )
         else:
-            k_ctx = kv.k[self.attn_index][batch.read_slots]  # [B, Ctx, Hkv, Dh]
-            v_ctx = kv.v[self.attn_index][batch.read_slots]
+            k_ctx, v_ctx = self._context(kv, batch)  # [B, Ctx, Hkv, Dh]
+            mask = batch.attn_mask
+            if B == 1 and T == 1:
+                mask = None  # one query sees its whole (exact) context
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-                attn_mask=batch.attn_mask, enable_gqa=True,
+                attn_mask=mask, enable_gqa=True,
             )
         out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out)
+
+    def _context(self, kv, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every context token, [B, Ctx, Hkv, Dh]: gathered a page at a
+        time (`read_pages`) where the batch has them, else token by token (`read_slots`).
+        Keys past a row's context are other pages' (or padding) and masked."""
+        k_pool, v_pool = kv.k[self.attn_index], kv.v[self.attn_index]
+        if batch.read_pages is None:
+            return k_pool[batch.read_slots], v_pool[batch.read_slots]
+        B, ctx = batch.read_slots.shape
+        ps = kv.page_size
+        out = []
+        for pool in (k_pool, v_pool):
+            paged = pool.view(-1, ps, *pool.shape[1:])[batch.read_pages]  # [B, P, ps, H, D]
+            out.append(paged.view(B, -1, *pool.shape[1:])[:, :ctx])
+        return out[0], out[1]

@@ -81,6 +81,7 @@ class ForwardBatch:
     write_rows: torch.Tensor | None = None  # [N] flat rows of real tokens in [B * T]
     write_slots: torch.Tensor | None = None  # [N] their KV slots
     read_slots: torch.Tensor | None = None  # [B, Ctx]
+    read_pages: torch.Tensor | None = None  # [B, P] the pages of read_slots (P * page >= Ctx)
     attn_mask: torch.Tensor | None = None  # [B, 1, T, Ctx] bool
     capture: Capture | None = None
     # Layer-wise transfer hooks (tiered KV): `after_write(a)` once attention layer a wrote its
@@ -157,12 +158,17 @@ class ForwardBatch:
             ctx = max(r.numel() for r in reads)
             pad = torch.nn.functional.pad
             self.read_slots = torch.stack([pad(r, (0, ctx - r.numel())) for r in reads])
+            # The same keys page by page: one gathered row per page, not per token.
+            pages = -(-ctx // ps)
+            self.read_pages = torch.stack([pad(s.page_table[:pages].long(),
+                                               (0, pages - min(pages, s.page_table.numel())))
+                                           for s in seqs])
             key_pos = torch.arange(ctx).view(1, 1, 1, ctx)
             self.attn_mask = key_pos <= self.positions.view(len(seqs), 1, T, 1)
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         for name in ("input_ids", "positions", "lengths", "valid", "state_slots", "write_rows",
-                     "write_slots", "read_slots", "attn_mask", "fresh_rows"):
+                     "write_slots", "read_slots", "read_pages", "attn_mask", "fresh_rows"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
