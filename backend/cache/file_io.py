@@ -21,8 +21,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from backend.cache.chunk_format import (
+    ChunkError,
+    ChunkHeader,
+    Expected,
+    check_header,
+    pack_header,
+    payload_checksum,
+    unpack_header,
+)
 from backend.cache.host_pool import aligned_empty
 from backend.cache.page_io import ALIGN
+from backend.cache.tier_stats import CHECKSUM, IO_ERROR, MISSING, TORN
 
 TMP_SUFFIX = ".tmp"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -116,6 +126,37 @@ class PosixChunkIO:
         finally:
             os.close(fd)
         return n, size
+
+    def write_chunk(self, path: str, header: ChunkHeader, payload: Sequence[memoryview],
+                    sections: Sequence[memoryview]) -> int:
+        """One chunk file: `header` with the checksum of `payload` (the unpadded buffers)
+        filled in, then `sections` (the same bytes as stored, padded where the format pads)."""
+        h = header._replace(payload_xxh3=payload_checksum(payload))
+        head = aligned_empty(h.header_len)
+        head.numpy()[:] = memoryview(pack_header(h))
+        return self.write(path, [memoryview(head.numpy()), *sections])
+
+    def read_chunk(self, path: str, want: Expected, header_len: int,
+                   payload: Sequence[memoryview], sections: Sequence[memoryview],
+                   file_len: int | None = None) -> ChunkHeader:
+        """Reads one chunk file into `sections` and verifies it: the header against `want`,
+        its length (`file_len`, else what the header says) and the checksum of `payload`.
+        Raises ChunkError (a miss: the buffers must not be served)."""
+        head = aligned_empty(header_len)
+        try:
+            n, size = self.read(path, [memoryview(head.numpy()), *sections])
+        except FileNotFoundError as e:
+            raise ChunkError(MISSING, path) from e
+        except OSError as e:
+            raise ChunkError(IO_ERROR, f"{path}: {e}") from e
+        h = unpack_header(head.numpy())
+        check_header(h, want)
+        expected = h.file_len if file_len is None else file_len
+        if h.header_len != header_len or size != expected or n != expected:
+            raise ChunkError(TORN, f"{path}: {size} bytes, expected {expected}")
+        if payload_checksum(payload) != h.payload_xxh3:
+            raise ChunkError(CHECKSUM, path)
+        return h
 
     def read_head(self, path: str, nbytes: int) -> tuple[bytes, int]:
         """The first `nbytes` (rounded up to 4 KiB) of `path`, and the file size."""

@@ -30,23 +30,16 @@ from backend.cache.chunk_format import (
     ChunkError,
     ChunkHeader,
     Expected,
-    check_header,
     header_len,
-    pack_header,
-    payload_checksum,
     unpack_header,
 )
 from backend.cache.file_io import TMP_SUFFIX, DiskFullError, PosixChunkIO, probe_o_direct
-from backend.cache.host_pool import aligned_empty
 from backend.cache.io_pool import IOPool, Priority
 from backend.cache.page_io import PageLayout
 from backend.cache.tier_stats import (
     BAD_HEADER,
-    CHECKSUM,
     FOREIGN,
-    IO_ERROR,
     LAYOUT,
-    MISSING,
     TORN,
     TierStats,
 )
@@ -140,10 +133,8 @@ class SsdStore:
         def write() -> int:
             if ready is not None:
                 ready()
-            h = header._replace(payload_xxh3=payload_checksum(payload), header_len=hlen)
-            head = aligned_empty(hlen)
-            head.numpy()[:] = memoryview(pack_header(h))
-            return self.io.write(chunk.path, [memoryview(head.numpy()), *padded])
+            return self.io.write_chunk(chunk.path, header._replace(header_len=hlen), payload,
+                                       padded)
 
         future = self.pool.submit(priority or Priority.WRITEBACK, write)
         return chunk, future
@@ -176,19 +167,7 @@ class SsdStore:
 
         def read() -> float:
             start = time.perf_counter()
-            head = aligned_empty(hlen)
-            try:
-                n, size = self.io.read(chunk.path, [memoryview(head.numpy()), *padded])
-            except FileNotFoundError as e:
-                raise ChunkError(MISSING, chunk.path) from e
-            except OSError as e:
-                raise ChunkError(IO_ERROR, f"{chunk.path}: {e}") from e
-            h = unpack_header(head.numpy())
-            check_header(h, want)
-            if h.header_len != hlen or size != h.file_len or n != h.file_len:
-                raise ChunkError(TORN, f"{chunk.path}: {size} bytes, header says {h.file_len}")
-            if payload_checksum(payload) != h.payload_xxh3:
-                raise ChunkError(CHECKSUM, chunk.path)
+            self.io.read_chunk(chunk.path, want, hlen, payload, padded)
             return time.perf_counter() - start
 
         return self.pool.submit(priority, read)

@@ -40,18 +40,14 @@ from backend.cache.chunk_format import (
     ChunkError,
     ChunkHeader,
     Expected,
-    check_header,
     header_len_of,
-    pack_header,
-    payload_checksum,
-    unpack_header,
 )
 from backend.cache.file_io import PosixChunkIO
 from backend.cache.host_pool import aligned_empty, cuda_present
 from backend.cache.io_pool import IOPool, Priority
 from backend.cache.page_io import copy_tensor
 from backend.cache.pools import PagePool
-from backend.cache.tier_stats import CHECKSUM, IO_ERROR, MISSING, TORN
+from backend.cache.tier_stats import IO_ERROR
 
 SUFFIX = ".st"
 _SEGMENT_ALIGN = 64
@@ -328,13 +324,9 @@ class StateTier:
                              entry.prefix_hash, entry.parent_hash, e.node.depth,
                              self.tiers.layout.page_size, self.layout.nbytes, 0, 0,
                              self.layout.text, e.node.key, self.header_len)
-
-        def write() -> int:
-            payload = memoryview(row.numpy())
-            head = pack_header(header._replace(payload_xxh3=payload_checksum([payload])))
-            return self.file_io.write(path, [memoryview(head), payload])
-
-        e.write = self.io.submit(Priority.WRITEBACK, write)
+        payload = [memoryview(row.numpy())]  # stored unpadded
+        e.write = self.io.submit(Priority.WRITEBACK, lambda: self.file_io.write_chunk(
+            path, header, payload, payload))
         e.writing = path
         self.inflight.append(e)
 
@@ -353,20 +345,10 @@ class StateTier:
     def _read_file(self, path: str, want: Expected, row: torch.Tensor) -> str | None:
         """Reads a state file into `row` (on an I/O thread); None when it is valid, else why
         it must not be served (a `tier_stats` reject reason)."""
-        head = aligned_empty(self.header_len)
-        payload = memoryview(row.numpy())
+        payload = [memoryview(row.numpy())]
         try:
-            n, size = self.file_io.read(path, [memoryview(head.numpy()), payload])
-            h = unpack_header(head.numpy())
-            check_header(h, want)
-            if h.header_len != self.header_len or not size == n == self.file_bytes:
-                raise ChunkError(TORN, f"{path}: {size} bytes, expected {self.file_bytes}")
-            if payload_checksum([payload]) != h.payload_xxh3:
-                raise ChunkError(CHECKSUM, path)
-        except FileNotFoundError:
-            return MISSING
-        except OSError:
-            return IO_ERROR
+            self.file_io.read_chunk(path, want, self.header_len, payload, payload,
+                                    self.file_bytes)
         except ChunkError as err:
             return err.reason
         return None

@@ -113,8 +113,12 @@ class CompiledExecutor(ExecutorBuffers):
     def forward(
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
         capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
+        snapshots: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
-        """One batched step; returns last-token logits [B, V] (fp32)."""
+        """One batched step; returns last-token logits [B, V] (fp32). The step graph saves
+        no states mid-step (`supports_snapshots` is False): `snapshots` must be empty."""
+        if snapshots:
+            raise ValueError("the compiled step graph cannot save states mid-step")
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, device=self.device)
         x = packed_from_batch(batch, capture_src)
         if x["capture_src"].numel():

@@ -151,8 +151,8 @@ class Scheduler:
             pages = [p for c in chunks for p in self.cache.offload_pages(c.seq, c.end)]
             transfers = LayerTransfers(self.cache.tiers, pages)
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
-        extra = {"snapshots": snapshots} if snapshots else {}
-        logits = self.executor.forward(seqs, *capture, layer_hooks=transfers, **extra)
+        logits = self.executor.forward(seqs, *capture, layer_hooks=transfers,
+                                       snapshots=snapshots)
         if transfers is not None:
             transfers.finish()
         return logits

@@ -63,16 +63,13 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _context(self, kv, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of every context token, [B, Ctx, Hkv, Dh]: gathered a page at a
-        time (`read_pages`) where the batch has them, else token by token (`read_slots`).
-        Keys past a row's context are other pages' (or padding) and masked."""
-        k_pool, v_pool = kv.k[self.attn_index], kv.v[self.attn_index]
-        if batch.read_pages is None:
-            return k_pool[batch.read_slots], v_pool[batch.read_slots]
+        """Keys and values of every context token, [B, Ctx, Hkv, Dh], gathered a page at a
+        time (`read_pages`, the pages of `read_slots`). Keys past a row's context are other
+        pages' (or padding) and masked."""
         B, ctx = batch.read_slots.shape
-        ps = kv.page_size
-        out = []
-        for pool in (k_pool, v_pool):
-            paged = pool.view(-1, ps, *pool.shape[1:])[batch.read_pages]  # [B, P, ps, H, D]
-            out.append(paged.view(B, -1, *pool.shape[1:])[:, :ctx])
-        return out[0], out[1]
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            paged = pool.view(-1, kv.page_size, *pool.shape[1:])[batch.read_pages]
+            return paged.view(B, -1, *pool.shape[1:])[:, :ctx]  # [B, P * page, H, D] cut
+
+        return gather(kv.k[self.attn_index]), gather(kv.v[self.attn_index])

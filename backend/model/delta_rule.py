@@ -143,13 +143,8 @@ def chunk_gated_delta_rule(
         if states_at is not None and n in wanted:
             hit = (snap_chunk == n).nonzero().view(-1)
             snaps[hit] = S[snap_rows[hit]]
-    o = _chunk_result(outs, output, B, H, N, C, V, T, out_dtype)
+    o = None
+    if output:
+        o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
+        o = o.transpose(1, 2).to(out_dtype)
     return (o, S) if states_at is None else (o, S, snaps)
-
-
-def _chunk_result(outs, output, B, H, N, C, V, T, out_dtype) -> torch.Tensor | None:
-    """The chunks' outputs as [B, T, H, V] (None without outputs)."""
-    if not output:
-        return None
-    o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
-    return o.transpose(1, 2).to(out_dtype)

@@ -70,18 +70,16 @@ class GatedDeltaNet(nn.Module):
             keep = valid.unsqueeze(-1)
             beta, g = beta * keep, g * keep
         rule = delta_rule_for(x, T)
-        if snapshot_at is not None:
-            if rule is not chunk_gated_delta_rule:
-                raise ValueError("mid-forward snapshots need the chunked PyTorch delta rule")
-            out, new_rec, rec_snap = rule(q, k, v, g, beta, initial_state=rec_state,
-                                          output=output, states_at=snapshot_at)
-            out = self.output(out, x) if output else None
-            return out, (new_conv, new_rec), (conv[2], rec_snap)
-        if not output:
-            kw = {"output": False} if rule is chunk_gated_delta_rule else {}
-            return None, (new_conv, rule(q, k, v, g, beta, initial_state=rec_state, **kw)[1])
-        out, new_rec = rule(q, k, v, g, beta, initial_state=rec_state)
-        return self.output(out, x), (new_conv, new_rec)
+        kw = {}
+        if rule is chunk_gated_delta_rule:
+            kw = {"output": output, "states_at": snapshot_at}
+        elif snapshot_at is not None:
+            raise ValueError("mid-forward snapshots need the chunked PyTorch delta rule")
+        res = rule(q, k, v, g, beta, initial_state=rec_state, **kw)
+        out = self.output(res[0], x) if output else None
+        if snapshot_at is None:
+            return out, (new_conv, res[1])
+        return out, (new_conv, res[1]), (conv[2], res[2])
 
     # Pieces shared with the packed form (backend/model/packed.py); any leading shape.
     def split_heads(self, mixed: torch.Tensor):

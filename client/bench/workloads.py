@@ -100,6 +100,7 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
     environments, parallel explorations); the next level grows from the first `grow`
     branches (default `fanout`). Siblings share [context : call], a point inside the earlier
     sibling's prompt and past the parent's prompt end."""
+    grow = fanout if grow is None else grow
     src, rng = TextSource(seed + 1), random.Random(seed + 1)
     tools = _tokens("<|im_start|>system\n# Tools\nYou may call the functions below.\n")
     root = tools + src.take(prompt_tokens - len(tools))
@@ -120,10 +121,10 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
                 child = f"{name}.{b}"
                 reqs.append(BenchRequest(child, prompt, max_tokens, "branch"))
                 nxt.append((child, prompt))
-        frontier = nxt[: fanout if grow is None else grow]  # grows from the first branches
+        frontier = nxt[:grow]  # the next level grows from the first branches
     return Workload(f"agentic{prompt_tokens // 1000}k", reqs,
                     {"prompt_tokens": prompt_tokens, "fanout": fanout, "depth": depth,
-                     "grow": fanout if grow is None else grow})
+                     "grow": grow})
 
 
 def distance_sweep(doc_tokens: int = 1024, interval: int = 256, step: int = 32,

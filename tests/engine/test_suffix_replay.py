@@ -164,8 +164,8 @@ def test_a_running_prefill_shares_its_finished_pages(model, prompt, policy):
 
 def test_checkpoints_of_a_chunked_prompt_join_the_store(model, prompt):
     """Prefill chunks save the checkpoints they cross (mid-step, or by ending there) and
-    insert their pages as they go; the states still join at the prompt's end, also when no page is left to insert then (two
-    output tokens do not reach the next page boundary)."""
+    insert their pages as they go; the states still join at the prompt's end, also when no
+    page is left to insert then (two output tokens do not reach the next page boundary)."""
     from backend.engine import SamplingParams
 
     engine = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=96)
