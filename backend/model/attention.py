@@ -8,6 +8,7 @@ from torch import nn
 
 from backend.config import ModelConfig
 from backend.model.batch import ForwardBatch
+from backend.model.linear import Linear
 from backend.model.norm import RMSNorm
 from backend.model.rotary import apply_rotary
 
@@ -21,10 +22,10 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
         # q_proj emits the query and the output gate interleaved per head: [H, 2 * Dh].
-        self.q_proj = nn.Linear(D, self.num_heads * Dh * 2, bias=bias)
-        self.k_proj = nn.Linear(D, self.num_kv_heads * Dh, bias=bias)
-        self.v_proj = nn.Linear(D, self.num_kv_heads * Dh, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * Dh, D, bias=bias)
+        self.q_proj = Linear(D, self.num_heads * Dh * 2, bias=bias)
+        self.k_proj = Linear(D, self.num_kv_heads * Dh, bias=bias)
+        self.v_proj = Linear(D, self.num_kv_heads * Dh, bias=bias)
+        self.o_proj = Linear(self.num_heads * Dh, D, bias=bias)
         self.q_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
         self.k_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
 

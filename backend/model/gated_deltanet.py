@@ -10,6 +10,7 @@ from backend.config import ModelConfig
 from backend.model.conv import causal_conv1d
 from backend.model.delta_rule import chunk_gated_delta_rule
 from backend.model.kernels import delta_rule_for
+from backend.model.linear import Linear
 from backend.model.norm import GatedRMSNorm
 
 LinearState = tuple[torch.Tensor, torch.Tensor]  # (conv [B, C, W - 1], recurrent [B, H, K, V])
@@ -33,11 +34,11 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(self.num_v_heads).uniform_(1, 16)))
         self.norm = GatedRMSNorm(self.head_v_dim, eps=cfg.rms_norm_eps)
-        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
-        self.in_proj_qkv = nn.Linear(D, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(D, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(D, self.num_v_heads, bias=False)
+        self.out_proj = Linear(self.value_dim, D, bias=False)
+        self.in_proj_qkv = Linear(D, self.conv_dim, bias=False)
+        self.in_proj_z = Linear(D, self.value_dim, bias=False)
+        self.in_proj_b = Linear(D, self.num_v_heads, bias=False)
+        self.in_proj_a = Linear(D, self.num_v_heads, bias=False)
 
     def forward(
         self,

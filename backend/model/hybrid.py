@@ -13,6 +13,7 @@ from backend.config import LINEAR, ModelConfig
 from backend.model.attention import Attention
 from backend.model.batch import Capture, ForwardBatch, SeqInput, Snapshots
 from backend.model.gated_deltanet import GatedDeltaNet, LinearState
+from backend.model.linear import Linear
 from backend.model.mlp import SwiGLU
 from backend.model.norm import RMSNorm
 from backend.model.rotary import Rotary
@@ -69,7 +70,7 @@ class HybridForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = HybridTextModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from backend.config import ModelConfig
 from backend.model.hybrid import HybridForCausalLM
+from backend.model.linear import pack_linears
 
 # Prefixes real checkpoints put in front of the text model's names, and parts we never load.
 _NAME_PREFIXES = ("model.language_model.", "language_model.model.")
@@ -62,9 +63,12 @@ def _read_tensors(files: list[Path]) -> dict[str, tuple[Path, str]]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    pack: bool = True,
 ) -> HybridForCausalLM:
-    """Loads config.json + safetensors weights from an HF-format directory."""
+    """Loads config.json + safetensors weights from an HF-format directory. With `pack` (the
+    default) the linear layers of a CPU model also keep a oneDNN-packed copy of their weights
+    for inference (`backend/model/linear.py`); the parameters stay the checkpoint's."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -103,6 +107,8 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = model.rotary.__class__(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if pack:
+        pack_linears(model)
     return model.eval()
 
 
