@@ -87,19 +87,22 @@ class GatedDeltaNet(nn.Module):
         """Conv output [..., conv_dim] -> q, k (L2-normalised fp32, expanded to the value
         heads) [..., Hv, K] and v [..., Hv, V]."""
         lead = mixed.shape[:-1]
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2norm(q.reshape(*lead, self.num_k_heads, self.head_k_dim).float())
-        k = l2norm(k.reshape(*lead, self.num_k_heads, self.head_k_dim).float())
+        qk, v = mixed.split([2 * self.key_dim, self.value_dim], dim=-1)
+        # q and k heads side by side: one normalisation (and one expansion) for both.
+        qk = qk.reshape(*lead, 2 * self.num_k_heads, self.head_k_dim)
+        qk = l2norm(qk if qk.dtype == torch.float32 else qk.float())
         v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
         if self.num_v_heads != self.num_k_heads:
-            rep = self.num_v_heads // self.num_k_heads
-            q, k = q.repeat_interleave(rep, dim=-2), k.repeat_interleave(rep, dim=-2)
+            qk = qk.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=-2)
+        q, k = qk.chunk(2, dim=-2)
         return q, k, v
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b) and the log decay g (<= 0), [..., Hv]."""
         beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        a = self.in_proj_a(x)
+        A = self.A_log if self.A_log.dtype == torch.float32 else self.A_log.float()
+        g = -A.exp() * F.softplus((a if a.dtype == torch.float32 else a.float()) + self.dt_bias)
         return beta, g
 
     def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,8 @@ class HybridForCausalLM(nn.Module):
         if batch is None or batch.states is None:
             return
         conv = batch.states.conv[index]
-        conv.index_copy_(0, batch.state_slots, state[0].to(conv.dtype))
+        new_conv = state[0] if state[0].dtype == conv.dtype else state[0].to(conv.dtype)
+        conv.index_copy_(0, batch.state_slots, new_conv)
         batch.states.rec[index].index_copy_(0, batch.state_slots, state[1])
 
     # Suffix replay primitive ------------------------------------------------------------
