@@ -110,7 +110,8 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
                 params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // unit)
         params.update({
             "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes),
-            "enable_ssd": str(ssd).lower(), "o_direct": "false", "use_kvikio": "false",
+            # O_DIRECT (probed): SSD-tier reads come from the disk, not the page cache.
+            "enable_ssd": str(ssd).lower(), "o_direct": "true", "use_kvikio": "false",
             "enable_overlap": str(system in ("pcr_overlap", "pcr_full", "ours")).lower(),
             "enable_prefetch": str(system in ("pcr_full", "ours")).lower(),
             "enable_lookahead": str(system in ("pcr_full", "ours")).lower(),
