@@ -131,11 +131,15 @@ class CompiledExecutor(ExecutorBuffers):
             for a in range(num_attn):
                 layer_hooks.before_read(a)
         runner = self.decode if batch.input_ids.shape[1] == 1 else self.prefill
+        # AOTInductor graphs assume the strides they were exported with (contiguous): a
+        # strided view would be read wrongly without an error.
+        x = {k: v.contiguous() for k, v in x.items()}
         logits = runner(
             x["input_ids"], x["positions"], x["cu_seqlens"], x["state_slots"], x["fresh"],
             x["write_slots"], x["pad_index"], x["read_slots"], x["attn_mask"],
-            x["capture_src"], dst, tuple(self.anchor_storage.unbind(0)), tuple(self.kv.k),
-            tuple(self.kv.v), tuple(self.run_states.conv), tuple(self.run_states.rec))
+            x["capture_src"], dst.contiguous(), tuple(self.anchor_storage.unbind(0)),
+            tuple(self.kv.k), tuple(self.kv.v), tuple(self.run_states.conv),
+            tuple(self.run_states.rec))
         if layer_hooks is not None:
             for a in range(num_attn):
                 layer_hooks.after_write(a)

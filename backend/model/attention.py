@@ -65,9 +65,9 @@ class Attention(nn.Module):
 
     def _context(self, kv, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every context token, [B, Ctx, Hkv, Dh], gathered a page at a
-        time (`read_pages`, the pages of `read_slots`). Keys past a row's context are other
-        pages' (or padding) and masked."""
-        B, ctx = batch.read_slots.shape
+        time (`read_pages`). Keys past a row's context are other pages' (or padding) and
+        masked."""
+        B, ctx = batch.read_pages.shape[0], batch.context_len
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
             paged = pool.view(-1, kv.page_size, *pool.shape[1:])[batch.read_pages]

@@ -80,8 +80,8 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None  # [B]
     write_rows: torch.Tensor | None = None  # [N] flat rows of real tokens in [B * T]
     write_slots: torch.Tensor | None = None  # [N] their KV slots
-    read_slots: torch.Tensor | None = None  # [B, Ctx]
-    read_pages: torch.Tensor | None = None  # [B, P] the pages of read_slots (P * page >= Ctx)
+    context_len: int = 0  # Ctx: the longest context (cached + new tokens) a row reads
+    read_pages: torch.Tensor | None = None  # [B, P] each row's context pages (P * page >= Ctx)
     attn_mask: torch.Tensor | None = None  # [B, 1, T, Ctx] bool
     capture: Capture | None = None
     # Layer-wise transfer hooks (tiered KV): `after_write(a)` once attention layer a wrote its
@@ -99,6 +99,18 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return self.input_ids.shape[0]
+
+    def read_slots(self) -> torch.Tensor | None:
+        """[B, Ctx] flat KV slot of every context token (what a token-wise gather reads; the
+        compiled engine's input), from `read_pages`; None for a fresh batch. Slots past a
+        row's context point into padding pages and are masked."""
+        if self.read_pages is None:
+            return None
+        ps = self.kv.page_size
+        B, P = self.read_pages.shape
+        offsets = torch.arange(ps, device=self.read_pages.device)
+        slots = (self.read_pages.unsqueeze(-1) * ps + offsets).view(B, P * ps)
+        return slots[:, :self.context_len].contiguous()
 
     @classmethod
     def build(
@@ -138,7 +150,7 @@ class ForwardBatch:
 
     def _plan_kv(self, seqs: list[SeqInput], lens: list[int], T: int) -> None:
         ps = self.kv.page_size
-        rows, slots, reads = [], [], []
+        rows, slots = [], []
         for b, (s, n) in enumerate(zip(seqs, lens)):
             if s.page_table is None:
                 raise ValueError(f"sequence {b} has no page table but a KV cache is in use")
@@ -149,16 +161,13 @@ class ForwardBatch:
                     f"{need} are needed for {s.start + n} tokens"
                 )
             rows.append(torch.arange(n) + b * T)
-            context = token_slots(s.page_table, 0, s.start + n, ps)  # the new tokens end it
-            slots.append(context[s.start:])
-            reads.append(context)
+            slots.append(token_slots(s.page_table, s.start, s.start + n, ps))
         self.write_rows = torch.cat(rows)
         self.write_slots = torch.cat(slots)
         if not self.fresh:
-            ctx = max(r.numel() for r in reads)
+            # Each row reads its context (the new tokens end it) page by page.
+            ctx = self.context_len = max(s.start + n for s, n in zip(seqs, lens))
             pad = torch.nn.functional.pad
-            self.read_slots = torch.stack([pad(r, (0, ctx - r.numel())) for r in reads])
-            # The same keys page by page: one gathered row per page, not per token.
             pages = -(-ctx // ps)
             self.read_pages = torch.stack([pad(s.page_table[:pages].long(),
                                                (0, pages - min(pages, s.page_table.numel())))
@@ -168,7 +177,7 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         for name in ("input_ids", "positions", "lengths", "valid", "state_slots", "write_rows",
-                     "write_slots", "read_slots", "read_pages", "attn_mask", "fresh_rows"):
+                     "write_slots", "read_pages", "attn_mask", "fresh_rows"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))

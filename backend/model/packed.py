@@ -165,14 +165,15 @@ def packed_from_batch(batch: ForwardBatch, capture_src: torch.Tensor | None):
     B, T = batch.input_ids.shape
     cu = torch.zeros(B + 1, dtype=torch.long, device=rows.device)
     cu[1:] = batch.lengths.cumsum(0)
-    if batch.read_slots is None:  # a fresh batch reads exactly what it writes
+    read = batch.read_slots()
+    if read is None:  # a fresh batch reads exactly what it writes
         width = T
         read = torch.zeros(B, width, dtype=torch.long, device=rows.device)
         read.view(-1).index_copy_(0, rows, batch.write_slots)
         key_pos = torch.arange(width, device=rows.device).view(1, 1, 1, width)
         mask = key_pos <= batch.positions.view(B, 1, T, 1)
     else:
-        read, mask = batch.read_slots, batch.attn_mask
+        mask = batch.attn_mask
     fresh = torch.zeros(B, dtype=torch.bool, device=rows.device)
     if batch.fresh:
         fresh[:] = True
