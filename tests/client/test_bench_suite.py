@@ -155,3 +155,26 @@ def test_simulator_keeps_cache_namespaces_apart(model):
     out = sim.simulate(wl, sim.SimSystem("suffixreplay", 1 << 30), sim.shapes_of(model.config),
                        sim.CostModel(0.0, 1e-3, 0.0, 0.0, 0.0))
     assert out["hit_rate"] == 448 / (3 * 512)  # only "c" hits: 7 whole pages before the last token
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_suite_plans_build_valid_jobs(model, quick, tmp_path):
+    """Both plans (`run --quick` and the never-cheap `--full`) build their workloads, and every
+    (system, budget) they would serve is a valid engine configuration with room for the
+    longest request of its workloads."""
+    from types import SimpleNamespace
+
+    from client.bench.run_suite import BRANCH_BUDGET, build_jobs, plan
+
+    runner = SimpleNamespace(cfg=model.config, budget=BRANCH_BUDGET)
+    jobs = build_jobs(plan(quick), runner)
+    kinds = {kind for kind, *_ in jobs}
+    assert kinds == {"sharegpt", "agentic", "rag", "sweep", "capacity"}
+    assert len({wl.name for _, wl, _, _ in jobs}) == len(jobs)  # one result per workload
+    for _, wl, systems, budget in jobs:
+        assert wl.requests and set(systems) <= set(SYSTEMS)
+        longest = max(len(r.prompt) + r.max_tokens for r in wl.requests)
+        assert budget.run_pages * budget.page_size >= longest
+        for system in systems:
+            config = engine_config(system, model.config, budget, 128, tmp_path / system)
+            assert config.cache.num_kv_pages > budget.run_pages or system == "nocache"
