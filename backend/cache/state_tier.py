@@ -19,9 +19,12 @@ Rules (all on the engine thread; I/O threads touch only files and the buffers gi
     wrong state.
   - Files are `<ssd_path>/states/<prefix hash>.<seq>.st` in the SSD chunk format
     (`chunk_format.py`: the same header, with the state's layout in place of a page's, and
-    the state as the payload), written and read through `PosixChunkIO`; the folder is
-    emptied at start-up (states are not restored after a restart: their KV pages are,
-    lazily per namespace).
+    the state as the payload), written and read through `PosixChunkIO`.
+  - Warm restart: the files found at start-up (the newest per prefix hash, at most
+    `ssd_slots`, newest first) wait, unread, until their node comes back: a KV page restored
+    from SSD (`tier_restore.py`, lazily per namespace) or inserted again adopts the state
+    file of its prefix hash as its SSD copy (`adopt`). The header is checked when the file
+    is read, as for any other; files not adopted give way first when room is needed.
 """
 
 from __future__ import annotations
@@ -136,10 +139,54 @@ class StateTier:
         self.header_len = header_len_of(self.layout.text, tiers.layout.page_size)
         self.file_bytes = self.header_len + self.layout.nbytes
         self._seq = 0
+        # Files found at start-up, by prefix hash: (seq, path), oldest first.
+        self.found: OrderedDict[bytes, tuple[int, str]] = OrderedDict()
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.iterdir():  # not restored across restarts
-                stale.unlink(missing_ok=True)
+            self._scan()
+
+    def _scan(self) -> None:
+        """Indexes the state files of an earlier run (newest per prefix hash, at most
+        `ssd_slots`); deletes the rest and anything else in the folder."""
+        newest: dict[bytes, tuple[int, str]] = {}
+        for path in self.dir.iterdir():
+            parts = path.name.split(".")
+            try:
+                key, seq = bytes.fromhex(parts[0]), int(parts[1])
+                ok = len(parts) == 3 and "." + parts[2] == SUFFIX
+            except (ValueError, IndexError):
+                ok = False
+            if not ok:  # a torn temporary file or a stranger
+                path.unlink(missing_ok=True)
+                continue
+            old = newest.get(key)
+            if old is not None:
+                _unlink(old[1] if old[0] < seq else str(path))
+            if old is None or old[0] < seq:
+                newest[key] = (seq, str(path))
+        kept = sorted(newest.items(), key=lambda kv: kv[1][0])
+        for _, (_, path) in kept[:max(len(kept) - self.ssd_slots, 0)]:
+            _unlink(path)
+        self.found = OrderedDict(kept[max(len(kept) - self.ssd_slots, 0):])
+        self._seq = max((seq for seq, _ in newest.values()), default=0)
+        self.stats.restored_state_files += len(self.found)
+
+    def adopt(self, node, prefix_hash: bytes) -> bool:
+        """A node back in the tree (restored from SSD, or inserted again) takes the state
+        file an earlier run left for its prefix hash as its SSD copy."""
+        found = self.found.pop(prefix_hash, None)
+        if found is None:
+            return False
+        e = self.entries.get(node)
+        if e is not None and (e.file is not None or e.writing is not None):
+            _unlink(found[1])  # it has its own copy (or one on the way)
+            return False
+        if e is None:
+            e = self.entries[node] = StateEntry(node)
+        e.file = found[1]
+        self.ssd_lru[e] = None
+        self.ssd_lru.move_to_end(e, last=False)  # written in an earlier run: least recent
+        return True
 
     # Queries ----------------------------------------------------------------------------
     def has(self, node) -> bool:
@@ -310,7 +357,10 @@ class StateTier:
 
     def _write(self, e: StateEntry) -> None:
         writing = sum(x.write is not None for x in self.inflight)
-        while len(self.ssd_lru) + writing >= self.ssd_slots:
+        while len(self.ssd_lru) + len(self.found) + writing >= self.ssd_slots:
+            if self.found:  # an earlier run's file no node has come back for: oldest first
+                _unlink(self.found.popitem(last=False)[1][1])
+                continue
             victim = next((x for x in self.ssd_lru if not x.busy), None)
             if victim is None:
                 self.stats.state_ssd_writes_skipped += 1
@@ -444,7 +494,7 @@ class StateTier:
             assert e.host_slot is not None and not e.dead
         for e in self.ssd_lru:
             assert e.file is not None and not e.dead
-        assert len(self.ssd_lru) <= max(self.ssd_slots, 0)
+        assert len(self.ssd_lru) + len(self.found) <= max(self.ssd_slots, 0)
 
 
 def _unlink(path: str) -> None:

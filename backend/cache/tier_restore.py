@@ -35,6 +35,7 @@ def restore_namespace(tiers, salt: str, items: list[tuple[SsdChunk, ChunkHeader]
                 e.chunk = chunk
                 restored.append(e)
                 tiers.sync_location(e)
+                _adopt_state(tiers, node, e.prefix_hash)
             else:
                 tiers.delete_chunk(chunk)
             continue
@@ -47,9 +48,16 @@ def restore_namespace(tiers, salt: str, items: list[tuple[SsdChunk, ChunkHeader]
         tiers.by_hash[e.prefix_hash] = e
         restored.append(e)
         tiers.stats.restored_pages += 1
+        _adopt_state(tiers, node, e.prefix_hash)
     for e in sorted(restored, key=lambda e: e.chunk.seq):  # oldest write = least recent
         tiers.ssd_lru[e] = None
     return len(restored)
+
+
+def _adopt_state(tiers, node, prefix_hash: bytes) -> None:
+    """The checkpoint policy's saved state at this page, if an earlier run left its file."""
+    if tiers.states is not None and tiers.states.adopt(node, prefix_hash):
+        tiers.stats.restored_states += 1
 
 
 def _parent(tiers, tree, salt: str, salt_hash: bytes, h: ChunkHeader):

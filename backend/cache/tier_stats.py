@@ -69,6 +69,8 @@ class TierStats:
     state_prefetch_hits: int = 0
     state_prefetch_late: int = 0
     state_prefetch_misses: int = 0  # on SSD only when needed: a foreground read
+    restored_state_files: int = 0  # an earlier run's state files found at start-up
+    restored_states: int = 0  # adopted by their restored (or re-inserted) nodes
     # layer-wise overlap
     layer_loads: int = 0
     layer_offloads: int = 0

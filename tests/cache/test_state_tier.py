@@ -200,3 +200,23 @@ def test_state_slots_below_the_device_are_for_the_checkpoint_policy_only():
     config = EngineConfig.from_params({"cache_policy": "checkpoint", "host_pages": "8",
                                        "host_checkpoint_slots": "4", "max_cached_pages": "16"})
     assert config.tiers.host_checkpoint_slots == 4 and config.cache.max_cached_pages == 16
+
+
+def test_start_up_keeps_the_newest_state_file_per_prefix_within_the_slot_limit(tmp_path):
+    """An earlier run's state files: the newest per prefix hash, at most `ssd_slots` (newest
+    first), wait for their nodes; older duplicates, files past the limit and strangers go."""
+    folder = tmp_path / "states"
+    folder.mkdir()
+    keys = [bytes([i]) * 16 for i in range(4)]
+    names = [f"{keys[0].hex()}.1.st", f"{keys[0].hex()}.7.st", f"{keys[1].hex()}.2.st",
+             f"{keys[2].hex()}.5.st", f"{keys[3].hex()}.6.st", "junk.txt",
+             f"{keys[1].hex()}.3.st.tmp"]
+    for n in names:
+        (folder / n).write_bytes(b"x")
+    _, tiers = _make(tmp_path, ssd_slots=3)
+    states = tiers.states
+    assert list(states.found) == [keys[2], keys[3], keys[0]]  # oldest first
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [f"{keys[0].hex()}.7.st", f"{keys[2].hex()}.5.st", f"{keys[3].hex()}.6.st"])
+    assert states._seq == 7 and tiers.stats.restored_state_files == 3
+    tiers.assert_invariants()

@@ -108,6 +108,52 @@ def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
     engine.stop()
 
 
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "flipped"])
+def test_checkpoint_states_survive_restart(model, tmp_path, corrupt):
+    """Checkpoint policy with SSD tiers, restarted: the branch's KV pages come back from SSD
+    with the state files the first run spilled, and it resumes at the deepest checkpoint
+    (128 of 150 shared tokens). A flipped state file is a miss, never a wrong state: then
+    nothing of the branch is usable and it is prefilled, with the same tokens."""
+    tiers = TierConfig(host_pages=64, host_checkpoint_slots=1, ssd_checkpoint_slots=16,
+                       ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
+                       ssd_bytes=1 << 30)
+    base = make_engine(model, policy="checkpoint", num_kv_pages=24, max_tokens_per_step=200,
+                       num_checkpoint_slots=3)
+    config = replace(base.config, tiers=tiers)
+    engine = Engine(model, config)
+    prompts = [random_prompt(200, 97, seed=s) for s in range(20, 24)]
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    engine.tiers.drain()
+    assert engine.stats()["tiers"]["state_ssd_writes"] > 0
+    engine.stop()
+    files = sorted((tmp_path / "ssd" / "states").iterdir())
+    assert files
+    if corrupt:
+        for f in files:
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF  # the payload's last byte: the checksum catches it
+            f.write_bytes(bytes(data))
+    restarted = Engine(model, config)
+    branch = prompts[0][:150] + prompts[1][:30]
+    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    got = restarted.generate(branch, GREEDY)
+    assert got.new_token_ids == want
+    stats = restarted.stats()["tiers"]
+    assert stats["restored_state_files"] == len(files) and stats["restored_states"] >= 1
+    if corrupt:
+        assert got.cached_tokens == 0
+        assert stats["chunk_rejects"].get("state_checksum", 0) >= 1, stats["chunk_rejects"]
+    else:
+        assert got.cached_tokens == 128
+        # Read from its file, by the queue-driven prefetch or at admission.
+        assert stats["state_loads_host"] + stats["state_loads_ssd"] == 1, stats
+        assert stats["state_prefetch_started"] + stats["state_loads_ssd"] >= 1, stats
+    assert_no_leak(restarted)
+    restarted.tiers.assert_invariants()
+    restarted.stop()
+
+
 def test_max_cached_pages_keeps_the_device_budget_and_the_rest_serves_from_dram(model):
     base = make_engine(model, num_kv_pages=64, max_tokens_per_step=200)
     cache = replace(base.config.cache, max_cached_pages=2)
