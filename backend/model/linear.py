@@ -9,6 +9,12 @@ per-call dispatch (~14 us) costs more than it saves below ~64K multiply-adds (me
 all of the default model's linears in a row, where weights come from memory, not cache:
 2.3-2.4 ms against 3.0 ms with a 1M threshold at batch 1).
 
+oneDNN builds (and caches, ~0.5 MB each, never returning the memory) one primitive per
+input row count: a server whose steps carry any number of tokens grew by 1.5 GB in a 6-minute
+soak. So the packed path takes decode-sized inputs only, at most `MAX_PACKED_ROWS` rows,
+zero-padded up to a power of two (a handful of primitives per weight shape; padding rows cost
+little where the weights' bytes dominate); larger inputs (prefill, replay) use `F.linear`.
+
 `pack_linears(model)` (called by `load_model` on CPU models) snapshots every `Linear`'s weight;
 the plain weight stays the parameter (state dicts, export and the compiled engine see an
 ordinary `nn.Linear`), and the packed copy is used only for inference (no autograd), on CPU
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_MACS = 1 << 16  # below this many multiply-adds per call, F.linear is faster
+MAX_PACKED_ROWS = 64  # larger inputs use F.linear (see the module doc: one primitive per shape)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -57,10 +64,26 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         p = self._packed
         if (p is not None and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-                and x.is_cpu and x.dtype == p.dtype and self.weight is self._packed_from
-                and x.numel() * self.out_features >= MIN_MACS):
-            return torch.ops.mkldnn._linear_pointwise(x, p, self.bias, "none", [], "")
+                and x.is_cpu and x.dtype == p.dtype and self.weight is self._packed_from):
+            rows = x.numel() // self.in_features
+            if rows <= MAX_PACKED_ROWS and rows * self.in_features * self.out_features >= MIN_MACS:
+                return _packed_linear(x, rows, p, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def _packed_linear(x: torch.Tensor, rows: int, packed: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] through the packed weight, rows zero-padded to a power of two."""
+    flat = x.reshape(rows, x.shape[-1])
+    bucket = 1 << (rows - 1).bit_length()
+    if bucket != rows:
+        flat = F.pad(flat, (0, 0, 0, bucket - rows))
+    y = _pointwise(flat, packed, bias, "none", [], "")
+    return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+
+def _pointwise(*args):  # a seam for tests: every call that reaches oneDNN
+    return torch.ops.mkldnn._linear_pointwise(*args)
 
 
 def pack_linears(model: nn.Module) -> int:

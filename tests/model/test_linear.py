@@ -6,8 +6,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from backend.model import linear as linear_mod
 from backend.model import load_model
-from backend.model.linear import MIN_MACS, Linear, pack_linears, packing_available, unpack_linears
+from backend.model.linear import (
+    MAX_PACKED_ROWS,
+    MIN_MACS,
+    Linear,
+    pack_linears,
+    packing_available,
+    unpack_linears,
+)
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
 
 pytestmark = pytest.mark.skipif(not packing_available(torch.float32),
@@ -26,7 +34,7 @@ def _packed(in_f: int, out_f: int, bias: bool, dtype=torch.float32, seed: int = 
     return lin
 
 
-@pytest.mark.parametrize("shape", [(1, 1024), (8, 1024), (3, 5, 1024), (300, 1024)])
+@pytest.mark.parametrize("shape", [(1, 1024), (8, 1024), (3, 5, 1024), (64, 1024)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_equals_f_linear(shape, bias):
     lin = _packed(1024, 1536, bias)
@@ -85,3 +93,29 @@ def test_env_turns_packing_off(monkeypatch, tiny_model_dir):
     model = load_model(tiny_model_dir)
     assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
     assert pack_linears(model) == 0
+
+
+def test_onednn_sees_few_row_counts(monkeypatch):
+    """oneDNN keeps one primitive (and its memory) per input shape: whatever the number of
+    rows, what reaches it is a power of two up to MAX_PACKED_ROWS; more rows take F.linear.
+    Results equal F.linear either way."""
+    seen = []
+
+    def spy(*args):
+        seen.append(args[0].shape[0])
+        return torch.ops.mkldnn._linear_pointwise(*args)
+
+    monkeypatch.setattr(linear_mod, "_pointwise", spy)
+    lin = _packed(512, 512, True)
+    for rows in range(1, 3 * MAX_PACKED_ROWS):
+        x = torch.randn(rows, 512)
+        with torch.inference_mode():
+            y = lin(x)
+        ref = F.linear(x, lin.weight, lin.bias)
+        if rows > MAX_PACKED_ROWS:
+            assert torch.equal(y, ref)
+        else:
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    powers = {1 << i for i in range(MAX_PACKED_ROWS.bit_length())}
+    assert set(seen) <= powers and max(seen) == MAX_PACKED_ROWS
+    assert len(seen) == MAX_PACKED_ROWS  # every small row count went through oneDNN
