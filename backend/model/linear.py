@@ -4,10 +4,10 @@
 slow (decode multiplies 1-8 rows by every weight matrix of the model): a weight reordered once
 into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
 `torch.ops.mkldnn._linear_pointwise` is 1.3-6x faster on this project's CPU for decode-sized
-inputs, and still faster for prefill-sized ones. Tiny products stay on `F.linear`: oneDNN's
-per-call dispatch (~14 us) costs more than it saves below ~64K multiply-adds (measured over
-all of the default model's linears in a row, where weights come from memory, not cache:
-2.3-2.4 ms against 3.0 ms with a 1M threshold at batch 1).
+inputs (1.1-1.35x for prefill-sized ones, which it does not take: below). Tiny products stay
+on `F.linear`: oneDNN's per-call dispatch (~14 us) costs more than it saves below ~64K
+multiply-adds (measured over all of the default model's linears in a row, where weights come
+from memory, not cache: 2.3-2.4 ms against 3.0 ms with a 1M threshold at batch 1).
 
 oneDNN builds (and caches, ~0.5 MB each, never returning the memory) one primitive per
 input row count: a server whose steps carry any number of tokens grew by 1.5 GB in a 6-minute
