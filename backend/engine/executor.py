@@ -61,9 +61,7 @@ class ExecutorBuffers:
     def _write_replayed(self, slot_ids: torch.Tensor, layers, states) -> None:
         for layer_id, (conv, rec) in zip(layers, states):
             li = self.config.linear_layer_ids.index(layer_id)
-            conv_slots = self.run_states.conv[li]
-            conv_slots.index_copy_(0, slot_ids, conv.to(conv_slots.dtype))
-            self.run_states.rec[li].index_copy_(0, slot_ids, rec)
+            self.run_states.scatter(li, slot_ids, conv, rec)
 
 
 class TorchExecutor(ExecutorBuffers):

@@ -51,8 +51,7 @@ class Snapshots(NamedTuple):
 
     def write(self, index: int, conv: torch.Tensor, rec: torch.Tensor) -> None:
         """conv [M, C, W - 1] and rec [M, H, K, V] of linear layer `index`."""
-        self.pool.conv[index].index_copy_(0, self.slots, conv.to(self.pool.conv[index].dtype))
-        self.pool.rec[index].index_copy_(0, self.slots, rec)
+        self.pool.scatter(index, self.slots, conv, rec)
 
 
 SNAPSHOT_ALIGN = 64

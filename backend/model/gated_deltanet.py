@@ -90,7 +90,7 @@ class GatedDeltaNet(nn.Module):
         qk, v = mixed.split([2 * self.key_dim, self.value_dim], dim=-1)
         # q and k heads side by side: one normalisation (and one expansion) for both.
         qk = qk.reshape(*lead, 2 * self.num_k_heads, self.head_k_dim)
-        qk = l2norm(qk if qk.dtype == torch.float32 else qk.float())
+        qk = l2norm(qk.float())
         v = v.reshape(*lead, self.num_v_heads, self.head_v_dim)
         if self.num_v_heads != self.num_k_heads:
             qk = qk.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=-2)
@@ -100,9 +100,7 @@ class GatedDeltaNet(nn.Module):
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b) and the log decay g (<= 0), [..., Hv]."""
         beta = self.in_proj_b(x).sigmoid()
-        a = self.in_proj_a(x)
-        A = self.A_log if self.A_log.dtype == torch.float32 else self.A_log.float()
-        g = -A.exp() * F.softplus((a if a.dtype == torch.float32 else a.float()) + self.dt_bias)
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         return beta, g
 
     def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -141,10 +141,7 @@ class HybridForCausalLM(nn.Module):
     def _write_state(index: int, batch, state: LinearState) -> None:
         if batch is None or batch.states is None:
             return
-        conv = batch.states.conv[index]
-        new_conv = state[0] if state[0].dtype == conv.dtype else state[0].to(conv.dtype)
-        conv.index_copy_(0, batch.state_slots, new_conv)
-        batch.states.rec[index].index_copy_(0, batch.state_slots, state[1])
+        batch.states.scatter(index, batch.state_slots, *state)
 
     # Suffix replay primitive ------------------------------------------------------------
     @torch.inference_mode()

@@ -76,6 +76,12 @@ class StateSlots:
             c[slot].copy_(cs)
             r[slot].copy_(rs)
 
+    def scatter(self, layer: int, slots: torch.Tensor, conv: torch.Tensor,
+                rec: torch.Tensor) -> None:
+        """conv [M, C, W - 1] and rec [M, H, K, V] of linear layer `layer` into `slots` [M]."""
+        self.conv[layer].index_copy_(0, slots, conv.to(self.conv[layer].dtype))
+        self.rec[layer].index_copy_(0, slots, rec)
+
     def zero(self, slot: int) -> None:
         for c, r in zip(self.conv, self.rec):
             c[slot].zero_()
