@@ -7,6 +7,7 @@ from typing import Literal
 
 CachePolicy = Literal["suffixreplay", "checkpoint", "none"]
 CACHE_POLICIES: tuple[str, ...] = ("suffixreplay", "checkpoint", "none")
+CHECKPOINT_PLACEMENTS: tuple[str, ...] = ("grid", "sglang")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,12 @@ class CacheConfig:
     page_size: tokens per page (one radix node). policy: "suffixreplay" (every page carries
     anchors, a hit may end at any page boundary), "checkpoint" (SGLang / TensorRT-LLM style
     baseline: full linear states every `checkpoint_interval` tokens and at prompt ends; a hit
-    ends at the deepest checkpoint) or "none" (never hits). Pool sizes are counts of ids:
+    ends at the deepest checkpoint) or "none" (never hits). Where the checkpoint policy saves
+    states is `checkpoint_placement` (`backend/cache/checkpoint.py`): "grid" (every
+    `checkpoint_interval` tokens of a prefill and at prompt ends) or "sglang" (as SGLang's
+    mamba radix cache with its extra buffer: one state per prefill chunk of
+    `checkpoint_prefill_chunk` tokens, at the request's branch point or the chunk's end, and
+    every `checkpoint_interval` tokens of decode). Pool sizes are counts of ids:
     one KV page covers all attention layers of one page, one anchor block covers all groups
     of one page, one checkpoint slot covers the states of all linear layers.
     `num_anchor_blocks=None` means "as many as KV pages" under suffixreplay and 0 otherwise.
@@ -29,6 +35,8 @@ class CacheConfig:
     page_size: int = 64
     policy: CachePolicy = "suffixreplay"
     checkpoint_interval: int = 256
+    checkpoint_placement: str = "grid"
+    checkpoint_prefill_chunk: int = 8192
     num_kv_pages: int = 4096
     num_anchor_blocks: int | None = None
     num_checkpoint_slots: int = 16
@@ -45,6 +53,14 @@ class CacheConfig:
             raise ValueError(
                 f"checkpoint_interval={self.checkpoint_interval} must be a positive multiple "
                 f"of page_size={self.page_size}"
+            )
+        if self.checkpoint_placement not in CHECKPOINT_PLACEMENTS:
+            raise ValueError(f"checkpoint_placement must be one of {CHECKPOINT_PLACEMENTS}, "
+                             f"got {self.checkpoint_placement!r}")
+        if self.checkpoint_prefill_chunk < 1 or self.checkpoint_prefill_chunk % self.page_size:
+            raise ValueError(
+                f"checkpoint_prefill_chunk={self.checkpoint_prefill_chunk} must be a positive "
+                f"multiple of page_size={self.page_size}"
             )
         if self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be >= 1, got {self.num_kv_pages}")

@@ -22,7 +22,7 @@ from backend.cache.base import (
     Tier,
     TierBackend,
 )
-from backend.cache.checkpoint import checkpoint_positions
+from backend.cache.checkpoint import checkpoint_positions, sglang_positions
 from backend.cache.config import CacheConfig
 from backend.cache.eviction import Evictor
 from backend.cache.policy import LookaheadLRU, is_evictable_leaf
@@ -317,10 +317,15 @@ class PrefixStore:
         return num_protected
 
     # Introspection ----------------------------------------------------------------------
-    def checkpoint_positions(self, prompt_len: int, start: int = 0) -> list[int]:
-        """Where a prefill from `start` must capture states (empty unless checkpoint policy)."""
+    def checkpoint_positions(self, prompt_len: int, start: int = 0,
+                             branch_point: int | None = None) -> list[int]:
+        """Where a prefill from `start` must capture states (empty unless checkpoint policy);
+        `branch_point` matters to the "sglang" placement only."""
         if self.config.policy != "checkpoint":
             return []
+        if self.config.checkpoint_placement == "sglang":
+            return sglang_positions(prompt_len, start, self.config.checkpoint_prefill_chunk,
+                                    self.page_size, branch_point)
         return checkpoint_positions(
             prompt_len, start, self.config.checkpoint_interval, self.page_size
         )

@@ -29,6 +29,8 @@ class CacheManager:
         self.snapshots = self.policy != "none" and (
             config.replay.live_state or self.policy == "checkpoint"
         )
+        self.sglang_placement = (self.policy == "checkpoint"
+                                 and config.cache.checkpoint_placement == "sglang")
         self.num_replayed_anchors = 0
         self.num_live_state_hits = 0
         self.num_recomputed_tokens = 0
@@ -43,10 +45,14 @@ class CacheManager:
         live = match.live_state if n == match.num_matched_pages else None
         if self.policy == "suffixreplay" and not self.config.replay.live_state:
             live = None
-        restored = False
+        restored, branch_point = False, None
         if n and self.policy == "checkpoint":
             nodes, restored = self._resume_checkpoint(seq, nodes)
             n, live = len(nodes), None
+        if self.policy == "checkpoint" and match.num_cached_pages > n:
+            # KV cached past the deepest state: SGLang's branch point (where the "sglang"
+            # placement saves this prompt's state, for the siblings that follow).
+            branch_point = match.num_cached_pages * self.page_size
         seq.locked_nodes = nodes
         seq.page_table = [node.kv_page for node in nodes]
         seq.anchor_blocks = [node.anchor_block for node in nodes] if self.store.uses_anchors else []
@@ -67,7 +73,7 @@ class CacheManager:
             self.num_replayed_anchors += k
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
         self.num_recomputed_tokens += seq.recomputed_tokens
-        self._plan_snapshots(seq)
+        self._plan_snapshots(seq, branch_point)
 
     def _resume_checkpoint(self, seq: Sequence, nodes: list) -> tuple[list, bool]:
         """Checkpoint policy: the deepest node of the locked usable path `nodes` with a saved
@@ -116,12 +122,13 @@ class CacheManager:
             return []
         return seq.page_table[seq.num_tree_pages: end // self.page_size]
 
-    def _plan_snapshots(self, seq: Sequence) -> None:
+    def _plan_snapshots(self, seq: Sequence, branch_point: int | None = None) -> None:
         if not self.snapshots:
             return
-        positions = set(self.store.checkpoint_positions(len(seq.tokens), seq.num_computed))
+        positions = set(self.store.checkpoint_positions(len(seq.tokens), seq.num_computed,
+                                                        branch_point))
         end = len(seq.tokens) // self.page_size * self.page_size
-        if end > seq.num_computed:
+        if end > seq.num_computed and not self.sglang_placement:
             positions.add(end)
         seq.capture_positions = positions
 
@@ -167,7 +174,11 @@ class CacheManager:
         if not self.snapshots:
             return
         is_checkpoint = pos in seq.capture_positions
-        at_boundary = pos % self.page_size == 0 and pos > seq.num_tree_pages * self.page_size
+        if self.sglang_placement:  # decode: at multiples of the track interval only
+            at_boundary = pos % self.config.cache.checkpoint_interval == 0 and \
+                pos > seq.num_prompt_tokens
+        else:
+            at_boundary = pos % self.page_size == 0 and pos > seq.num_tree_pages * self.page_size
         if not (is_checkpoint or (at_boundary and pos >= len(seq.tokens))):
             return
         slots = self.store.alloc_state_slots(1)

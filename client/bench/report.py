@@ -22,6 +22,14 @@ GOALS = {
 ALSO = {
     "branching_ttft_reduction_vs_checkpoint_agentic5k": "agentic 5K: TTFT reduction vs checkpoint",
     "checkpoint_distance_ttft_max_over_min_checkpoint": "distance sweep: checkpoint max/min",
+    "branching_ttft_reduction_vs_sglang_agentic16k": "agentic 16K: TTFT reduction vs SGLang's "
+                                                     "placement",
+    "branching_ttft_reduction_vs_sglang_agentic5k": "agentic 5K: TTFT reduction vs SGLang's "
+                                                    "placement",
+    "branching_ttft_reduction_vs_sglang_sharegpt": "ShareGPT: TTFT reduction vs SGLang's "
+                                                   "placement",
+    "distance_sweep_ttft_reduction_vs_sglang": "distance sweep: TTFT reduction vs SGLang's "
+                                               "placement",
     "pcr_ttft_speedup_vs_device_only_checkpoint": "RAG: PCR TTFT speedup vs device-only "
                                                   "checkpoint",
     "ours_ttft_speedup_vs_nocache": "RAG: ours (suffix replay + PCR) TTFT speedup vs no cache",

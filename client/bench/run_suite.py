@@ -26,9 +26,18 @@ from client.bench import sim as simulator
 from client.bench import workloads as W
 from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
 from client.bench.suite import measure_in_process, run_served, summarize
-from client.bench.systems import SYSTEMS, Budget, bytes_per_page, engine_config, system_params
+from client.bench.systems import (
+    SGLANG,
+    SYSTEMS,
+    Budget,
+    bytes_per_page,
+    engine_config,
+    system_params,
+)
 
-BRANCH_SYSTEMS = SYSTEMS
+# The branching workloads and the sweep also run the checkpoint baseline with SGLang's own
+# placement (states per prefill chunk and at branch points, not every 256 tokens).
+BRANCH_SYSTEMS = SYSTEMS + (SGLANG,)
 # Branching chat, agentic trees and the sweep: a budget under which every policy keeps the
 # whole working set (the checkpoint baseline: the 16K-token tree's ~264 pages and ~69
 # checkpoints need about 63 MiB), so branches compare where each policy can resume, not how much it
@@ -37,7 +46,7 @@ BRANCH_BUDGET = Budget(device_budget_bytes=80 << 20, host_pages=64)
 # RAG as in PCR: the device holds a fraction of the documents' prefixes, DRAM and SSD the
 # rest (the collection's pages are several times the device budget).
 RAG_BUDGET = Budget(device_budget_bytes=2 << 20, host_pages=64)
-SWEEP_SYSTEMS = ("nocache", "checkpoint", "suffixreplay")
+SWEEP_SYSTEMS = ("nocache", "checkpoint", SGLANG, "suffixreplay")
 # Capacity as in the papers: state checkpoints live in fixed device slots (SGLang, also with
 # its KV offloaded to DRAM: pcr_dram), anchors page with their KV through every tier (ours).
 CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
@@ -256,13 +265,21 @@ def ratios(results: dict, p: dict) -> dict:
             res = results[name]
             r[key] = _reduction(_mean_ttft(res["suffixreplay"], "branch"),
                                 _mean_ttft(res["checkpoint"], "branch"))
+            if SGLANG in res:
+                r[f"branching_ttft_reduction_vs_sglang_{name}"] = _reduction(
+                    _mean_ttft(res["suffixreplay"], "branch"), _mean_ttft(res[SGLANG], "branch"))
     sweep = results.get("distance_sweep")
     if sweep:
-        for system in ("suffixreplay", "checkpoint"):
+        for system in ("suffixreplay", "checkpoint", SGLANG):
+            if system not in sweep:
+                continue
             ttfts = [v["p50"] for t, v in sweep[system]["ttft_ms_by_tag"].items()
                      if t.startswith("d")]
             key = f"checkpoint_distance_ttft_max_over_min_{system}"
             r[key] = max(ttfts) / min(ttfts)
+        if SGLANG in sweep:  # SGLang keeps no state inside the document: every cut recomputes
+            r["distance_sweep_ttft_reduction_vs_sglang"] = _reduction(
+                _mean_ttft(sweep["suffixreplay"]), _mean_ttft(sweep[SGLANG]))
     caps = {int(k.split("_")[1].rstrip("x")): v for k, v in results.items()
             if k.startswith("capacity_")}
 

@@ -11,7 +11,8 @@ once they finish within the budget.
 | system | states at a hit | KV tiers |
 | --- | --- | --- |
 | nocache | - (every prompt is prefilled) | - |
-| checkpoint | SGLang-style state checkpoints every 256 tokens and at prompt ends | device |
+| checkpoint | state checkpoints every 256 tokens and at prompt ends (DESIGN's baseline) | device |
+| sglang | state checkpoints where SGLang's mamba radix cache (extra buffer) keeps them: one per 8192-token prefill chunk, at the branch point or the chunk's end; every 256 decode tokens | device |
 | suffixreplay | anchors + budgeted replay at any page boundary | device |
 | pcr_dram | checkpoints | device + DRAM, plain LRU, no overlap, no prefetch |
 | lmcache_like | checkpoints | device + DRAM + SSD, no prefetch, no look-ahead, no overlap |
@@ -36,7 +37,10 @@ from backend.replay.budget import ReplayConfig
 
 SYSTEMS = ("nocache", "checkpoint", "suffixreplay", "pcr_dram", "lmcache_like", "pcr_overlap",
            "pcr_full", "ours")
+# The checkpoint baseline with SGLang's own placement (the branching workloads and the sweep).
+SGLANG = "sglang"
 INTERVAL = 256
+SGLANG_PREFILL_CHUNK = 8192  # SGLang's chunked prefill size on H100/H200-class GPUs
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,8 @@ def bytes_per_anchor_block(cfg: ModelConfig, anchors_per_page: int, dtype_bytes:
 def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
                   ssd_dir: Path | None = None) -> dict[str, str]:
     """The system as hybrid_llm string parameters (config.pbtxt form)."""
-    if system not in SYSTEMS:
-        raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS}")
+    if system not in SYSTEMS + (SGLANG,):
+        raise ValueError(f"unknown system {system!r}; expected one of {SYSTEMS + (SGLANG,)}")
     ps = budget.page_size
     density = ReplayConfig().anchor_density
     page = bytes_per_page(cfg, ps)
@@ -99,6 +103,9 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
         "max_num_seqs": str(budget.max_num_seqs),
         "max_tokens_per_step": str(budget.max_tokens_per_step), "max_context_len": "32768",
     }
+    if system == SGLANG:  # the checkpoint baseline's memory, SGLang's placement
+        params.update({"checkpoint_placement": "sglang",
+                       "checkpoint_prefill_chunk": str(SGLANG_PREFILL_CHUNK)})
     if system.startswith("pcr") or system in ("lmcache_like", "ours"):
         ssd = system != "pcr_dram" and ssd_dir is not None
         host_pages = budget.host_pages

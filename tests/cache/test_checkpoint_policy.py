@@ -9,6 +9,7 @@ import pytest
 from cache_helpers import cache_tokens, make_store
 
 from backend.cache import CacheConfig, PrefixStore, checkpoint_positions
+from backend.cache.checkpoint import sglang_positions
 
 PROMPT_LEN = 1000
 _rng = random.Random(0)
@@ -50,6 +51,41 @@ def test_checkpoint_positions_rejects_bad_arguments(kwargs):
     args = dict(prompt_len=1000, start=0) | kwargs
     with pytest.raises(ValueError):
         checkpoint_positions(**args)
+
+
+@pytest.mark.parametrize(
+    "prompt_len, start, branch, expected",
+    [
+        (1000, 0, None, [960]),            # one chunk: its last whole page
+        (1000, 0, 320, [320]),             # the branch point instead
+        (1000, 320, 320, [960]),           # resumed at the branch point: not inside
+        (20_000, 0, None, [8192, 16384, 19968]),  # one per SGLang prefill chunk
+        (20_000, 0, 10_048, [8192, 10_048, 19968]),
+        (20_000, 64, None, [8256, 16448, 19968]),  # chunks count from the resume point
+        (1000, 960, None, []),             # less than a page left
+        (8192, 0, 8192, [8192]),           # at the end: not strictly inside
+    ],
+)
+def test_sglang_positions(prompt_len, start, branch, expected):
+    assert sglang_positions(prompt_len, start, chunk=8192, page_size=64,
+                            branch_point=branch) == expected
+
+
+@pytest.mark.parametrize("kwargs", [dict(chunk=100), dict(chunk=8192, start=2000)])
+def test_sglang_positions_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        sglang_positions(**(dict(prompt_len=1000, start=0, page_size=64) | kwargs))
+
+
+def test_placement_is_validated():
+    with pytest.raises(ValueError, match="checkpoint_placement"):
+        CacheConfig(checkpoint_placement="dense")
+    with pytest.raises(ValueError, match="checkpoint_prefill_chunk"):
+        CacheConfig(checkpoint_prefill_chunk=100)
+    store = PrefixStore(CacheConfig(page_size=64, policy="checkpoint", num_kv_pages=64,
+                                    checkpoint_placement="sglang"))
+    assert store.checkpoint_positions(20_000) == [8192, 16384, 19968]
+    assert store.checkpoint_positions(1000, 0, branch_point=320) == [320]
 
 
 def test_only_the_checkpoint_policy_asks_for_checkpoints():

@@ -14,6 +14,7 @@ from client.bench import sim
 from client.bench import workloads as W
 from client.bench.suite import measure_in_process, percentile
 from client.bench.systems import (
+    SGLANG,
     SYSTEMS,
     Budget,
     bytes_per_anchor_block,
@@ -84,6 +85,21 @@ def test_branches_hit_deeper_with_suffix_replay_than_with_checkpoints(model):
     assert cached["suffixreplay"] > cached["checkpoint"] > 0
     assert runs["suffixreplay"][0]["replayed_anchors"] + runs["suffixreplay"][0][
         "live_state_hits"] > 0
+
+
+def test_sglang_placement_resumes_siblings_at_the_parent_then_the_branch_point(model):
+    """A tool call's siblings under SGLang's placement: the first two resume at the parent
+    prompt's end (no state inside the call), the second saves the branch point and the third
+    resumes there; suffix replay resumes every sibling at the last page of the shared call."""
+    wl = W.agentic(2000, fanout=3, depth=1)
+    calls = [r.prompt for r in wl.requests[1:]]
+    shared = next(i for i, (x, y) in enumerate(zip(calls[0], calls[1])) if x != y)
+    budget = Budget(device_budget_bytes=32 << 20)  # room for the whole tree
+    runs = {s: measure_in_process(model, engine_config(s, model.config, budget, 4), wl)[1]
+            for s in (SGLANG, "suffixreplay")}
+    cached = {s: [r["cached_tokens"] for r in recs] for s, recs in runs.items()}
+    assert cached[SGLANG] == [0, 1984, 1984, shared // 64 * 64]
+    assert cached["suffixreplay"][2:] == [shared // 64 * 64] * 2
 
 
 def test_simulator_hit_rates_follow_the_policies(model):
@@ -172,7 +188,7 @@ def test_suite_plans_build_valid_jobs(model, quick, tmp_path):
     assert kinds == {"sharegpt", "agentic", "rag", "sweep", "capacity"}
     assert len({wl.name for _, wl, _, _ in jobs}) == len(jobs)  # one result per workload
     for _, wl, systems, budget in jobs:
-        assert wl.requests and set(systems) <= set(SYSTEMS)
+        assert wl.requests and set(systems) <= set(SYSTEMS + (SGLANG,))
         longest = max(len(r.prompt) + r.max_tokens for r in wl.requests)
         assert budget.run_pages * budget.page_size >= longest
         for system in systems:

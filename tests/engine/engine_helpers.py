@@ -13,11 +13,12 @@ PAGE = 16
 
 
 def make_engine(model, policy="suffixreplay", replay=None, num_kv_pages=256, interval=64,
-                max_tokens_per_step=96, max_num_seqs=8, num_checkpoint_slots=32) -> Engine:
+                max_tokens_per_step=96, max_num_seqs=8, num_checkpoint_slots=32,
+                **cache_options) -> Engine:
     replay = replay or ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8)
     cache = CacheConfig(page_size=PAGE, policy=policy, checkpoint_interval=interval,
                         num_kv_pages=num_kv_pages, anchor_density=replay.anchor_density,
-                        num_checkpoint_slots=num_checkpoint_slots)
+                        num_checkpoint_slots=num_checkpoint_slots, **cache_options)
     return Engine(model, EngineConfig(max_num_seqs=max_num_seqs,
                                       max_tokens_per_step=max_tokens_per_step,
                                       cache=cache, replay=replay))

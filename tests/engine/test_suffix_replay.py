@@ -232,3 +232,35 @@ def test_checkpoint_baseline_keeps_the_deepest_states_of_a_long_prompt(model):
     again = engine.generate(prompt + random_prompt(5, model.config.vocab_size, seed=42), GREEDY)
     assert again.cached_tokens >= 10 * PAGE
     assert_no_leak(engine)
+
+
+def test_sglang_placement_resumes_where_sglang_keeps_states(model, prompt):
+    """SGLang's placement (extra buffer): one state per prefill chunk, at the prompt's last
+    page when nothing branches; a prompt that diverges inside the cached prefix resumes at
+    the deepest earlier state and saves one at its branch point instead, which the next
+    sibling resumes from; decode keeps states at multiples of the track interval only."""
+    from backend.engine import SamplingParams
+
+    assert PAGE == 16  # the positions below are page boundaries
+    engine = make_engine(model, policy="checkpoint", interval=64,
+                         checkpoint_placement="sglang", checkpoint_prefill_chunk=8192)
+    grid = make_engine(model, policy="checkpoint", interval=64)
+    for e in (engine, grid):
+        e.generate(prompt, GREEDY)  # 300 tokens: states at 288 (sglang); 64..256, 288 (grid)
+    first = _branch(prompt, 200)
+    assert grid.generate(first, GREEDY).cached_tokens == 192
+    assert engine.generate(first, GREEDY).cached_tokens == 0  # no state before 288
+    # The first sibling saved one at its branch point (192: the KV it matched); the next
+    # sibling resumes there.
+    second = prompt[:200] + [(t + 3) % 97 for t in prompt[200:240]]
+    assert engine.generate(second, GREEDY).cached_tokens == 192
+    assert engine.generate(prompt + [5, 6, 7], GREEDY).cached_tokens == 288
+    # Decode of 150 tokens after a 330-token prompt: states at 384, then 448 (multiples of
+    # the interval; the latest stays), none at the page boundary 464 (the grid's latest;
+    # the last token sampled has no KV yet).
+    long = SamplingParams(max_tokens=150, min_tokens=150, top_k=1)
+    fresh = random_prompt(330, model.config.vocab_size, seed=13)
+    for e, want in ((engine, 448), (grid, 464)):
+        out = e.generate(fresh, long)
+        assert e.generate(fresh + out.new_token_ids + [1], GREEDY).cached_tokens == want
+        assert_no_leak(e)
