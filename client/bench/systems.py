@@ -12,13 +12,18 @@ once they finish within the budget.
 | --- | --- | --- |
 | nocache | - (every prompt is prefilled) | - |
 | checkpoint | state checkpoints every 256 tokens and at prompt ends (DESIGN's baseline) | device |
-| sglang | state checkpoints where SGLang's mamba radix cache (extra buffer) keeps them: one per 8192-token prefill chunk, at the branch point or the chunk's end; every 256 decode tokens | device |
+| sglang | state checkpoints where SGLang keeps them (below) | device |
 | suffixreplay | anchors + budgeted replay at any page boundary | device |
 | pcr_dram | checkpoints | device + DRAM, plain LRU, no overlap, no prefetch |
 | lmcache_like | checkpoints | device + DRAM + SSD, no prefetch, no look-ahead, no overlap |
 | pcr_overlap | checkpoints | + layer-wise overlap |
 | pcr_full | checkpoints | + queue-driven prefetch + look-ahead eviction (full PCR) |
 | ours | anchors + replay | full PCR |
+
+`sglang` is the checkpoint baseline's memory with SGLang's own placement (its mamba radix
+cache with the extra buffer): one state per 8192-token prefill chunk, at the request's branch
+point or the chunk's end, and every 256 decode tokens (run on the branching workloads and
+the distance sweep).
 
 In the checkpoint-based tiered systems the states tier with their pages (`state_tier.py`):
 a KV page in DRAM or on SSD is usable only with a saved state at or below it, so DRAM and
