@@ -187,6 +187,7 @@ def test_suite_plans_build_valid_jobs(model, quick, tmp_path):
     kinds = {kind for kind, *_ in jobs}
     assert kinds == {"sharegpt", "agentic", "rag", "sweep", "capacity"}
     assert len({wl.name for _, wl, _, _ in jobs}) == len(jobs)  # one result per workload
+    assert set().union(*(systems for *_, systems, _ in jobs)) == set(SYSTEMS + (SGLANG,))
     for _, wl, systems, budget in jobs:
         assert wl.requests and set(systems) <= set(SYSTEMS + (SGLANG,))
         longest = max(len(r.prompt) + r.max_tokens for r in wl.requests)
