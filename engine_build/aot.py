@@ -2,7 +2,8 @@
 
 An engine directory holds
 - `prefill.pt2`: one step over packed tokens with dynamic batch, token and context counts
-  (query length >= 2);
+  (query length >= 2); CPU engines' prefill also saves one state per sequence mid-step
+  (`engine.json` "step_snapshots");
 - `decode.pt2`: the same step with one token per sequence;
 - `replay_<g>.pt2`: group g's linear layers from zero state over packed anchors;
 - `engine.json`: format version, device, dtype, the model's config.json, torch version;
@@ -47,7 +48,7 @@ def _buffers(model: HybridForCausalLM, kv_rows: int, slots: int, anchor_rows: in
     return anchors, k, v, conv, rec
 
 
-def step_example(model: HybridForCausalLM, decode: bool):
+def step_example(model: HybridForCausalLM, decode: bool, snapshots: bool = False):
     """Example inputs for StepGraph (sizes all >= 2 and distinct, so no size specialises)."""
     device = model.device
     vocab = model.config.vocab_size
@@ -67,11 +68,16 @@ def step_example(model: HybridForCausalLM, decode: bool):
     cap_src = torch.tensor([0, 1, N - 1][: 3], device=device)
     cap_dst = torch.tensor([2, 3, 4], device=device)
     bufs = _buffers(model, kv_rows, slots, anchor_rows)
-    return (ids, positions, cu, state_slots, fresh, write_slots, pad_index, read_slots, mask,
-            cap_src, cap_dst, *bufs)
+    example = (ids, positions, cu, state_slots, fresh, write_slots, pad_index, read_slots,
+               mask, cap_src, cap_dst, *bufs)
+    if snapshots:  # no snapshot in the example (offsets 0, the scratch slot 6)
+        saved = _buffers(model, kv_rows, 7, anchor_rows)[3:]
+        example += (torch.zeros(B, dtype=torch.long, device=device),
+                    torch.full((B,), 6, dtype=torch.long, device=device), *saved)
+    return example
 
 
-def step_dynamic_shapes(model: HybridForCausalLM, decode: bool):
+def step_dynamic_shapes(model: HybridForCausalLM, decode: bool, snapshots: bool = False):
     cfg = model.config
     seqs = Dim("seqs", min=1, max=4096)
     tokens = seqs if decode else Dim("tokens", min=1, max=MAX_TOKENS)
@@ -82,11 +88,16 @@ def step_dynamic_shapes(model: HybridForCausalLM, decode: bool):
     arows = Dim("arows", min=1)
     A, L, G = len(cfg.attention_layer_ids), len(cfg.linear_layer_ids), cfg.num_groups
     mask = {0: seqs, 3: ctx} if decode else {0: seqs, 2: qlen, 3: ctx}
-    return ({0: tokens}, {0: tokens}, {0: seqs + 1}, {0: seqs}, {0: seqs}, {0: tokens},
-            {0: tokens}, {0: seqs, 1: ctx}, mask, {0: caps}, {0: caps},
-            tuple({0: arows} for _ in range(G)), tuple({0: kv_rows} for _ in range(A)),
-            tuple({0: kv_rows} for _ in range(A)), tuple({0: slots} for _ in range(L)),
-            tuple({0: slots} for _ in range(L)))
+    shapes = ({0: tokens}, {0: tokens}, {0: seqs + 1}, {0: seqs}, {0: seqs}, {0: tokens},
+              {0: tokens}, {0: seqs, 1: ctx}, mask, {0: caps}, {0: caps},
+              tuple({0: arows} for _ in range(G)), tuple({0: kv_rows} for _ in range(A)),
+              tuple({0: kv_rows} for _ in range(A)), tuple({0: slots} for _ in range(L)),
+              tuple({0: slots} for _ in range(L)))
+    if snapshots:
+        saved = Dim("saved", min=1)
+        shapes += ({0: seqs}, {0: seqs}, tuple({0: saved} for _ in range(L)),
+                   tuple({0: saved} for _ in range(L)))
+    return shapes
 
 
 def replay_example(model: HybridForCausalLM):
@@ -95,11 +106,12 @@ def replay_example(model: HybridForCausalLM):
     return hidden, torch.tensor([0, 4, 7], device=model.device)
 
 
-def export_step(model: HybridForCausalLM, decode: bool):
-    graph = StepGraph(model, decode=decode).eval()
-    ex = step_example(model, decode)
+def export_step(model: HybridForCausalLM, decode: bool, snapshots: bool = False):
+    graph = StepGraph(model, decode=decode, snapshots=snapshots).eval()
+    ex = step_example(model, decode, snapshots)
     with torch.no_grad():
-        return torch.export.export(graph, ex, dynamic_shapes=step_dynamic_shapes(model, decode))
+        return torch.export.export(graph, ex, dynamic_shapes=step_dynamic_shapes(
+            model, decode, snapshots))
 
 
 def export_replay(model: HybridForCausalLM, group: int):
@@ -123,7 +135,9 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
     model = load_model(model_dir, dtype=DTYPES[dtype], device=device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    jobs = [("prefill", lambda: export_step(model, decode=False)),
+    # Mid-step snapshots through the CPU scan operator (CUDA engines end a step instead).
+    snapshots = device == "cpu"
+    jobs = [("prefill", lambda: export_step(model, decode=False, snapshots=snapshots)),
             ("decode", lambda: export_step(model, decode=True))]
     jobs += [(f"replay_{g}", lambda g=g: export_replay(model, g))
              for g in range(model.config.num_groups)]
@@ -144,7 +158,7 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
     shutil.copy(Path(model_dir) / "config.json", out / "config.json")
     meta = {"format": ENGINE_FORMAT, "backend": "aot", "device": device, "dtype": dtype,
             "torch": torch.__version__, "num_groups": model.config.num_groups,
-            "packages": packages, "compile_seconds": timings,
+            "packages": packages, "compile_seconds": timings, "step_snapshots": snapshots,
             "inductor_configs": inductor_configs or {},
             "source_model": str(Path(model_dir).resolve())}
     (out / "engine.json").write_text(json.dumps(meta, indent=2) + "\n")

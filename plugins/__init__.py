@@ -6,6 +6,13 @@ needs its plugin library. References: `plugins.reference`; CPU: `plugins.cpu`; T
 `plugins.triton_kernels`; TensorRT plugin registration: `plugins.tensorrt`.
 """
 
-from plugins.ops import anchor_capture, causal_conv1d, gated_delta_scan, triton_available
+from plugins.ops import (
+    anchor_capture,
+    causal_conv1d,
+    gated_delta_scan,
+    gated_delta_scan_snap,
+    triton_available,
+)
 
-__all__ = ["anchor_capture", "causal_conv1d", "gated_delta_scan", "triton_available"]
+__all__ = ["anchor_capture", "causal_conv1d", "gated_delta_scan", "gated_delta_scan_snap",
+           "triton_available"]

@@ -51,6 +51,28 @@ def gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     return o[valid].to(v.dtype), final.float()
 
 
+def gated_delta_scan_snap_cpu(q, k, v, g, beta, cu_seqlens, initial_state, snap_offsets,
+                              scale):
+    """`gated_delta_scan_cpu` plus a third result, snap [N, H, K, V]: the state after the
+    first `snap_offsets[n]` tokens of sequence n (a positive multiple of the chunked rule's
+    chunk, 64, within the sequence), or its final state where the offset is 0."""
+    index, valid, lengths = _padding_plan(cu_seqlens, q.shape[0])
+    off = snap_offsets.long()
+    rows = (off > 0).nonzero().view(-1)
+    if bool(((off < 0) | (off > lengths)).any()):
+        raise ValueError("snapshot offsets must lie within their sequences")
+    qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
+    if rows.numel() == 0:
+        rule = gated_delta_step if qp.shape[1] == 1 else chunk_gated_delta_rule
+        o, final = rule(qp, kp, vp, gp, bp, initial_state=initial_state, scale=scale)
+        return o[valid].to(v.dtype), final.float(), final.float().clone()
+    o, final, snaps = chunk_gated_delta_rule(qp, kp, vp, gp, bp, initial_state=initial_state,
+                                             scale=scale, states_at=(rows, off[rows]))
+    snap = final.float().clone()
+    snap[rows] = snaps.float()
+    return o[valid].to(v.dtype), final.float(), snap
+
+
 def causal_conv1d_cpu(x, weight, cu_seqlens, initial_state, silu):
     if _one_token_each(x, cu_seqlens):
         y, final = causal_conv1d(x[:, None], weight, initial_state, None, silu)

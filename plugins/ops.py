@@ -10,6 +10,8 @@ Two registrations per operator:
 
 Callers use the Python entry points below (`gated_delta_scan`, `causal_conv1d`,
 `anchor_capture`), which pick the Triton form for CUDA tensors when it exists.
+`gated_delta_scan_snap` (the scan plus states at given offsets, for mid-step snapshots in
+compiled CPU engines) has the opaque form only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,21 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, scale):
     N = cu_seqlens.shape[0] - 1
     return torch.empty_like(v), v.new_empty(N, v.shape[1], k.shape[2], v.shape[2],
                                             dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::gated_delta_scan_snap", mutates_args=())
+def _gated_delta_scan_snap(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           cu_seqlens: Tensor, initial_state: Tensor | None,
+                           snap_offsets: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return cpu.gated_delta_scan_snap_cpu(q, k, v, g, beta, cu_seqlens, initial_state,
+                                         snap_offsets, scale)
+
+
+@_gated_delta_scan_snap.register_fake
+def _(q, k, v, g, beta, cu_seqlens, initial_state, snap_offsets, scale):
+    N = cu_seqlens.shape[0] - 1
+    state = v.new_empty(N, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+    return torch.empty_like(v), state, torch.empty_like(state)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
@@ -134,6 +151,18 @@ def gated_delta_scan(q, k, v, g, beta, cu_seqlens, initial_state=None, scale=Non
     op = (torch.ops.suffixreplay.gated_delta_scan_triton if _use_triton(q)
           else torch.ops.suffixreplay.gated_delta_scan)
     return op(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+
+
+def gated_delta_scan_snap(q, k, v, g, beta, cu_seqlens, initial_state, snap_offsets,
+                          scale=None):
+    """`gated_delta_scan` plus each sequence's state after its first `snap_offsets[n]`
+    tokens (multiples of 64; 0: its final state): mid-step snapshots for compiled CPU
+    engines. One form only (the CPU operator, vectorised PyTorch): CUDA engines end a step
+    where a state is to be saved instead, as the eager CUDA path with flash-linear-attention
+    does."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu_seqlens,
+                                                        initial_state, snap_offsets, scale)
 
 
 def causal_conv1d(x, weight, cu_seqlens, initial_state=None, silu=True):

@@ -135,13 +135,16 @@ class CacheManager:
     def plan_snapshots(self, seq: Sequence, start: int, end: int) -> tuple[int, list]:
         """The states a prefill step [start, end) saves on its way: returns the step's end
         and [(position, saved slot)] for the planned positions strictly inside it. Where the
-        executor saves states mid-step (chunk-aligned offsets) one step covers them all;
-        otherwise, or when no slot is free, the step ends at that position and
+        executor saves states mid-step (chunk-aligned offsets, up to its
+        `max_snapshots_per_row`) one step covers them; otherwise, or when no slot is free,
+        the step ends at that position and
         `after_forward` saves it (making room as it does). The slots are the sequence's
         pending states from now on (a failed step's release frees them)."""
         planned: list[tuple[int, int]] = []
+        limit = self.executor.max_snapshots_per_row
         for pos in sorted(p for p in seq.capture_positions if start < p < end):
-            if not (self.executor.supports_snapshots and (pos - start) % SNAPSHOT_ALIGN == 0):
+            if not (self.executor.supports_snapshots and (pos - start) % SNAPSHOT_ALIGN == 0) \
+                    or (limit is not None and len(planned) >= limit):
                 return pos, planned
             slots = self.store.alloc_state_slots(1)
             if slots is None:

@@ -7,6 +7,10 @@ library). Step inputs are planned by the same `ForwardBatch` as the eager path, 
 
 Layer-wise tier transfers cannot interleave with a compiled graph's layers, so the hooks run
 around the whole step: every layer's load is awaited before it, offloads start after it.
+
+Engines whose prefill graph takes snapshots (`engine.json` "step_snapshots": CPU engines)
+save one state per sequence in the middle of a step (`max_snapshots_per_row`); the scheduler
+ends a step at any further state to keep, and everywhere on engines without them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 from backend.config import ModelConfig
 from backend.engine.config import DTYPES
 from backend.engine.executor import ExecutorBuffers
-from backend.model.batch import ForwardBatch, SeqInput
+from backend.model.batch import SNAPSHOT_ALIGN, ForwardBatch, SeqInput
 from backend.model.packed import packed_from_batch
 
 ENGINE_FORMAT = 1
@@ -70,6 +74,7 @@ class CompiledExecutor(ExecutorBuffers):
         self._setup(cfg, torch.device(meta["device"]), DTYPES[meta["dtype"]], num_kv_pages,
                     page_size, num_run_slots, num_saved_slots, num_anchor_rows, int8_anchors)
         self.meta = meta
+        self._snapshots = bool(meta.get("step_snapshots", False))
         load = torch._inductor.aoti_load_package
         pkg = meta["packages"]
         self.prefill = load(str(engine_dir / pkg["prefill"]))
@@ -88,7 +93,8 @@ class CompiledExecutor(ExecutorBuffers):
         self._setup(model.config, model.device, model.dtype, num_kv_pages, page_size,
                     num_run_slots, num_saved_slots, num_anchor_rows, False)
         self.meta = {"backend": "eager-graphs"}
-        self.prefill = torch.inference_mode()(StepGraph(model).eval())
+        self._snapshots = True
+        self.prefill = torch.inference_mode()(StepGraph(model, snapshots=True).eval())
         self.decode = torch.inference_mode()(StepGraph(model, decode=True).eval())
         self.replays = [torch.inference_mode()(ReplayGraph(model, g).eval())
                         for g in range(model.config.num_groups)]
@@ -100,25 +106,50 @@ class CompiledExecutor(ExecutorBuffers):
             raise ValueError("the compiled executor stores anchors in the model dtype; "
                              "int8 anchors need executor 'torch'")
         self.device, self.dtype = device, dtype
-        # One spare anchor row per group: the graphs always capture (a step without anchors
-        # writes one row of scratch), so no dimension is ever 0.
+        # One spare anchor row per group and one spare saved-state slot: the graphs always
+        # capture and (with snapshots) always save (scratch where nothing is asked), so no
+        # dimension is ever 0. The store hands out saved slots below `num_saved_slots` only.
         self._allocate(cfg, dtype, device, num_kv_pages, page_size, num_run_slots,
-                       num_saved_slots, num_anchor_rows, False, spare_anchor_rows=1)
+                       num_saved_slots + 1, num_anchor_rows, False, spare_anchor_rows=1)
         self._scratch_row = num_anchor_rows
+        self._scratch_slot = num_saved_slots
 
     @property
     def num_anchor_rows(self) -> int:
         return self.anchors.shape[1]
+
+    @property
+    def supports_snapshots(self) -> bool:
+        return self._snapshots
+
+    max_snapshots_per_row = 1  # the prefill graph saves one state per sequence
+
+    def _snapshot_inputs(self, batch: ForwardBatch, snapshots) -> tuple:
+        """The prefill graph's snapshot inputs: offsets [B] (0: none), slots [B] (scratch
+        where none), then the saved-state pools."""
+        B = batch.input_ids.shape[0]
+        offsets = torch.zeros(B, dtype=torch.long)
+        slots = torch.full((B,), self._scratch_slot, dtype=torch.long)
+        for row, offset, slot in snapshots or ():
+            if offsets[row]:
+                raise ValueError("the compiled step graph saves one state per sequence a step")
+            if not 0 < offset <= int(batch.lengths[row]) or offset % SNAPSHOT_ALIGN:
+                raise ValueError(f"snapshot offsets must be multiples of {SNAPSHOT_ALIGN} "
+                                 f"within the row's new tokens, got {offset}")
+            offsets[row], slots[row] = offset, slot
+        return (offsets.to(self.device), slots.to(self.device),
+                tuple(self.saved_states.conv), tuple(self.saved_states.rec))
 
     def forward(
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
         capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
         snapshots: list[tuple[int, int, int]] | None = None,
     ) -> torch.Tensor:
-        """One batched step; returns last-token logits [B, V] (fp32). The step graph saves
-        no states mid-step (`supports_snapshots` is False): `snapshots` must be empty."""
-        if snapshots:
-            raise ValueError("the compiled step graph cannot save states mid-step")
+        """One batched step; returns last-token logits [B, V] (fp32). snapshots: (row,
+        offset, saved slot) as `TorchExecutor.forward` takes them, at most one per row, on
+        engines that take snapshots (`supports_snapshots`)."""
+        if snapshots and not self._snapshots:
+            raise ValueError("this engine's step graph cannot save states mid-step")
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, device=self.device)
         x = packed_from_batch(batch, capture_src)
         if x["capture_src"].numel():
@@ -130,7 +161,11 @@ class CompiledExecutor(ExecutorBuffers):
         if layer_hooks is not None:
             for a in range(num_attn):
                 layer_hooks.before_read(a)
-        runner = self.decode if batch.input_ids.shape[1] == 1 else self.prefill
+        decode = batch.input_ids.shape[1] == 1
+        if snapshots and decode:
+            raise ValueError("a decode step takes no mid-step snapshots")
+        runner = self.decode if decode else self.prefill
+        extra = () if decode or not self._snapshots else self._snapshot_inputs(batch, snapshots)
         # AOTInductor graphs assume the strides they were exported with (contiguous): a
         # strided view would be read wrongly without an error.
         x = {k: v.contiguous() for k, v in x.items()}
@@ -139,7 +174,7 @@ class CompiledExecutor(ExecutorBuffers):
             x["write_slots"], x["pad_index"], x["read_slots"], x["attn_mask"],
             x["capture_src"], dst.contiguous(), tuple(self.anchor_storage.unbind(0)),
             tuple(self.kv.k), tuple(self.kv.v), tuple(self.run_states.conv),
-            tuple(self.run_states.rec))
+            tuple(self.run_states.rec), *extra)
         if layer_hooks is not None:
             for a in range(num_attn):
                 layer_hooks.after_write(a)

@@ -31,6 +31,7 @@ class ExecutorBuffers:
     # Whether `forward` can save linear states in the middle of a step (`snapshots`); where
     # it cannot, the scheduler ends a step wherever a state is to be saved.
     supports_snapshots = False
+    max_snapshots_per_row: int | None = None  # None: as many as asked
 
     def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device, num_kv_pages: int,
                   page_size: int, num_run_slots: int, num_saved_slots: int,

@@ -30,38 +30,54 @@ from backend.model.rotary import apply_rotary
 
 def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
                         conv_state: torch.Tensor | None, rec_state: torch.Tensor | None,
-                        decode: bool = False, output: bool = True):
+                        decode: bool = False, output: bool = True,
+                        snap_offsets: torch.Tensor | None = None):
     """Gated DeltaNet over packed tokens x [N, D] -> (out [N, D], (conv, rec) per sequence).
 
     decode: one token per sequence (N = B); the conv and the delta-rule step are then plain
     tensor maths that the compiler fuses, instead of calls to the packed operators.
     output=False: (None, states), without the gated norm and the out projection.
+    snap_offsets [B] (prefill only): a third result, the (conv, rec) states of each sequence
+    after its first `snap_offsets[b]` tokens (multiples of 64; 0: none wanted, the values
+    are then unspecified).
     """
     import plugins  # registers the operators
 
     weight = mixer.conv1d.weight.squeeze(1)
+    xin = mixer.in_proj_qkv(x)
     if decode:
-        mixed, new_conv = causal_conv1d(mixer.in_proj_qkv(x)[:, None], weight, conv_state)
+        mixed, new_conv = causal_conv1d(xin[:, None], weight, conv_state)
         mixed = mixed[:, 0]
     else:
-        mixed, new_conv = plugins.causal_conv1d(mixer.in_proj_qkv(x), weight, cu_seqlens,
-                                                conv_state, True)
+        mixed, new_conv = plugins.causal_conv1d(xin, weight, cu_seqlens, conv_state, True)
     q, k, v = mixer.split_heads(mixed)
     beta, g = mixer.gates(x)
+    snaps = None
     if decode:
         out, new_rec = gated_delta_step(q[:, None], k[:, None], v[:, None], g[:, None],
                                         beta[:, None], initial_state=rec_state)
         out = out[:, 0]
-    else:
+    elif snap_offsets is None:
         out, new_rec = plugins.gated_delta_scan(q, k, v, g, beta, cu_seqlens, rec_state)
-    return (mixer.output(out, x) if output else None), (new_conv, new_rec)
+    else:
+        out, new_rec, snap_rec = plugins.gated_delta_scan_snap(q, k, v, g, beta, cu_seqlens,
+                                                               rec_state, snap_offsets)
+        # The conv state after `off` tokens: the W - 1 inputs before that point (off >= 64,
+        # so all of them are this step's; rows without a snapshot read any valid row).
+        W1 = weight.shape[1] - 1
+        rows = (cu_seqlens[:-1] + snap_offsets - W1).unsqueeze(1) + \
+            torch.arange(W1, device=x.device)
+        rows = rows.clamp(0, xin.shape[0] - 1)
+        snaps = (xin[rows].transpose(1, 2), snap_rec)  # [B, C, W - 1], [B, H, K, V]
+    result = (mixer.output(out, x) if output else None), (new_conv, new_rec)
+    return result if snaps is None else (*result, snaps)
 
 
 def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state,
-                        decode: bool = False, output: bool = True):
-    h, states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
-                                    conv_state, rec_state, decode, output)
-    return (layer._ffn(x + h) if output else None), states
+                        decode: bool = False, output: bool = True, snap_offsets=None):
+    h, *states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
+                                     conv_state, rec_state, decode, output, snap_offsets)
+    return (layer._ffn(x + h) if output else None), *states
 
 
 class StepGraph(nn.Module):
@@ -72,19 +88,28 @@ class StepGraph(nn.Module):
     pad_index [N] (row of each token in the padded [B * T] view); read_slots [B, C];
     attn_mask [B, 1, T, C] (bool); capture_src [M] (packed rows), capture_dst [M]; then the
     buffers mutated in place: anchors (one [R, D] per group), k, v (per attention layer),
-    conv, rec (per linear layer). T is attn_mask's third dimension.
+    conv, rec (per linear layer). T is attn_mask's third dimension. With `snapshots`
+    (prefill): snap_offsets [B] and snap_slots [B], then saved_conv, saved_rec (the saved
+    state slots, per linear layer): each sequence's states after its first snap_offsets[b]
+    new tokens go to slot snap_slots[b] (a scratch slot where the offset is 0).
     """
 
-    def __init__(self, model: HybridForCausalLM, decode: bool = False) -> None:
+    def __init__(self, model: HybridForCausalLM, decode: bool = False,
+                 snapshots: bool = False) -> None:
         super().__init__()
         self.model = model
         self.decode = decode  # every sequence adds exactly one token
+        if snapshots and decode:
+            raise ValueError("decode steps take no mid-step snapshots")
+        self.snapshots = snapshots
         cfg = model.config
         self.entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
 
     def forward(self, input_ids, positions, cu_seqlens, state_slots, fresh, write_slots,
                 pad_index, read_slots, attn_mask, capture_src, capture_dst,
-                anchors: tuple, k_pool: tuple, v_pool: tuple, conv: tuple, rec: tuple):
+                anchors: tuple, k_pool: tuple, v_pool: tuple, conv: tuple, rec: tuple,
+                snap_offsets=None, snap_slots=None, saved_conv: tuple = (),
+                saved_rec: tuple = ()):
         m = self.model
         B, T = attn_mask.shape[0], attn_mask.shape[2]
         x = m.model.embed_tokens(input_ids)
@@ -100,7 +125,14 @@ class StepGraph(nn.Module):
                 li = layer.state_index
                 c0 = conv[li].index_select(0, state_slots) * keep.to(conv[li].dtype)
                 r0 = rec[li].index_select(0, state_slots) * keep.unsqueeze(-1).float()
-                x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0, self.decode)
+                if self.snapshots:
+                    x, (c1, r1), (sc, sr) = linear_layer_packed(
+                        layer, x, cu_seqlens, c0, r0, snap_offsets=snap_offsets)
+                    saved_conv[li].index_copy_(0, snap_slots, sc.to(saved_conv[li].dtype))
+                    saved_rec[li].index_copy_(0, snap_slots, sr)
+                else:
+                    x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0,
+                                                      self.decode)
                 conv[li].index_copy_(0, state_slots, c1.to(conv[li].dtype))
                 rec[li].index_copy_(0, state_slots, r1)
             else:

@@ -78,6 +78,67 @@ def test_eager_graphs_match_eager_model(model):
         _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
 
 
+def _snapshot_step(model):
+    """A fresh 150-token row and an 80-token continuation of a 20-token prefix, each with
+    one mid-step state to save (after 128 and 64 new tokens; saved slots 1 and 2)."""
+    V = model.config.vocab_size
+    p0, p1 = random_prompt(150, V, 21), random_prompt(100, V, 22)
+    tables = torch.arange(0, 10), torch.arange(10, 17)
+    prefix = [SeqInput(p1[:20], 0, tables[1], 1)]
+    step = [SeqInput(p0, 0, tables[0], 0), SeqInput(p1[20:], 20, tables[1], 1)]
+    return prefix, step, [(0, 128, 1), (1, 64, 2)]
+
+
+@pytest.mark.parametrize("compiled_graphs", [True, False])
+def test_compiled_snapshots_match_eager(model, aot_engine, compiled_graphs):
+    """The prefill graph's mid-step states (one per row) are the eager executor's."""
+    eager = TorchExecutor(model, *SIZES)
+    other = (CompiledExecutor(aot_engine[1], *SIZES) if compiled_graphs
+             else CompiledExecutor.from_graphs(model, *SIZES))
+    assert other.supports_snapshots and other.max_snapshots_per_row == 1
+    prefix, step, snaps = _snapshot_step(model)
+    for ex in (eager, other):
+        ex.forward(prefix)
+    _close(other.forward(step, snapshots=snaps), eager.forward(step, snapshots=snaps))
+    for a, b in zip(eager.saved_states.conv + eager.saved_states.rec,
+                    other.saved_states.conv + other.saved_states.rec):
+        _close(b[:4], a[:4])
+    assert other.saved_states.rec[0][1:3].abs().sum() > 0
+    assert other.saved_states.rec[0][0].abs().sum() == 0  # nothing else written
+    with pytest.raises(ValueError, match="one state per sequence"):
+        other.forward(step, snapshots=[(0, 64, 1), (0, 128, 2)])
+    with pytest.raises(ValueError, match="multiples of 64"):
+        other.forward(step, snapshots=[(0, 100, 1)])
+
+
+def test_compiled_engine_prefills_a_prompt_with_its_live_state_in_one_step(model, aot_engine,
+                                                                          monkeypatch):
+    """A 140-token prompt (last page boundary 128, a chunk boundary): the compiled engine
+    saves the live state there mid-step, so the prompt takes one step (two where the
+    engine's graph cannot save states mid-step); a branch at 135 resumes from that state
+    (no replay) and generates what the eager engine does."""
+    V = model.config.vocab_size
+    eager = make_engine(model, max_tokens_per_step=256)
+    prompt = random_prompt(140, V, 31)
+    branch = prompt[:135] + [3, 4, 5]
+    params = SamplingParams(max_tokens=6, top_k=1)
+    want = [eager.generate(p, params).new_token_ids for p in (prompt, branch)]
+    steps = {}
+    for snapshots in (True, False):
+        engine = Engine(None, EngineConfig(**{**eager.config.__dict__, "executor": "compiled"}),
+                        engine_dir=aot_engine[1])
+        if not snapshots:  # the scheduler asks for none (the graph still gets its inputs)
+            monkeypatch.setattr(CompiledExecutor, "supports_snapshots", property(lambda _: False))
+        out = engine.generate(prompt, params)
+        steps[snapshots] = engine.scheduler.num_steps - (len(out.new_token_ids) - 1)
+        again = engine.generate(branch, params)
+        assert [out.new_token_ids, again.new_token_ids] == want
+        assert again.cached_tokens == 128 and again.replayed_anchors == 0
+        assert engine.stats()["live_state_hits"] == 1
+        assert_no_leak(engine)
+    assert steps == {True: 1, False: 2}
+
+
 def test_compiled_engine_generates_like_eager_with_cache_hits(model, aot_engine):
     V = model.config.vocab_size
     eager = make_engine(model)
@@ -121,3 +182,21 @@ def test_bad_engine_directories_are_clear_errors(tmp_path, aot_engine):
         CompiledExecutor(tmp_path, *SIZES)
     with pytest.raises(ValueError, match="int8"):
         EngineConfig.from_params({"executor": "compiled", "anchor_dtype": "int8"})
+
+
+def test_compiled_snapshot_beside_rows_shorter_than_the_conv(model, aot_engine):
+    """A mixed prefill step: a row with a snapshot beside rows of one and two new tokens
+    (fewer than the conv's W - 1 = 3 inputs): the graph's gathers stay in bounds."""
+    eager, compiled = _pair(model, aot_engine[1])
+    V = model.config.vocab_size
+    p0, p1 = random_prompt(80, V, 41), random_prompt(30, V, 42)
+    tables = torch.arange(0, 8), torch.arange(8, 12), torch.arange(12, 16)
+    for ex in (eager, compiled):
+        ex.forward([SeqInput(p1[:28], 0, tables[1], 1), SeqInput(p1[:10], 0, tables[2], 2)])
+    step = [SeqInput(p0, 0, tables[0], 0), SeqInput(p1[28:], 28, tables[1], 1),
+            SeqInput(p1[10:11], 10, tables[2], 2)]
+    snaps = [(0, 64, 3)]
+    _close(compiled.forward(step, snapshots=snaps), eager.forward(step, snapshots=snaps))
+    for a, b in zip(eager.saved_states.conv + eager.saved_states.rec,
+                    compiled.saved_states.conv + compiled.saved_states.rec):
+        _close(b[3], a[3])

@@ -152,3 +152,34 @@ def test_fake_implementations_give_output_shapes():
     assert tuple(o.shape) == (12, 3, 24) and tuple(s.shape) == (3, 3, 16, 24)
     assert s.dtype == torch.float32
     assert tuple(y.shape) == (12, 10) and tuple(cs.shape) == (3, 10, 3)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_scan_snapshots_are_the_states_of_the_prefixes(with_state):
+    """gated_delta_scan_snap: outputs and final states as gated_delta_scan; the snapshot of
+    a sequence is the final state of scanning its first `offset` tokens alone (offset 0:
+    its final state)."""
+    lengths, offsets = [200, 70, 130, 64], [128, 0, 64, 64]
+    q, k, v, g, beta, cu, h0 = _scan_inputs(lengths, 2, 16, 24, seed=5, with_state=with_state)
+    off = torch.tensor(offsets)
+    o, s, snap = torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0, off,
+                                                              0.3)
+    want_o, want_s = ref.gated_delta_scan_ref(q, k, v, g, beta, cu, h0, 0.3)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
+    for n, (a, m) in enumerate(zip(cu[:-1].tolist(), offsets)):
+        if m == 0:
+            torch.testing.assert_close(snap[n], s[n])
+            continue
+        init = h0[n:n + 1] if with_state else None
+        _, want = ref.gated_delta_scan_ref(q[a:a + m], k[a:a + m], v[a:a + m], g[a:a + m],
+                                           beta[a:a + m], _cu([m]), init, 0.3)
+        torch.testing.assert_close(snap[n], want[0], atol=2e-5, rtol=1e-4)
+        if m < lengths[n]:  # a state of its own, not the final one
+            assert not torch.allclose(snap[n], s[n])
+    with pytest.raises(ValueError, match="within their sequences"):
+        torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0,
+                                                     torch.tensor([0, 128, 0, 0]), 0.3)
+    with pytest.raises(ValueError, match="multiples of 64"):
+        torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0,
+                                                     torch.tensor([100, 0, 0, 0]), 0.3)
