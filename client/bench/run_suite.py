@@ -25,7 +25,12 @@ from backend.model import load_model
 from client.bench import sim as simulator
 from client.bench import workloads as W
 from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
-from client.bench.suite import measure_in_process, run_served, summarize
+from client.bench.suite import (
+    measure_in_process,
+    run_served,
+    run_served_interleaved,
+    summarize,
+)
 from client.bench.systems import (
     SGLANG,
     SYSTEMS,
@@ -51,6 +56,8 @@ BRANCH_BUDGET = Budget(device_budget_bytes=80 << 20, host_pages=64)
 # rest (the collection's pages are several times the device budget).
 RAG_BUDGET = Budget(device_budget_bytes=2 << 20, host_pages=64)
 SWEEP_SYSTEMS = ("nocache", "checkpoint", SGLANG, "suffixreplay")
+# Closed-loop workloads whose keys compare TTFTs: served interleaved across their systems.
+INTERLEAVED_KINDS = ("sharegpt", "agentic", "sweep")
 # Capacity as in the papers: state checkpoints live in fixed device slots (SGLang, also with
 # its KV offloaded to DRAM: pcr_dram), anchors page with their KV through every tier (ours).
 CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
@@ -122,12 +129,53 @@ class Runner:
                 records = run_served(srv.urls.grpc, wl)
                 out[wl.name] = summarize(records, _metrics_delta(before, _counters(
                     srv.urls.metrics)), time.perf_counter() - t0)
-                self.records[f"{wl.name}/{system}"] = [
-                    {"rid": r.rid, "tag": r.tag, "prompt_tokens": r.prompt_tokens,
-                     "ttft": r.ttft, "e2el": r.e2el, "cached_tokens": r.cached_tokens,
-                     "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens,
-                     "error": r.error} for r in records]
+                self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in records]
         return out
+
+
+    def run_interleaved(self, jobs: list[tuple[W.Workload, tuple[str, ...]]], budget: Budget,
+                        progress) -> dict[str, dict[str, dict]]:
+        """Closed-loop workloads on one server per system, all serving at once; each request
+        goes to every system of its workload before the next request goes to any
+        (`run_served_interleaved`), so host noise lands on every system alike. Returns
+        {workload: {system: summary}}."""
+        from contextlib import ExitStack
+
+        from client.bench.serving import served_repository
+
+        systems = list(dict.fromkeys(s for _, ss in jobs for s in ss))
+        out: dict[str, dict[str, dict]] = {}
+        with ExitStack() as stack:
+            urls = {}
+            for system in systems:
+                ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
+                srv = stack.enter_context(served_repository(
+                    system_params(system, self.cfg, budget, self.k_max, ssd),
+                    stop_in_background=True))
+                run_served(srv.urls.grpc, _warmup())
+                urls[system] = srv.urls
+            for wl, wl_systems in jobs:
+                for system in wl_systems:
+                    progress(wl.name, system)
+                for req in wl.requests:
+                    req.salt = f"{wl.name}/{req.salt}"
+                before = {s: _counters(urls[s].metrics) for s in wl_systems}
+                records = run_served_interleaved({s: urls[s].grpc for s in wl_systems}, wl)
+                for system, recs in records.items():
+                    delta = _metrics_delta(before[system], _counters(urls[system].metrics))
+                    # Each system's own time: the sum of its (sequential) requests.
+                    busy = sum(r.e2el for r in recs)
+                    out.setdefault(wl.name, {})[system] = summarize(recs, delta, busy,
+                                                                   busy_spans=True)
+                    self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in recs]
+        return out
+
+
+def _record_row(r) -> dict:
+    return {"rid": r.rid, "tag": r.tag, "prompt_tokens": r.prompt_tokens, "ttft": r.ttft,
+            "e2el": r.e2el, "cached_tokens": r.cached_tokens,
+            "replayed_anchors": r.replayed_anchors, "output_tokens": r.output_tokens,
+            "error": r.error}
 
 
 def _warmup() -> W.Workload:
@@ -182,17 +230,28 @@ def run(args: argparse.Namespace) -> dict:
     runner = Runner(Path(args.model), args.in_process, BRANCH_BUDGET, work)
     results: dict[str, dict] = {}
     jobs = build_jobs(p, runner)
+    # Through the server, the branching workloads and the sweep (closed loop, TTFT keys)
+    # run interleaved across their systems; the rest one system after another.
+    interleaved: dict[Budget, list] = {}
     groups: dict[tuple[str, Budget], list[W.Workload]] = {}
-    for _, workload, systems, budget in jobs:
+    for kind, workload, systems, budget in jobs:
+        if kind in INTERLEAVED_KINDS and not args.in_process:
+            interleaved.setdefault(budget, []).append((workload, systems))
+            continue
         for system in systems:
             groups.setdefault((system, budget), []).append(workload)
-    bar = tqdm(total=sum(len(v) for v in groups.values()), desc="bench suite", unit="run")
+    total = sum(len(v) for v in groups.values()) + sum(
+        len(systems) for v in interleaved.values() for _, systems in v)
+    bar = tqdm(total=total, desc="bench suite", unit="run")
 
     def progress(workload: str, system: str) -> None:
         bar.set_postfix(workload=workload, system=system)
         bar.update(1)
 
     t0 = time.time()
+    for budget, wl_jobs in interleaved.items():
+        for name, by_system in runner.run_interleaved(wl_jobs, budget, progress).items():
+            results.setdefault(name, {}).update(by_system)
     for (system, budget), workloads in groups.items():
         for name, summary in runner.run_system(system, workloads, budget, progress).items():
             results.setdefault(name, {})[system] = summary

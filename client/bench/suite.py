@@ -9,6 +9,7 @@ Both record per request: TTFT, end-to-end latency, inter-token latencies, cached
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 import time
@@ -116,31 +117,50 @@ def run_in_process(engine: Engine, workload: Workload, timeout_s: float = 600.0)
     return list(records.values())
 
 
+def _send(grpc_url: str, req: BenchRequest, rec: Record) -> None:
+    """One request through tritonserver (gRPC streaming, ensemble), recorded into `rec`."""
+    from client.generate import GenerateParams, stream_grpc
+
+    text = bytes(t for t in req.prompt if t < 256).decode("utf-8", "replace")
+    params = GenerateParams(text, max_tokens=req.max_tokens, min_tokens=req.max_tokens,
+                            top_k=1, cache_salt=req.salt)
+    try:
+        for chunk in stream_grpc(grpc_url, params):
+            now = time.perf_counter()
+            rec.first = rec.first or now
+            rec.token_times.append(now)
+            rec.output_tokens += chunk.counts.get("num_output_tokens", 1)
+            rec.cached_tokens = max(rec.cached_tokens, chunk.counts.get("cached_tokens", 0))
+            rec.replayed_anchors = max(rec.replayed_anchors,
+                                       chunk.counts.get("replayed_anchors", 0))
+    except Exception as e:  # the record shows the failure; the run goes on
+        rec.error = str(e)
+    rec.last = time.perf_counter()
+
+
+def run_served_interleaved(grpc_urls: dict[str, str], workload: Workload) -> dict[str, list]:
+    """A closed-loop workload on several servers at once, request by request: request i goes
+    to every server (in an order that rotates with i) before request i + 1 goes to any. Each
+    server still sees the workload's requests in order, one at a time, and the systems'
+    measurements of one request lie seconds apart, so a noisy host moves them together."""
+    if any(r.arrival is not None for r in workload.requests):
+        raise ValueError(f"{workload.name}: interleaving needs a closed-loop workload")
+    systems = list(grpc_urls)
+    records: dict[str, list[Record]] = {s: [] for s in systems}
+    for i, req in enumerate(workload.requests):
+        for system in systems[i % len(systems):] + systems[:i % len(systems)]:
+            rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
+            records[system].append(rec)
+            _send(grpc_urls[system], req, rec)
+    return records
+
+
 def run_served(grpc_url: str, workload: Workload, timeout_s: float = 600.0) -> list[Record]:
     """The same workload through tritonserver (gRPC streaming, ensemble), one thread per
     open-loop request."""
-    from client.generate import GenerateParams, stream_grpc
-
     records: list[Record] = []
     threads: list[threading.Thread] = []
-
-    def one(req: BenchRequest, rec: Record) -> None:
-        text = bytes(t for t in req.prompt if t < 256).decode("utf-8", "replace")
-        params = GenerateParams(text, max_tokens=req.max_tokens, min_tokens=req.max_tokens,
-                                top_k=1, cache_salt=req.salt)
-        try:
-            for chunk in stream_grpc(grpc_url, params):
-                now = time.perf_counter()
-                rec.first = rec.first or now
-                rec.token_times.append(now)
-                rec.output_tokens += chunk.counts.get("num_output_tokens", 1)
-                rec.cached_tokens = max(rec.cached_tokens, chunk.counts.get("cached_tokens", 0))
-                rec.replayed_anchors = max(rec.replayed_anchors,
-                                           chunk.counts.get("replayed_anchors", 0))
-        except Exception as e:  # the record shows the failure; the run goes on
-            rec.error = str(e)
-        rec.last = time.perf_counter()
-
+    one = functools.partial(_send, grpc_url)
     t0 = time.perf_counter()
     for req in workload.requests:
         if req.arrival is not None:
@@ -164,7 +184,10 @@ def _span(records: list[Record]) -> float:
     return max(r.last or r.submitted for r in records) - min(r.submitted for r in records)
 
 
-def summarize(records: list[Record], engine_stats: dict | None, makespan: float) -> dict:
+def summarize(records: list[Record], engine_stats: dict | None, makespan: float,
+              busy_spans: bool = False) -> dict:
+    """busy_spans: per-tag spans are the sum of the tag's request times (closed-loop records
+    interleaved with other systems' requests), not first submission to last token."""
     ok = [r for r in records if r.error is None]
     by_tag: dict[str, list[Record]] = {}
     for r in ok:
@@ -181,8 +204,9 @@ def summarize(records: list[Record], engine_stats: dict | None, makespan: float)
         "throughput_requests_per_s": len(ok) / makespan if makespan else 0,
         # Per tag, over the span from the tag's first submission to its last token (e.g. the
         # steady state of repeated passes, without the first pass that fills the cache).
-        "throughput_requests_per_s_by_tag": {t: len(rs) / span for t, rs in by_tag.items()
-                                             if (span := _span(rs)) > 0},
+        "throughput_requests_per_s_by_tag": {
+            t: len(rs) / span for t, rs in by_tag.items()
+            if (span := sum(r.e2el for r in rs) if busy_spans else _span(rs)) > 0},
         "prompt_tokens": prompt_tokens, "cached_tokens": sum(r.cached_tokens for r in ok),
         "hit_rate": sum(r.cached_tokens for r in ok) / max(prompt_tokens, 1),
         "replayed_anchors": sum(r.replayed_anchors for r in ok),
