@@ -21,7 +21,7 @@ def test_interleaved_requests_reach_every_server_in_turn(triton_server):
                                                      ("b", branch, "branch"),
                                                      ("t2", trunk + [10, 65], "turn"))])
     records = run_served_interleaved(urls, wl)
-    for policy, recs in records.items():
+    for recs in records.values():
         assert [r.rid for r in recs] == ["t", "b", "t2"]
         assert all(r.error is None and r.output_tokens == 2 for r in recs)
     # Request i reaches both servers before request i + 1 reaches either; who goes first
