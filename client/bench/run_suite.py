@@ -21,12 +21,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from backend.engine import Engine
 from backend.model import load_model
 from client.bench import sim as simulator
 from client.bench import workloads as W
 from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
 from client.bench.suite import (
     measure_in_process,
+    run_in_process_interleaved,
     run_served,
     run_served_interleaved,
     summarize,
@@ -138,16 +140,32 @@ class Runner:
 
     def run_interleaved(self, jobs: list[tuple[W.Workload, tuple[str, ...]]], budget: Budget,
                         progress) -> dict[str, dict[str, dict]]:
-        """Closed-loop workloads on one server per system, all serving at once; each request
-        goes to every system of its workload before the next request goes to any
-        (`run_served_interleaved`), so host noise lands on every system alike. Returns
-        {workload: {system: summary}}."""
+        """Closed-loop workloads on one server (or in-process engine) per system, all serving
+        at once; each request goes to every system of its workload before the next request
+        goes to any (`run_served_interleaved`), so host noise lands on every system alike.
+        Returns {workload: {system: summary}}."""
         from contextlib import ExitStack
 
         from client.bench.serving import served_repository
 
         systems = list(dict.fromkeys(s for _, ss in jobs for s in ss))
         out: dict[str, dict[str, dict]] = {}
+        if self.in_process:  # fresh engines per workload, as `run_system` has them
+            for wl, wl_systems in jobs:
+                engines = {}
+                for system in wl_systems:
+                    progress(wl.name, system)
+                    ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
+                    engines[system] = Engine(self.model, engine_config(
+                        system, self.cfg, budget, self.k_max, ssd))
+                records = run_in_process_interleaved(engines, wl)
+                for system, recs in records.items():
+                    busy = sum(r.e2el for r in recs)
+                    out.setdefault(wl.name, {})[system] = summarize(
+                        recs, engines[system].stats(), busy, busy_spans=True)
+                    engines[system].store.assert_invariants()
+                    self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in recs]
+            return out
         with ExitStack() as stack:
             urls = {}
             for system in systems:
@@ -233,12 +251,12 @@ def run(args: argparse.Namespace) -> dict:
     runner = Runner(Path(args.model), args.in_process, BRANCH_BUDGET, work)
     results: dict[str, dict] = {}
     jobs = build_jobs(p, runner)
-    # Through the server, the branching workloads and the sweep (closed loop, TTFT keys)
-    # run interleaved across their systems; the rest one system after another.
+    # The branching workloads and the sweep (closed loop, TTFT keys) run interleaved across
+    # their systems (servers, or engines in-process); the rest one system after another.
     interleaved: dict[Budget, list] = {}
     groups: dict[tuple[str, Budget], list[W.Workload]] = {}
     for kind, workload, systems, budget in jobs:
-        if kind in INTERLEAVED_KINDS and not args.in_process:
+        if kind in INTERLEAVED_KINDS:
             interleaved.setdefault(budget, []).append((workload, systems))
             continue
         for system in systems:

@@ -117,6 +117,47 @@ def run_in_process(engine: Engine, workload: Workload, timeout_s: float = 600.0)
     return list(records.values())
 
 
+def run_in_process_interleaved(engines: dict[str, Engine], workload: Workload,
+                               timeout_s: float = 600.0) -> dict[str, list[Record]]:
+    """`run_served_interleaved` on in-process engines (each on its own thread, sharing the
+    model's weights): request i goes to every engine before request i + 1 goes to any."""
+    if any(r.arrival is not None for r in workload.requests):
+        raise ValueError(f"{workload.name}: interleaving needs a closed-loop workload")
+    systems = list(engines)
+    records: dict[str, list[Record]] = {s: [] for s in systems}
+    for engine in engines.values():
+        engine.start()
+    try:
+        for i, req in enumerate(workload.requests):
+            for system in systems[i % len(systems):] + systems[:i % len(systems)]:
+                rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
+                records[system].append(rec)
+                done = threading.Event()
+
+                def on_output(out, rec=rec, done=done) -> None:
+                    now = time.perf_counter()
+                    if out.new_token_ids:
+                        rec.first = rec.first or now
+                        rec.token_times += [now] * len(out.new_token_ids)
+                        rec.output_tokens += len(out.new_token_ids)
+                    rec.cached_tokens = max(rec.cached_tokens, out.cached_tokens)
+                    rec.replayed_anchors = max(rec.replayed_anchors, out.replayed_anchors)
+                    if out.finished:
+                        rec.last = now
+                        rec.error = "error" if out.finish_reason == "error" else None
+                        done.set()
+
+                engines[system].submit(Request(f"{system}/{req.rid}", list(req.prompt),
+                                               _sampling(req), cache_salt=req.salt,
+                                               on_output=on_output))
+                if not done.wait(timeout_s):
+                    raise TimeoutError(f"{workload.name}: {req.rid} on {system} hung")
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    return records
+
+
 def _send(grpc_url: str, req: BenchRequest, rec: Record) -> None:
     """One request through tritonserver (gRPC streaming, ensemble), recorded into `rec`."""
     from client.generate import GenerateParams, stream_grpc

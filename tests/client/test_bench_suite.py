@@ -102,6 +102,27 @@ def test_sglang_placement_resumes_siblings_at_the_parent_then_the_branch_point(m
     assert cached["suffixreplay"][2:] == [shared // 64 * 64] * 2
 
 
+def test_in_process_interleaving_alternates_engines_and_keeps_their_caches_apart(model):
+    from backend.engine import Engine
+    from client.bench.suite import run_in_process_interleaved
+
+    wl = W.sharegpt(seed=1, sessions=1, turns=4, branch_prob=0.6)
+    engines = {s: Engine(model, engine_config(s, model.config, Budget(), 4))
+               for s in ("suffixreplay", "checkpoint")}
+    records = run_in_process_interleaved(engines, wl)
+    rids = [r.rid for r in wl.requests]
+    for system, recs in records.items():
+        assert [r.rid for r in recs] == rids
+        assert all(r.error is None and r.output_tokens == 8 for r in recs)
+        engines[system].store.assert_invariants()
+    pairs = list(zip(records["suffixreplay"], records["checkpoint"]))
+    for (a, b), (c, d) in zip(pairs, pairs[1:]):
+        assert max(a.last, b.last) <= min(c.submitted, d.submitted)
+    assert {a.submitted < b.submitted for a, b in pairs} == {True, False}  # order rotates
+    cached = {s: sum(r.cached_tokens for r in recs) for s, recs in records.items()}
+    assert cached["suffixreplay"] > cached["checkpoint"] > 0
+
+
 def test_simulator_hit_rates_follow_the_policies(model):
     wl = W.sharegpt(seed=1, sessions=2, turns=4, branch_prob=0.6)
     cost = sim.CostModel(0.001, 1e-4, 1e-8, 1e-5, 1e-3)
