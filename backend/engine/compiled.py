@@ -84,17 +84,19 @@ class CompiledExecutor(ExecutorBuffers):
 
     @classmethod
     def from_graphs(cls, model, num_kv_pages: int, page_size: int, num_run_slots: int,
-                    num_saved_slots: int, num_anchor_rows: int) -> CompiledExecutor:
+                    num_saved_slots: int, num_anchor_rows: int,
+                    snapshots: bool = True) -> CompiledExecutor:
         """The same executor over the uncompiled graphs (`backend.model.packed`), run eagerly:
-        checks the packed formulation apart from compilation."""
+        checks the packed formulation apart from compilation (`snapshots=False`: the prefill
+        graph of CUDA engines, without mid-step states)."""
         from backend.model.packed import ReplayGraph, StepGraph
 
         self = cls.__new__(cls)
         self._setup(model.config, model.device, model.dtype, num_kv_pages, page_size,
                     num_run_slots, num_saved_slots, num_anchor_rows, False)
         self.meta = {"backend": "eager-graphs"}
-        self._snapshots = True
-        self.prefill = torch.inference_mode()(StepGraph(model, snapshots=True).eval())
+        self._snapshots = snapshots
+        self.prefill = torch.inference_mode()(StepGraph(model, snapshots=snapshots).eval())
         self.decode = torch.inference_mode()(StepGraph(model, decode=True).eval())
         self.replays = [torch.inference_mode()(ReplayGraph(model, g).eval())
                         for g in range(model.config.num_groups)]

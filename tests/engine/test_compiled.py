@@ -78,6 +78,22 @@ def test_eager_graphs_match_eager_model(model):
         _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
 
 
+def test_graphs_without_snapshots_run_like_cuda_engines(model):
+    """The prefill graph CUDA engines get (no snapshot inputs): same logits and states, no
+    mid-step states offered, and asking for one is an error."""
+    eager = TorchExecutor(model, *SIZES)
+    graphs = CompiledExecutor.from_graphs(model, *SIZES, snapshots=False)
+    assert not graphs.supports_snapshots
+    for seqs, src, dst in _steps(model):
+        _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
+    for a, b in zip(eager.run_states.rec, graphs.run_states.rec):
+        _close(b, a, atol=1e-5)
+    prefix, step, snaps = _snapshot_step(model)
+    graphs.forward(prefix)
+    with pytest.raises(ValueError, match="cannot save states mid-step"):
+        graphs.forward(step, snapshots=snaps)
+
+
 def _snapshot_step(model):
     """A fresh 150-token row and an 80-token continuation of a 20-token prefix, each with
     one mid-step state to save (after 128 and 64 new tokens; saved slots 1 and 2)."""
