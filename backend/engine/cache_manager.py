@@ -49,7 +49,7 @@ class CacheManager:
         if n and self.policy == "checkpoint":
             nodes, restored = self._resume_checkpoint(seq, nodes)
             n, live = len(nodes), None
-        if self.policy == "checkpoint" and match.num_cached_pages > n:
+        if self.sglang_placement and match.num_cached_pages > n:
             # KV cached past the deepest state: SGLang's branch point (where the "sglang"
             # placement saves this prompt's state, for the siblings that follow).
             branch_point = match.num_cached_pages * self.page_size

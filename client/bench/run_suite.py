@@ -159,12 +159,10 @@ class Runner:
                     engines[system] = Engine(self.model, engine_config(
                         system, self.cfg, budget, self.k_max, ssd))
                 records = run_in_process_interleaved(engines, wl)
-                for system, recs in records.items():
-                    busy = sum(r.e2el for r in recs)
-                    out.setdefault(wl.name, {})[system] = summarize(
-                        recs, engines[system].stats(), busy, busy_spans=True)
-                    engines[system].store.assert_invariants()
-                    self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in recs]
+                for engine in engines.values():
+                    engine.store.assert_invariants()
+                out[wl.name] = self._keep(wl, records,
+                                          {s: e.stats() for s, e in engines.items()})
             return out
         with ExitStack() as stack:
             urls = {}
@@ -182,13 +180,19 @@ class Runner:
                     req.salt = f"{wl.name}/{req.salt}"
                 before = {s: _counters(urls[s].metrics) for s in wl_systems}
                 records = run_served_interleaved({s: urls[s].grpc for s in wl_systems}, wl)
-                for system, recs in records.items():
-                    delta = _metrics_delta(before[system], _counters(urls[system].metrics))
-                    # Each system's own time: the sum of its (sequential) requests.
-                    busy = sum(r.e2el for r in recs)
-                    out.setdefault(wl.name, {})[system] = summarize(recs, delta, busy,
-                                                                   busy_spans=True)
-                    self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in recs]
+                out[wl.name] = self._keep(wl, records, {
+                    s: _metrics_delta(before[s], _counters(urls[s].metrics))
+                    for s in wl_systems})
+        return out
+
+    def _keep(self, wl: W.Workload, records: dict[str, list], stats: dict[str, dict]) -> dict:
+        """Summaries (and records) of one interleaved workload, per system. Each system's
+        time is the sum of its own (sequential) requests."""
+        out = {}
+        for system, recs in records.items():
+            busy = sum(r.e2el for r in recs)
+            out[system] = summarize(recs, stats[system], busy, busy_spans=True)
+            self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in recs]
         return out
 
 

@@ -45,6 +45,20 @@ class Record:
     def itls(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
 
+    def take(self, out, now: float) -> bool:
+        """Records one engine output (`RequestOutput`) seen at `now`; True once finished."""
+        if out.new_token_ids:
+            self.first = self.first or now
+            self.token_times += [now] * len(out.new_token_ids)
+            self.output_tokens += len(out.new_token_ids)
+        self.cached_tokens = max(self.cached_tokens, out.cached_tokens)
+        self.replayed_anchors = max(self.replayed_anchors, out.replayed_anchors)
+        if out.finished:
+            self.last = now
+            if out.finish_reason == "error":
+                self.error = "error"
+        return out.finished
+
 
 def percentile(values: list[float], q: float) -> float:
     if not values:
@@ -78,17 +92,7 @@ def run_in_process(engine: Engine, workload: Workload, timeout_s: float = 600.0)
     def on_output(out) -> None:
         now = time.perf_counter()
         with lock:
-            rec = records[out.request_id]
-            if out.new_token_ids:
-                rec.first = rec.first or now
-                rec.token_times += [now] * len(out.new_token_ids)
-                rec.output_tokens += len(out.new_token_ids)
-            rec.cached_tokens = max(rec.cached_tokens, out.cached_tokens)
-            rec.replayed_anchors = max(rec.replayed_anchors, out.replayed_anchors)
-            if out.finished:
-                rec.last = now
-                if out.finish_reason == "error":
-                    rec.error = "error"
+            if records[out.request_id].take(out, now):
                 done[out.request_id].set()
 
     engine.start()
@@ -117,45 +121,48 @@ def run_in_process(engine: Engine, workload: Workload, timeout_s: float = 600.0)
     return list(records.values())
 
 
-def run_in_process_interleaved(engines: dict[str, Engine], workload: Workload,
-                               timeout_s: float = 600.0) -> dict[str, list[Record]]:
-    """`run_served_interleaved` on in-process engines (each on its own thread, sharing the
-    model's weights): request i goes to every engine before request i + 1 goes to any."""
+def _interleave(systems: list[str], workload: Workload, send) -> dict[str, list[Record]]:
+    """Request i of a closed-loop workload goes to every system (in an order that rotates
+    with i) before request i + 1 goes to any; `send(system, req, rec)` runs one request to
+    its end. Each system still sees the workload's requests in order, one at a time, and the
+    systems' measurements of one request lie seconds apart, so a noisy host moves them
+    together."""
     if any(r.arrival is not None for r in workload.requests):
         raise ValueError(f"{workload.name}: interleaving needs a closed-loop workload")
-    systems = list(engines)
     records: dict[str, list[Record]] = {s: [] for s in systems}
+    for i, req in enumerate(workload.requests):
+        k = i % len(systems)
+        for system in systems[k:] + systems[:k]:
+            rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
+            records[system].append(rec)
+            send(system, req, rec)
+    return records
+
+
+def run_in_process_interleaved(engines: dict[str, Engine], workload: Workload,
+                               timeout_s: float = 600.0) -> dict[str, list[Record]]:
+    """`_interleave` over in-process engines (each on its own thread, sharing the model's
+    weights)."""
+
+    def send(system: str, req: BenchRequest, rec: Record) -> None:
+        done = threading.Event()
+
+        def on_output(out) -> None:
+            if rec.take(out, time.perf_counter()):
+                done.set()
+
+        engines[system].submit(Request(f"{system}/{req.rid}", list(req.prompt), _sampling(req),
+                                       cache_salt=req.salt, on_output=on_output))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"{workload.name}: {req.rid} on {system} hung")
+
     for engine in engines.values():
         engine.start()
     try:
-        for i, req in enumerate(workload.requests):
-            for system in systems[i % len(systems):] + systems[:i % len(systems)]:
-                rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
-                records[system].append(rec)
-                done = threading.Event()
-
-                def on_output(out, rec=rec, done=done) -> None:
-                    now = time.perf_counter()
-                    if out.new_token_ids:
-                        rec.first = rec.first or now
-                        rec.token_times += [now] * len(out.new_token_ids)
-                        rec.output_tokens += len(out.new_token_ids)
-                    rec.cached_tokens = max(rec.cached_tokens, out.cached_tokens)
-                    rec.replayed_anchors = max(rec.replayed_anchors, out.replayed_anchors)
-                    if out.finished:
-                        rec.last = now
-                        rec.error = "error" if out.finish_reason == "error" else None
-                        done.set()
-
-                engines[system].submit(Request(f"{system}/{req.rid}", list(req.prompt),
-                                               _sampling(req), cache_salt=req.salt,
-                                               on_output=on_output))
-                if not done.wait(timeout_s):
-                    raise TimeoutError(f"{workload.name}: {req.rid} on {system} hung")
+        return _interleave(list(engines), workload, send)
     finally:
         for engine in engines.values():
             engine.stop()
-    return records
 
 
 def _send(grpc_url: str, req: BenchRequest, rec: Record) -> None:
@@ -180,20 +187,9 @@ def _send(grpc_url: str, req: BenchRequest, rec: Record) -> None:
 
 
 def run_served_interleaved(grpc_urls: dict[str, str], workload: Workload) -> dict[str, list]:
-    """A closed-loop workload on several servers at once, request by request: request i goes
-    to every server (in an order that rotates with i) before request i + 1 goes to any. Each
-    server still sees the workload's requests in order, one at a time, and the systems'
-    measurements of one request lie seconds apart, so a noisy host moves them together."""
-    if any(r.arrival is not None for r in workload.requests):
-        raise ValueError(f"{workload.name}: interleaving needs a closed-loop workload")
-    systems = list(grpc_urls)
-    records: dict[str, list[Record]] = {s: [] for s in systems}
-    for i, req in enumerate(workload.requests):
-        for system in systems[i % len(systems):] + systems[:i % len(systems)]:
-            rec = Record(req.rid, req.tag, len(req.prompt), submitted=time.perf_counter())
-            records[system].append(rec)
-            _send(grpc_urls[system], req, rec)
-    return records
+    """`_interleave` over several servers at once (one per system)."""
+    return _interleave(list(grpc_urls), workload,
+                       lambda system, req, rec: _send(grpc_urls[system], req, rec))
 
 
 def run_served(grpc_url: str, workload: Workload, timeout_s: float = 600.0) -> list[Record]:
