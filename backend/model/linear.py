@@ -4,16 +4,18 @@
 slow (decode multiplies 1-8 rows by every weight matrix of the model): a weight reordered once
 into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) and multiplied with
 `torch.ops.mkldnn._linear_pointwise` is 1.3-6x faster on this project's CPU for decode-sized
-inputs (1.1-1.35x for prefill-sized ones, which it does not take: below). Tiny products stay
+inputs and 1.2-1.5x for prefill-sized ones. Tiny products stay
 on `F.linear`: oneDNN's per-call dispatch (~14 us) costs more than it saves below ~64K
 multiply-adds (measured over all of the default model's linears in a row, where weights come
 from memory, not cache: 2.3-2.4 ms against 3.0 ms with a 1M threshold at batch 1).
 
-oneDNN builds (and caches, ~0.5 MB each, never returning the memory) one primitive per
+oneDNN builds (and caches, ~0.5-2 MB each, never returning the memory) one primitive per
 input row count: a server whose steps carry any number of tokens grew by 1.5 GB in a 6-minute
-soak. So the packed path takes decode-sized inputs only, at most `MAX_PACKED_ROWS` rows,
-zero-padded up to a power of two (a handful of primitives per weight shape; padding rows cost
-little where the weights' bytes dominate); larger inputs (prefill, replay) use `F.linear`.
+soak when every row count reached it. So what reaches oneDNN has few row counts: up to
+`MAX_PACKED_ROWS` rows (decode) are zero-padded up to a power of two; larger inputs (prefill,
+replay; 1.2-1.5x faster than `F.linear` on this CPU at 256-2048 rows) are padded to a multiple
+of `ROW_ALIGN` and cut into power-of-two pieces of at most `MAX_CHUNK_ROWS` rows. Every weight
+shape thus sees at most 11 row counts (1, 2, 4, ..., 1024), whatever the batches.
 
 `pack_linears(model)` (called by `load_model` on CPU models) snapshots every `Linear`'s weight;
 the plain weight stays the parameter (state dicts, export and the compiled engine see an
@@ -34,7 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 MIN_MACS = 1 << 16  # below this many multiply-adds per call, F.linear is faster
-MAX_PACKED_ROWS = 64  # larger inputs use F.linear (see the module doc: one primitive per shape)
+MAX_PACKED_ROWS = 64  # up to here: padded to a power of two (see the module doc)
+ROW_ALIGN = 64  # larger inputs: padded to a multiple of this and cut into pieces
+MAX_CHUNK_ROWS = 1024  # the largest piece (a power-of-two multiple of ROW_ALIGN)
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -66,8 +70,10 @@ class Linear(nn.Linear):
         if (p is not None and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
                 and x.is_cpu and x.dtype == p.dtype and self.weight is self._packed_from):
             rows = x.numel() // self.in_features
-            if rows <= MAX_PACKED_ROWS and rows * self.in_features * self.out_features >= MIN_MACS:
-                return _packed_linear(x, rows, p, self.bias)
+            if rows * self.in_features * self.out_features >= MIN_MACS:
+                if rows <= MAX_PACKED_ROWS:
+                    return _packed_linear(x, rows, p, self.bias)
+                return _packed_linear_pieces(x, rows, p, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -80,6 +86,40 @@ def _packed_linear(x: torch.Tensor, rows: int, packed: torch.Tensor,
         flat = F.pad(flat, (0, 0, 0, bucket - rows))
     y = _pointwise(flat, packed, bias, "none", [], "")
     return y[:rows].view(*x.shape[:-1], y.shape[-1])
+
+
+def row_pieces(rows: int) -> list[tuple[int, int]]:
+    """(start, size) pieces covering `rows` rounded up to ROW_ALIGN: each size a power-of-two
+    multiple of ROW_ALIGN of at most MAX_CHUNK_ROWS, largest first."""
+    total = -(-rows // ROW_ALIGN) * ROW_ALIGN
+    pieces, start = [], 0
+    while start < total:
+        size = min(MAX_CHUNK_ROWS, 1 << ((total - start).bit_length() - 1))
+        pieces.append((start, size))
+        start += size
+    return pieces
+
+
+def _packed_linear_pieces(x: torch.Tensor, rows: int, packed: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] with more than MAX_PACKED_ROWS rows through the packed weight, a piece at a
+    time (`row_pieces`; the last one zero-padded)."""
+    flat = x.reshape(rows, x.shape[-1])
+    pieces = row_pieces(rows)
+    out = None
+    for start, size in pieces:
+        part = flat[start:start + size]
+        if part.shape[0] < size:
+            part = F.pad(part, (0, 0, 0, size - part.shape[0]))
+        y = _pointwise(part, packed, bias, "none", [], "")
+        if len(pieces) == 1:
+            out = y[:rows]
+            break
+        if out is None:
+            out = y.new_empty(rows, y.shape[-1])
+        n = min(size, rows - start)
+        out[start:start + n] = y[:n]
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _pointwise(*args):  # a seam for tests: every call that reaches oneDNN

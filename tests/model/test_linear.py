@@ -9,11 +9,14 @@ import torch.nn.functional as F
 from backend.model import linear as linear_mod
 from backend.model import load_model
 from backend.model.linear import (
+    MAX_CHUNK_ROWS,
     MAX_PACKED_ROWS,
     MIN_MACS,
+    ROW_ALIGN,
     Linear,
     pack_linears,
     packing_available,
+    row_pieces,
     unpack_linears,
 )
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
@@ -97,8 +100,8 @@ def test_env_turns_packing_off(monkeypatch, tiny_model_dir):
 
 def test_onednn_sees_few_row_counts(monkeypatch):
     """oneDNN keeps one primitive (and its memory) per input shape: whatever the number of
-    rows, what reaches it is a power of two up to MAX_PACKED_ROWS; more rows take F.linear.
-    Results equal F.linear either way."""
+    rows, what reaches it is a power of two up to MAX_CHUNK_ROWS (small inputs padded, larger
+    ones cut into pieces). Results equal F.linear either way."""
     seen = []
 
     def spy(*args):
@@ -107,15 +110,35 @@ def test_onednn_sees_few_row_counts(monkeypatch):
 
     monkeypatch.setattr(linear_mod, "_pointwise", spy)
     lin = _packed(512, 512, True)
-    for rows in range(1, 3 * MAX_PACKED_ROWS):
+    for rows in [*range(1, 3 * MAX_PACKED_ROWS), 300, 1000, 1024, 1500, 2 * MAX_CHUNK_ROWS + 65]:
         x = torch.randn(rows, 512)
         with torch.inference_mode():
             y = lin(x)
         ref = F.linear(x, lin.weight, lin.bias)
-        if rows > MAX_PACKED_ROWS:
-            assert torch.equal(y, ref)
-        else:
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
-    powers = {1 << i for i in range(MAX_PACKED_ROWS.bit_length())}
-    assert set(seen) <= powers and max(seen) == MAX_PACKED_ROWS
-    assert len(seen) == MAX_PACKED_ROWS  # every small row count went through oneDNN
+        assert y.shape == ref.shape
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    powers = {1 << i for i in range(MAX_CHUNK_ROWS.bit_length())}
+    assert set(seen) <= powers and max(seen) == MAX_CHUNK_ROWS
+    assert len(set(seen)) == len(powers)  # every power of two up to the largest piece
+
+
+def test_row_pieces_cover_the_rows_in_few_sizes():
+    for rows in range(MAX_PACKED_ROWS + 1, 3 * MAX_CHUNK_ROWS, 37):
+        pieces = row_pieces(rows)
+        assert pieces[0][0] == 0
+        for (s0, n0), (s1, _) in zip(pieces, pieces[1:]):
+            assert s1 == s0 + n0 and n0 >= pieces[-1][1]  # contiguous, largest first
+        end = pieces[-1][0] + pieces[-1][1]
+        assert rows <= end < rows + ROW_ALIGN  # padding less than one alignment unit
+        for _, n in pieces:
+            assert n % ROW_ALIGN == 0 and n & (n - 1) == 0 and n <= MAX_CHUNK_ROWS
+
+
+def test_pieces_keep_leading_dims_and_bf16():
+    lin = _packed(256, 768, False, torch.bfloat16)
+    x = torch.randn(3, 700, 256, dtype=torch.bfloat16)  # 2100 rows: 1024 + 1024 + 64 (padded)
+    with torch.inference_mode():
+        y = lin(x)
+    ref = F.linear(x.float(), lin.weight.float())
+    assert y.shape == (3, 700, 768)
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=0.5)
