@@ -5,7 +5,9 @@
 Writes client/bench/results/model_speed/summary.json with per-case numbers and
 `prefill_speedup_vs_hf` / `decode_speedup_vs_hf` (the smallest speedup over all cases) of the
 eager model; with --compiled also `compiled_prefill_speedup_vs_hf` /
-`compiled_decode_speedup_vs_hf` of the AOT-compiled engine of each model.
+`compiled_decode_speedup_vs_hf` of the AOT-compiled engine of each model. The sides take
+turns within every repeat and each keeps its fastest time, so slow minutes on this shared
+host land on all of them.
 """
 
 from __future__ import annotations
@@ -39,60 +41,57 @@ def build_checkpoints(root: Path) -> dict[str, Path]:
     return paths
 
 
-def _best(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
-@torch.inference_mode()
-def ours(path: Path, batch: int, prompt_len: int, decode_steps: int, repeats: int):
+def ours(path: Path, batch: int, prompt_len: int, decode_steps: int):
+    """(prefill, decode) of our eager model: each call returns its seconds."""
     model = load_model(path)
     ids = torch.randint(0, 256, (batch, prompt_len)).tolist()
 
+    @torch.inference_mode()
     def prefill():
-        return PagedSession(model, batch, prompt_len + decode_steps).step(ids)
+        return _timed(lambda: PagedSession(model, batch, prompt_len + decode_steps).step(ids))
 
+    @torch.inference_mode()
     def decode():
         session = PagedSession(model, batch, prompt_len + decode_steps)
         session.step(ids)
-        t = time.perf_counter()
-        for _ in range(decode_steps):
-            session.step([[1]] * batch)
-        return time.perf_counter() - t
+        return _timed(lambda: [session.step([[1]] * batch) for _ in range(decode_steps)])
 
-    return _best(prefill, repeats), min(decode() for _ in range(repeats))
+    return prefill, decode
 
 
-@torch.inference_mode()
-def transformers_hf(path: Path, batch: int, prompt_len: int, decode_steps: int, repeats: int):
+def transformers_hf(path: Path, batch: int, prompt_len: int, decode_steps: int):
     from transformers import Qwen3_5ForCausalLM
 
     model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (batch, prompt_len))
 
+    @torch.inference_mode()
     def prefill():
-        return model(ids, use_cache=True)
+        return _timed(lambda: model(ids, use_cache=True))
 
+    @torch.inference_mode()
     def decode():
-        out = model(ids, use_cache=True)
-        cache = out.past_key_values
+        cache = model(ids, use_cache=True).past_key_values
         step = torch.ones(batch, 1, dtype=torch.long)
-        t = time.perf_counter()
-        for _ in range(decode_steps):
-            out = model(step, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
-        return time.perf_counter() - t
 
-    return _best(prefill, repeats), min(decode() for _ in range(repeats))
+        def steps():
+            nonlocal cache
+            for _ in range(decode_steps):
+                cache = model(step, past_key_values=cache, use_cache=True).past_key_values
+
+        return _timed(steps)
+
+    return prefill, decode
 
 
-def compiled(path: Path, engine_dir: Path, batch: int, prompt_len: int, decode_steps: int,
-             repeats: int) -> tuple[float, float]:
-    """Seconds for the same prefill and decode steps through the AOT-compiled engine."""
+def compiled(engine_dir: Path, batch: int, prompt_len: int, decode_steps: int):
+    """The same prefill and decode steps through the AOT-compiled engine."""
     from backend.engine.compiled import CompiledExecutor
     from backend.model import SeqInput
 
@@ -102,18 +101,34 @@ def compiled(path: Path, engine_dir: Path, batch: int, prompt_len: int, decode_s
     tables = [torch.arange(b * per, (b + 1) * per) for b in range(batch)]
     ids = torch.randint(0, 256, (batch, prompt_len)).tolist()
 
-    def prefill():
+    def run_prefill():
         return ex.forward([SeqInput(ids[b], 0, tables[b], b) for b in range(batch)])
 
     def decode():
-        prefill()
-        t = time.perf_counter()
-        for s in range(decode_steps):
-            ex.forward([SeqInput([1], prompt_len + s, tables[b], b) for b in range(batch)])
-        return time.perf_counter() - t
+        run_prefill()
 
-    prefill()  # warm-up
-    return _best(prefill, repeats), min(decode() for _ in range(repeats))
+        def steps():
+            for s in range(decode_steps):
+                ex.forward([SeqInput([1], prompt_len + s, tables[b], b) for b in range(batch)])
+
+        return _timed(steps)
+
+    run_prefill()  # warm-up
+    return (lambda: _timed(run_prefill)), decode
+
+
+def best_interleaved(sides: dict[str, tuple], repeats: int) -> dict[str, tuple[float, float]]:
+    """Fastest (prefill, decode) seconds of each side, the sides taking turns within every
+    repeat (this host's noise drifts over minutes: timing one side after the other skewed
+    the ratios by up to 30%). One untimed round first (warm-up)."""
+    times = {name: ([], []) for name in sides}
+    for r in range(repeats + 1):
+        for name, (prefill, decode) in sides.items():
+            p, d = prefill(), decode()
+            if r:
+                times[name][0].append(p)
+                times[name][1].append(d)
+    return {name: (min(p), min(d)) for name, (p, d) in times.items()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -123,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also time the AOT-compiled engine (engine_build/aot.py) of each model")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    prompt_len, decode_steps, repeats = (256, 16, 2) if args.quick else (512, 32, 3)
+    prompt_len, decode_steps, repeats = (256, 16, 4) if args.quick else (512, 32, 5)
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
         paths = build_checkpoints(Path(tmp))
@@ -134,8 +149,12 @@ def main(argv: list[str] | None = None) -> dict:
             engines = {n: build_aot_engine(p, Path(tmp) / f"{n}-aot") for n, p in paths.items()}
         jobs = [(n, b) for n in paths for b in (1, 8)]
         for name, batch in tqdm(jobs, desc="model_speed"):
-            ours_p, ours_d = ours(paths[name], batch, prompt_len, decode_steps, repeats)
-            hf_p, hf_d = transformers_hf(paths[name], batch, prompt_len, decode_steps, repeats)
+            args_ = (batch, prompt_len, decode_steps)
+            sides = {"ours": ours(paths[name], *args_), "hf": transformers_hf(paths[name], *args_)}
+            if engines:
+                sides["compiled"] = compiled(engines[name], *args_)
+            best = best_interleaved(sides, repeats)
+            (ours_p, ours_d), (hf_p, hf_d) = best["ours"], best["hf"]
             cases.append({
                 "model": name, "batch": batch, "prompt_len": prompt_len,
                 "prefill_tok_s": batch * prompt_len / ours_p,
@@ -145,8 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "prefill_speedup": hf_p / ours_p, "decode_speedup": hf_d / ours_d,
             })
             if engines:
-                c_p, c_d = compiled(paths[name], engines[name], batch, prompt_len,
-                                    decode_steps, repeats)
+                c_p, c_d = best["compiled"]
                 cases[-1].update({
                     "compiled_prefill_tok_s": batch * prompt_len / c_p,
                     "compiled_decode_tok_s": batch * decode_steps / c_d,
@@ -158,7 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
         **({"compiled_prefill_speedup_vs_hf": min(c["compiled_prefill_speedup"] for c in cases),
             "compiled_decode_speedup_vs_hf": min(c["compiled_decode_speedup"] for c in cases)}
            if args.compiled else {}),
-        "cases": cases, "threads": torch.get_num_threads(),
+        "cases": cases, "threads": torch.get_num_threads(), "repeats": repeats,
+        "method": "fastest of the repeats; ours, transformers (and the compiled engine) take "
+                  "turns within each repeat",
         "date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (no GPU)",
     }
     write_summary(RESULTS / "summary.json", summary, echo=False)

@@ -128,10 +128,17 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
 
 
 def distance_sweep(doc_tokens: int = 1024, interval: int = 256, step: int = 32,
-                   suffix_tokens: int = 32, seed: int = 0, repeats: int = 3) -> Workload:
+                   suffix_tokens: int = 32, seed: int = 0, repeats: int = 3,
+                   base: int | None = None) -> Workload:
+    """Branches off a cached document at `base + d` for d = 0, step, ..., interval (base on
+    the checkpoint grid; by default the grid point nearest the document's middle)."""
+    if base is None:
+        base = doc_tokens // 2 // interval * interval
+    if base % interval or base + interval >= doc_tokens:
+        raise ValueError(f"base={base} must be a multiple of interval={interval} with its "
+                         f"last cut {base + interval} inside the {doc_tokens}-token document")
     src = TextSource(seed + 2)
     doc = src.take(doc_tokens)
-    base = doc_tokens // 2 // interval * interval
     reqs = []
     for r in range(repeats):  # each cut several times (new suffixes): medians, not one sample
         for d in range(0, interval + 1, step):

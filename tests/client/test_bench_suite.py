@@ -51,6 +51,11 @@ def test_workloads_are_deterministic_and_shaped():
         assert warm.prompt == doc and warm.salt == r.salt
         assert r.prompt[: 512 + d] == doc[: 512 + d]
     assert len({r.salt for r in sweep.requests}) == 10
+    deep = W.distance_sweep(doc_tokens=1408, base=1024, step=128, repeats=1)
+    assert [len(r.prompt) - 32 for r in deep.requests[1::2]] == [1024, 1152, 1280]
+    for bad in (1000, 1280):  # off the grid; last cut past the document's end
+        with pytest.raises(ValueError, match="base="):
+            W.distance_sweep(doc_tokens=1408, base=bad)
     cap = W.capacity(pool_tokens=1024, factor=4, doc_tokens=256, passes=2)
     assert cap.params["docs"] == 16 and len(cap.requests) == 32
 
