@@ -137,9 +137,9 @@ class CacheManager:
         and [(position, saved slot)] for the planned positions strictly inside it. Where the
         executor saves states mid-step (chunk-aligned offsets, up to its
         `max_snapshots_per_row`) one step covers them; otherwise, or when no slot is free,
-        the step ends at that position and
-        `after_forward` saves it (making room as it does). The slots are the sequence's
-        pending states from now on (a failed step's release frees them)."""
+        the step ends at that position and `after_forward` saves it (making room as it
+        does). The slots are the sequence's pending states from now on (a failed step's
+        release frees them)."""
         planned: list[tuple[int, int]] = []
         limit = self.executor.max_snapshots_per_row
         for pos in sorted(p for p in seq.capture_positions if start < p < end):
