@@ -88,6 +88,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         # Held for a whole step: stats() may be called from other threads (metrics).
         self._step_lock = threading.Lock()
+        self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
+        self.num_failed = 0  # requests ended by a failed step
         self._stopping = False
 
     @classmethod
@@ -172,6 +174,7 @@ class Engine:
             seq = self._live.get(rid)
             if seq is not None:
                 outputs.append(self.scheduler.cancel(seq))
+        self.num_cancelled += len(outputs)
         return outputs
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
@@ -179,6 +182,7 @@ class Engine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.cancel(seq)
             outputs.append(seq.output([], True, "error", error=message))
+        self.num_failed += len(outputs)
         return outputs
 
     def _deliver(self, out: RequestOutput) -> None:
@@ -280,6 +284,8 @@ class Engine:
             "context_requests": sum(s.num_computed < len(s.tokens) - 1 for s in sched.running),
             "waiting_requests": len(sched.waiting),
             "finished_requests": sched.num_finished,
+            "cancelled_requests": self.num_cancelled,
+            "failed_requests": self.num_failed,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,
             "replayed_anchors": self.cache.num_replayed_anchors,

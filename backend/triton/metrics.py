@@ -49,6 +49,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "suffixreplay_checksum_failures_total": ("SSD chunks rejected by their checksum", COUNTER),
     "suffixreplay_ssd_chunk_rejects_total": ("SSD chunks refused (a miss), by reason", COUNTER),
     "suffixreplay_requests_total": ("Requests finished by the engine", COUNTER),
+    "suffixreplay_unfinished_requests_total": (
+        "Requests ended early: cancelled (a client that left, a stop request) or failed",
+        COUNTER,
+    ),
     "suffixreplay_preemptions_total": (
         "Requests preempted (recomputed) for lack of pages",
         COUNTER,
@@ -112,6 +116,8 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
         "tier:state_ssd_writes",
     ),
     ("suffixreplay_requests_total", (), "finished_requests"),
+    ("suffixreplay_unfinished_requests_total", (("reason", "cancelled"),), "cancelled_requests"),
+    ("suffixreplay_unfinished_requests_total", (("reason", "failed"),), "failed_requests"),
     ("suffixreplay_preemptions_total", (), "preemptions"),
 )
 # (family, fixed labels, label name, stats key of a {label value: count} dict)

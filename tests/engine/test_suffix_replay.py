@@ -206,6 +206,35 @@ def test_cancel_releases_pages(model, prompt):
     engine.cancel("c")
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("c", "cancelled")]
+    stats = engine.stats()
+    assert (stats["cancelled_requests"], stats["finished_requests"]) == (1, 0)
+    engine.cancel("c")  # no longer open: nothing more to count
+    engine.step()
+    assert engine.stats()["cancelled_requests"] == 1
+    assert_no_leak(engine)
+
+
+def test_a_failed_step_fails_its_requests_not_the_engine(model, prompt, monkeypatch):
+    from backend.engine import Request, SamplingParams
+
+    engine = make_engine(model)
+    engine.submit(Request("f", prompt, SamplingParams(max_tokens=20, top_k=1)))
+    engine.step()
+    real = engine.executor.forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(engine.executor, "forward", broken)
+    outs = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("f", "error")]
+    assert "simulated kernel failure" in outs[0].error
+    assert engine.stats()["failed_requests"] == 1
+    monkeypatch.setattr(engine.executor, "forward", real)
+    res = engine.generate(prompt[:100], SamplingParams(max_tokens=3, top_k=1))
+    assert res.finish_reason == "length" and len(res.new_token_ids) == 3
+    stats = engine.stats()
+    assert (stats["failed_requests"], stats["finished_requests"]) == (1, 1)
     assert_no_leak(engine)
 
 

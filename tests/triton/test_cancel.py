@@ -1,5 +1,6 @@
 """A client that cancels mid-stream stops its generation and releases its pages, through the
-ensemble (postprocessing forwards the cancellation as `stop`) and on hybrid_llm directly."""
+ensemble (postprocessing forwards the cancellation as `stop`; a gRPC stream cancelled or an
+HTTP `generate_stream` connection closed) and on hybrid_llm directly."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from backend.triton.server import ServerHandle
-from client.generate import GenerateParams, stream_grpc
-from tests.triton.llm_helpers import idle_pool, long_prompt, pool_state, wait_until
+from client.generate import GenerateParams, stream_grpc, stream_http
+from client.metrics import value
+from tests.triton.llm_helpers import idle_pool, long_prompt, pool_state, scrape, wait_until
 
 # Far more tokens than the test waits for: only a cancellation ends the request in time.
 MAX_TOKENS = 1800
@@ -28,6 +30,31 @@ def test_cancel_through_the_ensemble_releases_pages(llm_server: ServerHandle):
     after = idle_pool(llm_server, timeout_s=20)
     assert len(chunks) == 3
     assert "stopped (stop=true)" in llm_server.logs()
+    assert after["held_by_requests"] == 0
+    assert after["free_or_cached"] == before["free_or_cached"]
+
+
+def test_closing_an_http_stream_stops_the_generation(llm_server: ServerHandle):
+    """Triton marks a generate_stream request cancelled when its client disconnects; the
+    ensemble's next postprocessing step forwards it as `stop`, as for gRPC."""
+    before = idle_pool(llm_server)
+    stops = llm_server.logs().count("stopped (stop=true)")
+
+    def cancelled() -> float:
+        return value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                     reason="cancelled")
+
+    cancelled_before = cancelled()
+    prompt = long_prompt("Hang up on me", 150)
+    params = GenerateParams(prompt, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, seed=4)
+    stream = stream_http(llm_server.urls.http, params)
+    chunks = [next(stream) for _ in range(3)]
+    wait_until(lambda: pool_state(llm_server)["held_by_requests"] > 0, 10, "held pages")
+    stream.close()  # closes the connection
+    wait_until(lambda: llm_server.logs().count("stopped (stop=true)") > stops, 20, "a stop")
+    after = idle_pool(llm_server, timeout_s=20)
+    assert len(chunks) == 3 and all(not c.final for c in chunks)
+    wait_until(lambda: cancelled() == cancelled_before + 1, 10, "the cancelled-requests metric")
     assert after["held_by_requests"] == 0
     assert after["free_or_cached"] == before["free_or_cached"]
 
