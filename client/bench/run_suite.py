@@ -87,8 +87,8 @@ def plan(quick: bool) -> dict:
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
             "agentic_fanout": 3, "agentic_depth": 2, "agentic_grow": 3,
             "rag": dict(num_chunks=96, num_queries=48),
-            "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "sweep_doc_tokens": 2048,
-            "sweep_repeats": 5,
+            "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "sweep_doc_tokens": 1408,
+            "sweep_base": 1024, "sweep_repeats": 8,
             "capacity": [2, 4, 6, 8], "capacity_passes": 3, "capacity_doc_tokens": 1024}
 
 
