@@ -61,11 +61,10 @@ def gated_delta_scan_snap_cpu(q, k, v, g, beta, cu_seqlens, initial_state, snap_
     rows = (off > 0).nonzero().view(-1)
     if bool(((off < 0) | (off > lengths)).any()):
         raise ValueError("snapshot offsets must lie within their sequences")
-    qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
     if rows.numel() == 0:
-        rule = gated_delta_step if qp.shape[1] == 1 else chunk_gated_delta_rule
-        o, final = rule(qp, kp, vp, gp, bp, initial_state=initial_state, scale=scale)
-        return o[valid].to(v.dtype), final.float(), final.float().clone()
+        o, final = gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+        return o, final, final.clone()
+    qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
     o, final, snaps = chunk_gated_delta_rule(qp, kp, vp, gp, bp, initial_state=initial_state,
                                              scale=scale, states_at=(rows, off[rows]))
     snap = final.float().clone()

@@ -113,7 +113,8 @@ class Runner:
     def run_system(self, system: str, workloads: list[W.Workload], budget: Budget,
                    progress) -> dict[str, dict]:
         """All `workloads` on one system. In-process: a fresh engine per workload. Served: one
-        server per system and budget; each workload in its own cache-salt namespace."""
+        server per system and budget (each workload has its own cache-salt namespace:
+        `build_jobs`)."""
         out: dict[str, dict] = {}
         ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
         if self.in_process:
@@ -134,8 +135,6 @@ class Runner:
             run_served(srv.urls.grpc, _warmup())
             for wl in workloads:
                 progress(wl.name, system)
-                for req in wl.requests:
-                    req.salt = f"{wl.name}/{req.salt}"
                 before = _counters(srv.urls.metrics)
                 t0 = time.perf_counter()
                 records = run_served(srv.urls.grpc, wl)
@@ -143,7 +142,6 @@ class Runner:
                     srv.urls.metrics)), time.perf_counter() - t0)
                 self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in records]
         return out
-
 
     def run_interleaved(self, jobs: list[tuple[W.Workload, tuple[str, ...]]], budget: Budget,
                         progress) -> dict[str, dict[str, dict]]:
@@ -183,8 +181,6 @@ class Runner:
             for wl, wl_systems in jobs:
                 for system in wl_systems:
                     progress(wl.name, system)
-                for req in wl.requests:
-                    req.salt = f"{wl.name}/{req.salt}"
                 before = {s: _counters(urls[s].metrics) for s in wl_systems}
                 records = run_served_interleaved({s: urls[s].grpc for s in wl_systems}, wl)
                 out[wl.name] = self._keep(wl, records, {
@@ -342,6 +338,10 @@ def build_jobs(p: dict, runner) -> list[tuple[str, W.Workload, tuple[str, ...], 
         if key not in need or b.run_pages > need[key].run_pages:
             need[key] = b
     jobs = [(kind, wl, systems, need[family.get(kind, kind)]) for kind, wl, systems, _ in jobs]
+    # Each workload in its own cache-salt namespace (servers are shared across workloads).
+    for _, wl, _, _ in jobs:
+        for req in wl.requests:
+            req.salt = f"{wl.name}/{req.salt}"
     return jobs
 
 
