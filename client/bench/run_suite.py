@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -277,16 +278,20 @@ def run(args: argparse.Namespace) -> dict:
         bar.update(1)
 
     t0 = time.time()
-    for budget, wl_jobs in interleaved.items():
-        for name, by_system in runner.run_interleaved(wl_jobs, budget, progress).items():
-            results.setdefault(name, {}).update(by_system)
-    for (system, budget), workloads in groups.items():
-        for name, summary in runner.run_system(system, workloads, budget, progress).items():
-            results.setdefault(name, {})[system] = summary
-    if not args.in_process:
-        from client.bench.serving import wait_for_stopped_servers
+    try:
+        for budget, wl_jobs in interleaved.items():
+            for name, by_system in runner.run_interleaved(wl_jobs, budget, progress).items():
+                results.setdefault(name, {}).update(by_system)
+        for (system, budget), workloads in groups.items():
+            for name, summary in runner.run_system(system, workloads, budget, progress).items():
+                results.setdefault(name, {})[system] = summary
+    finally:
+        if not args.in_process:
+            from client.bench.serving import wait_for_stopped_servers
 
-        wait_for_stopped_servers()
+            wait_for_stopped_servers()
+        # The systems' SSD tiers (up to a few GiB a run): nothing in them outlives the run.
+        shutil.rmtree(work, ignore_errors=True)
     bar.close()
     summary = ratios(results, p)
     summary.update(simulation(runner, jobs, results))
