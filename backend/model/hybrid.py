@@ -75,6 +75,8 @@ class HybridForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
         self._entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
+        # Fused copies for one-token CPU steps (`backend/model/decode.py`), set by load_model.
+        self.fast_decode = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -102,7 +104,10 @@ class HybridForCausalLM(nn.Module):
         """Runs one step over variable-length sequences reading/writing paged KV and states.
 
         Returns logits [B, V] at each sequence's last new token (or [B, T, V] if not last_only).
+        Decode steps on the CPU take `fast_decode` when the model has one (same arithmetic).
         """
+        if self.fast_decode is not None and last_only and self.fast_decode.accepts(batch):
+            return self.lm_head(self.fast_decode.run(batch))
         hidden = self._run_layers(batch.input_ids, batch.positions, batch)
         if last_only:
             hidden = hidden[torch.arange(batch.batch_size, device=hidden.device), batch.lengths - 1]

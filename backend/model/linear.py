@@ -22,8 +22,8 @@ shape thus sees at most 11 row counts (1, 2, 4, ..., 1024), whatever the batches
 the plain weight stays the parameter (state dicts, export and the compiled engine see an
 ordinary `nn.Linear`), and the packed copy is used only for inference (no autograd), on CPU
 inputs, outside `torch.compile` / `torch.export` tracing, while the parameter is still the one
-that was packed. Weights changed in place after packing are not seen by the packed copy:
-`unpack_linears(model)` (or packing again) after editing weights.
+that was packed. A weight edited in place after packing (its `_version` moves) is packed
+again at its next inference call; `unpack_linears(model)` drops the copies.
 
 Set SUFFIXREPLAY_PACKED_LINEAR=0 to turn packing off (for example to compare against it).
 """
@@ -55,10 +55,12 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _packed_from: torch.Tensor | None = None  # the parameter the packed copy was made from
+    _packed_version = -1  # and its version then (in-place edits move it)
 
     def pack(self) -> None:
         w = self.weight.detach()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(w)
+        self._packed_version = self.weight._version
         # A plain attribute, not a second registration of the parameter.
         object.__setattr__(self, "_packed_from", self.weight)
 
@@ -72,6 +74,9 @@ class Linear(nn.Linear):
                 and x.is_cpu and x.dtype == p.dtype and self.weight is self._packed_from):
             rows = x.numel() // self.in_features
             if rows * self.in_features * self.out_features >= MIN_MACS:
+                if self.weight._version != self._packed_version:
+                    self.pack()  # edited in place since
+                    p = self._packed
                 if rows <= MAX_PACKED_ROWS:
                     return _packed_linear(x, rows, p, self.bias)
                 return _packed_linear_pieces(x, rows, p, self.bias)
@@ -138,6 +143,10 @@ def pack_linears(model: nn.Module) -> int:
 
 
 def unpack_linears(model: nn.Module) -> None:
+    """Drops the packed copies (and a model's fused decode copies, `decode.py`, made from the
+    same weights)."""
     for m in model.modules():
         if isinstance(m, Linear):
             m.unpack()
+    if getattr(model, "fast_decode", None) is not None:
+        model.fast_decode = None

@@ -10,6 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from backend.config import ModelConfig
 from backend.model.hybrid import HybridForCausalLM
+from backend.model.decode import FastDecode
 from backend.model.linear import pack_linears
 
 # Prefixes real checkpoints put in front of the text model's names, and parts we never load.
@@ -68,7 +69,8 @@ def load_model(
 ) -> HybridForCausalLM:
     """Loads config.json + safetensors weights from an HF-format directory. With `pack` (the
     default) the linear layers of a CPU model also keep a oneDNN-packed copy of their weights
-    for inference (`backend/model/linear.py`); the parameters stay the checkpoint's."""
+    for inference (`backend/model/linear.py`), and a float32 one fused copies of its layers for
+    decode steps (`backend/model/decode.py`); the parameters stay the checkpoint's."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -109,6 +111,8 @@ def load_model(
     model.rotary = model.rotary.__class__(cfg.rotary_dim, cfg.rope_theta).to(device)
     if pack:
         pack_linears(model)
+        if FastDecode.available(model):
+            model.fast_decode = FastDecode(model)
     return model.eval()
 
 

@@ -1,0 +1,223 @@
+"""The CPU fast path for decode steps: one new token per sequence, fused weights, few calls.
+
+A decode step of a small model on the CPU is bound by the number of operator calls, not by
+arithmetic: the general layer code (`hybrid.py`, written for any number of tokens and for
+autograd) makes ~80 calls per Gated DeltaNet layer through a dozen module calls, ~7 ms a step
+for the default 8-layer model where its 47 products take ~2 ms. For steps where every
+sequence adds exactly one token this module runs each layer as one straight function over
+[B, D] rows with:
+- the projections that read the same input fused into one oneDNN-packed product: a Gated
+  DeltaNet layer's qkv, z, b and a; an attention layer's q (with its gate), k and v; the
+  MLP's gate and up (a snapshot of the weights concatenated, like `linear.py`'s packing);
+- constants computed once: each RMSNorm's (1 + w), the decay's -exp(A_log), the conv taps;
+- the conv step as one multiply-add over the [B, C, W] window, q and k normalised and
+  expanded together, rotary applied to q and k heads in one pass.
+The arithmetic is the general path's (same operations in the same precision; sums may
+associate differently, within fp32 rounding: `tests/model/test_decode.py` holds it to the
+general path and the oracle tests to transformers).
+
+Used by `HybridForCausalLM.forward_batch` when the model was loaded for CPU inference in
+float32 with packed linears (`load_model`), the step is a decode step over cached sequences
+(one token each, no fresh row, no mid-forward snapshots) and grad is off. Anchor capture and
+the tiered KV's layer hooks are honoured. A weight replaced or edited in place after the
+snapshot (its `_version` moves) is seen: that layer's fused copy is rebuilt before use.
+Set SUFFIXREPLAY_FAST_DECODE=0 to turn the path off (e.g. to compare against it).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.model.linear import packing_available
+
+
+def _pack(*weights: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]))
+
+
+def _bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
+    return None if biases[0] is None else torch.cat([b.detach() for b in biases])
+
+
+def _mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, K] through a packed weight; B is padded to a power of two (few oneDNN
+    primitives, as in `linear.py`)."""
+    rows = x.shape[0]
+    bucket = 1 << (rows - 1).bit_length()
+    if bucket != rows:
+        x = F.pad(x, (0, 0, 0, bucket - rows))
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class _FusedLayer:
+    """What every decoder layer has: the two norms and the MLP; the parameters the fused
+    copies were made from (with their versions, to notice replacement or in-place edits)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.sources = [(mod._parameters, name, p, p._version) for mod in layer.modules()
+                        for name, p in mod._parameters.items() if p is not None]
+        self.eps = layer.input_layernorm.eps
+        self.n_in = (1.0 + layer.input_layernorm.weight).detach()
+        self.n_post = (1.0 + layer.post_attention_layernorm.weight).detach()
+        mlp = layer.mlp
+        self.w_gate_up = _pack(mlp.gate_proj.weight, mlp.up_proj.weight)
+        self.ffn_dim = mlp.gate_proj.out_features
+        self.w_down = _pack(mlp.down_proj.weight)
+
+    def current(self) -> bool:
+        """The parameters are the ones copied, unedited."""
+        return all(params[name] is p and p._version == v for params, name, p, v in self.sources)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = _mm(F.rms_norm(x, (x.shape[-1],), self.n_post, self.eps),
+                       self.w_gate_up).split(self.ffn_dim, -1)
+        return x + _mm(F.silu(gate) * up, self.w_down)
+
+
+class _LinearLayer(_FusedLayer):
+    """A decoder layer with a Gated DeltaNet mixer."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        m = layer.linear_attn
+        self.state_index = layer.state_index
+        self.w_in = _pack(m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
+                          m.in_proj_a.weight)
+        self.in_sizes = [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads]
+        self.taps = m.conv1d.weight.detach().squeeze(1)  # [C, W]
+        self.neg_a = -m.A_log.detach().float().exp()
+        self.dt_bias = m.dt_bias.detach()
+        self.g_norm, self.g_eps = m.norm.weight.detach(), m.norm.eps
+        self.w_out = _pack(m.out_proj.weight)
+        self.hk, self.hv = m.num_k_heads, m.num_v_heads
+        self.dk, self.dv = m.head_k_dim, m.head_v_dim
+        self.qk_sizes = [2 * m.key_dim, m.value_dim]
+        self.scale = m.head_k_dim ** -0.5
+
+    def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor):
+        """x [B, D]; conv_state [B, C, W - 1]; rec [B, Hv, K, V] -> (x, conv, rec)."""
+        B, D = x.shape
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        h = F.rms_norm(x, (D,), self.n_in, self.eps)
+        xin, z, b, a = _mm(h, self.w_in).split(self.in_sizes, -1)
+        window = torch.cat((conv_state.to(x.dtype), xin.unsqueeze(-1)), -1)  # [B, C, W]
+        mixed = F.silu((window * self.taps).sum(-1))
+        qk, v = mixed.split(self.qk_sizes, -1)
+        qk = qk.reshape(B, 2 * hk, dk)  # q heads then k heads, normalised together
+        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
+        if hv != hk:  # each key head serves hv / hk value heads (repeat_interleave's order)
+            qk = qk.view(B, 2 * hk, 1, dk).expand(B, 2 * hk, hv // hk, dk).reshape(B, 2 * hv, dk)
+        BH = B * hv
+        decay = (self.neg_a * F.softplus(a + self.dt_bias)).exp()
+        S = (rec * decay.view(B, hv, 1, 1)).view(BH, dk, dv)
+        k = qk[:, hv:].reshape(BH, 1, dk)
+        delta = (v.reshape(BH, 1, dv) - torch.bmm(k, S)) * b.sigmoid().reshape(BH, 1, 1)
+        S = torch.baddbmm(S, k.transpose(1, 2), delta)
+        o = torch.bmm(qk[:, :hv].reshape(BH, 1, dk), S).view(B, hv, dv) * self.scale
+        y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, hv, dv))
+        x = x + _mm(y.view(B, hv * dv), self.w_out)
+        return self.ffn(x), window[:, :, 1:], S.view(B, hv, dk, dv)
+
+
+class _AttentionLayer(_FusedLayer):
+    """A decoder layer with full attention over paged KV."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        at = self.attn = layer.self_attn
+        self.index = at.attn_index
+        self.h, self.hkv, self.dh = at.num_heads, at.num_kv_heads, at.head_dim
+        self.qkv_sizes = [self.h * 2 * self.dh, self.hkv * self.dh, self.hkv * self.dh]
+        self.w_qkv = _pack(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
+        self.b_qkv = _bias(at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
+        self.w_o, self.b_o = _pack(at.o_proj.weight), _bias(at.o_proj.bias)
+        # q heads then k heads, each kind with its own (1 + w): one norm call for both
+        self.qk_norm = torch.cat([(1.0 + at.q_norm.weight).detach().expand(self.h, -1),
+                                  (1.0 + at.k_norm.weight).detach().expand(self.hkv, -1)])
+        self.qk_eps = at.q_norm.eps
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch):
+        """x [B, D]; cos, sin [B, 1, R] -> x."""
+        B, D = x.shape
+        h, hkv, dh = self.h, self.hkv, self.dh
+        qg, k, v = _mm(F.rms_norm(x, (D,), self.n_in, self.eps), self.w_qkv,
+                       self.b_qkv).split(self.qkv_sizes, -1)
+        qg = qg.view(B, h, 2 * dh)
+        qk = torch.cat((qg[..., :dh], k.view(B, hkv, dh)), 1)  # [B, H + Hkv, Dh]
+        qk = F.rms_norm(qk, (dh,), None, self.qk_eps) * self.qk_norm
+        r = cos.shape[-1]
+        rot = qk[..., :r]
+        turned = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), -1)
+        qk = torch.cat((rot * cos + turned * sin, qk[..., r:]), -1)
+        kv, a = batch.kv, self.index
+        slots = batch.write_slots
+        kv.k[a].index_copy_(0, slots, qk[:, h:])
+        kv.v[a].index_copy_(0, slots, v.view(B, hkv, dh))
+        if batch.layer_hooks is not None:
+            batch.layer_hooks.after_write(a)
+            batch.layer_hooks.before_read(a)
+        k_ctx, v_ctx = self.attn._context(kv, batch)  # [B, Ctx, Hkv, Dh]
+        out = F.scaled_dot_product_attention(
+            qk[:, :h].unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+            attn_mask=None if B == 1 else batch.attn_mask, enable_gqa=True)  # [B, H, 1, Dh]
+        out = out.view(B, h * dh) * torch.sigmoid(qg[..., dh:].reshape(B, h * dh))
+        return self.ffn(x + _mm(out, self.w_o, self.b_o))
+
+
+class FastDecode:
+    """Fused copies of a model's layers for one-token steps (see the module doc)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.layers = [self._fuse(layer) for layer in model.model.layers]
+        self.entry_to_group = {e: g for g, e in enumerate(model.config.group_entry_layers)}
+        self.final_norm = model.model.norm
+        self._final = None  # (weight, its version, 1 + weight)
+
+    @staticmethod
+    def _fuse(layer: nn.Module) -> _FusedLayer:
+        return _LinearLayer(layer) if layer.is_linear else _AttentionLayer(layer)
+
+    @classmethod
+    def available(cls, model: nn.Module) -> bool:
+        """A float32 CPU model whose products can be packed, and not turned off by env."""
+        return (model.dtype == torch.float32 and packing_available(model.dtype, model.device)
+                and os.environ.get("SUFFIXREPLAY_FAST_DECODE", "1") != "0")
+
+    @staticmethod
+    def accepts(batch) -> bool:
+        """A decode step over cached sequences: one token each, KV and states given, no row
+        starting fresh, no mid-forward snapshots."""
+        return (batch.input_ids.shape[1] == 1 and batch.kv is not None
+                and batch.states is not None and batch.read_pages is not None
+                and batch.fresh_rows is None and batch.snapshots is None
+                and batch.valid is None and batch.input_ids.is_cpu
+                and not torch.is_grad_enabled())
+
+    def run(self, batch) -> torch.Tensor:
+        """The final-normed hidden states [B, D] of the step's tokens."""
+        model = self.model
+        x = model.model.embed_tokens(batch.input_ids[:, 0])
+        cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)  # [B, 1, R]
+        slots, states, capture = batch.state_slots, batch.states, batch.capture
+        for i, fused in enumerate(self.layers):
+            if not fused.current():
+                fused = self.layers[i] = self._fuse(model.model.layers[i])
+            if capture is not None and i in self.entry_to_group:
+                capture.write(self.entry_to_group[i], x)
+            if isinstance(fused, _LinearLayer):
+                j = fused.state_index
+                x, conv, rec = fused(x, states.conv[j].index_select(0, slots),
+                                     states.rec[j].index_select(0, slots))
+                states.scatter(j, slots, conv, rec)
+            else:
+                x = fused(x, cos, sin, batch)
+        w = self.final_norm.weight
+        if self._final is None or self._final[0] is not w or self._final[1] != w._version:
+            self._final = (w, w._version, (1.0 + w).detach())
+        return F.rms_norm(x, (x.shape[-1],), self._final[2], self.final_norm.eps)

@@ -1,0 +1,173 @@
+"""The CPU fast path for decode steps (`backend/model/decode.py`) against the general layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from backend.model import load_model
+from backend.model.batch import Capture
+from backend.model.decode import FastDecode
+from backend.model.generate import PagedSession
+from backend.model.hybrid import HybridForCausalLM
+from backend.model.linear import unpack_linears
+from engine_build.hf_export import save_hf_directory
+from engine_build.train_tiny import init_weights, tiny_config
+
+CONFIGS = {
+    # the default model's shapes, smaller: 2 value heads per key head
+    "gqa": dict(hidden=64, layers=4),
+    # one value head per key head, biased attention projections, whole-head rotary, untied
+    "plain": dict(hidden=48, layers=4, linear_num_value_heads=2, attention_bias=True,
+                  partial_rotary_factor=1.0, tie_word_embeddings=False, num_key_value_heads=4),
+}
+
+
+def _config(hidden: int, layers: int, **overrides):
+    cfg = tiny_config(hidden=hidden, layers=layers)
+    return dataclasses.replace(cfg, **overrides)
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def model(request, tmp_path_factory):
+    model = HybridForCausalLM(_config(**CONFIGS[request.param]))
+    init_weights(model, seed=3, dt_init="log-uniform", qk_gain=2.0)
+    with torch.no_grad():  # norms and biases away from their initial values
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+    loaded = load_model(save_hf_directory(model, tmp_path_factory.mktemp(request.param)))
+    assert loaded.fast_decode is not None
+    return loaded
+
+
+def _run(model, fast, batch: int, steps: int, seed: int = 0):
+    """Prefill ragged prompts, then `steps` decode steps; logits of every step and the final
+    KV / states buffers."""
+    saved = model.fast_decode
+    model.fast_decode = fast
+    try:
+        g = torch.Generator().manual_seed(seed)
+        session = PagedSession(model, batch, 200, page_size=16)
+        session.step([torch.randint(0, 250, (n,), generator=g).tolist()
+                      for n in (37, 5, 64, 90, 1, 17, 33, 48)[:batch]])
+        toks = torch.randint(0, 250, (steps, batch), generator=g)
+        logits = [session.step([[int(t)] for t in row]) for row in toks]
+        return torch.stack(logits), session
+    finally:
+        model.fast_decode = saved
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fast_decode_matches_the_general_layers(model, batch):
+    ref, ref_s = _run(model, None, batch, 40)
+    out, out_s = _run(model, model.fast_decode, batch, 40)
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-5 * scale
+    for a, b in zip(ref_s.states.rec + ref_s.states.conv, out_s.states.rec + out_s.states.conv):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(ref_s.kv.k + ref_s.kv.v, out_s.kv.k + out_s.kv.v):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_decode_takes_only_decode_steps(model, monkeypatch):
+    calls = []
+    real = FastDecode.run
+    monkeypatch.setattr(FastDecode, "run", lambda self, b: calls.append(b) or real(self, b))
+    session = PagedSession(model, 2, 100)
+    session.step([[1, 2, 3], [4, 5]])  # prefill from empty state
+    assert not calls
+    session.step([[6], [7]])
+    assert len(calls) == 1
+    session.step([[8, 9], [10]])  # two tokens in one row
+    assert len(calls) == 1
+    fresh = PagedSession(model, 2, 100)
+    fresh.step([[1, 2]], rows=[0])
+    fresh.step([[3], [4]])  # row 1 starts from zero state
+    assert len(calls) == 1
+
+
+def test_weights_edited_after_loading_are_seen(model):
+    """An in-place edit (and a replaced parameter) reaches both paths: no stale copy."""
+    layer0 = model.model.layers[0]
+    attn = next(layer for layer in model.model.layers if not layer.is_linear)
+    keep = {n: p.detach().clone() for n, p in model.named_parameters()}
+    old_norm = model.model.norm.weight
+    try:
+        with torch.no_grad():
+            layer0.linear_attn.in_proj_z.weight.mul_(-1.5)
+            layer0.linear_attn.A_log.add_(0.5)
+            attn.self_attn.k_proj.weight.mul_(0.5)
+            attn.mlp.up_proj.weight.add_(0.01)
+        model.model.norm.weight = torch.nn.Parameter(old_norm.detach() + 0.3)
+        ref, _ = _run(model, None, 2, 5)
+        out, _ = _run(model, model.fast_decode, 2, 5)
+        assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+        # and the edit changed the logits (a stale copy would have been visible)
+        model.model.norm.weight = old_norm
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(keep[n])
+        before, _ = _run(model, model.fast_decode, 2, 5)
+        assert (before - out).abs().max().item() > 1e-3
+    finally:
+        model.model.norm.weight = old_norm
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(keep[n])
+
+
+def test_capture_and_layer_hooks_during_decode(model):
+    """Anchor capture writes the same group-entry rows; the tiered KV's hooks run in order."""
+    class Hooks:
+        def __init__(self):
+            self.events = []
+
+        def after_write(self, a):
+            self.events.append(("write", a))
+
+        def before_read(self, a):
+            self.events.append(("read", a))
+
+    results = []
+    for fast in (None, model.fast_decode):
+        model.fast_decode, saved = fast, model.fast_decode
+        try:
+            session = PagedSession(model, 3, 100)
+            session.step([[1, 2, 3], [4, 5, 6, 7], [8]])
+            from backend.model.batch import ForwardBatch, SeqInput
+            seqs = [SeqInput([9 + r], session.lengths[r], session.page_tables[r], r)
+                    for r in range(3)]
+            batch = ForwardBatch.build(seqs, session.kv, session.states)
+            G, D = model.config.num_groups, model.config.hidden_size
+            buffers = torch.zeros(G, 5, D)
+            batch.capture = Capture(torch.tensor([2, 0]), torch.tensor([4, 1]), buffers)
+            batch.layer_hooks = hooks = Hooks()
+            logits = model.forward_batch(batch)
+            results.append((logits, buffers, hooks.events))
+        finally:
+            model.fast_decode = saved
+    (ref, ref_buf, ref_ev), (out, out_buf, out_ev) = results
+    assert torch.allclose(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
+    assert ref_buf.abs().sum() > 0
+    assert torch.allclose(out_buf, ref_buf, atol=1e-5, rtol=0)
+    assert out_ev == ref_ev and len(ref_ev) == 2 * len(model.config.attention_layer_ids)
+
+
+def test_fast_decode_is_off_where_it_does_not_apply(tmp_path, monkeypatch):
+    model = HybridForCausalLM(_config(hidden=32, layers=4))
+    init_weights(model, seed=0)
+    path = save_hf_directory(model, tmp_path / "m")
+    assert load_model(path).fast_decode is not None
+    assert load_model(path, dtype=torch.bfloat16).fast_decode is None
+    assert load_model(path, pack=False).fast_decode is None
+    loaded = load_model(path)
+    unpack_linears(loaded)
+    assert loaded.fast_decode is None
+    monkeypatch.setenv("SUFFIXREPLAY_FAST_DECODE", "0")
+    assert load_model(path).fast_decode is None
+    monkeypatch.setenv("SUFFIXREPLAY_FAST_DECODE", "1")
+    monkeypatch.setenv("SUFFIXREPLAY_PACKED_LINEAR", "0")
+    assert load_model(path).fast_decode is None
