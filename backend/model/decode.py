@@ -100,7 +100,8 @@ class _LinearLayer(_FusedLayer):
         self.scale = m.head_k_dim ** -0.5
 
     def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor):
-        """x [B, D]; conv_state [B, C, W - 1]; rec [B, Hv, K, V] -> (x, conv, rec)."""
+        """x [B, D]; conv_state [B, C, W - 1]; rec [B, Hv, K, V] (updated in place: the
+        caller's gathered copy) -> (x, conv, rec)."""
         B, D = x.shape
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         h = F.rms_norm(x, (D,), self.n_in, self.eps)
@@ -114,10 +115,10 @@ class _LinearLayer(_FusedLayer):
             qk = qk.view(B, 2 * hk, 1, dk).expand(B, 2 * hk, hv // hk, dk).reshape(B, 2 * hv, dk)
         BH = B * hv
         decay = (self.neg_a * F.softplus(a + self.dt_bias)).exp()
-        S = (rec * decay.view(B, hv, 1, 1)).view(BH, dk, dv)
+        S = rec.mul_(decay.view(B, hv, 1, 1)).view(BH, dk, dv)  # rec: this step's copy
         k = qk[:, hv:].reshape(BH, 1, dk)
         delta = (v.reshape(BH, 1, dv) - torch.bmm(k, S)) * b.sigmoid().reshape(BH, 1, 1)
-        S = torch.baddbmm(S, k.transpose(1, 2), delta)
+        S.baddbmm_(k.transpose(1, 2), delta)
         o = torch.bmm(qk[:, :hv].reshape(BH, 1, dk), S).view(B, hv, dv) * self.scale
         y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, hv, dv))
         x = x + _mm(y.view(B, hv * dv), self.w_out)
