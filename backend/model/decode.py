@@ -39,6 +39,15 @@ def _pack(*weights: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]))
 
 
+def _packed_of(linear: nn.Module) -> torch.Tensor:
+    """A single product's packed weight: the `Linear`'s own copy (packed again if stale), so
+    the unfused products cost no memory here."""
+    if linear._packed is None or linear._packed_from is not linear.weight \
+            or linear._packed_version != linear.weight._version:
+        linear.pack()
+    return linear._packed
+
+
 def _bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
     return None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
@@ -67,7 +76,7 @@ class _FusedLayer:
         mlp = layer.mlp
         self.w_gate_up = _pack(mlp.gate_proj.weight, mlp.up_proj.weight)
         self.ffn_dim = mlp.gate_proj.out_features
-        self.w_down = _pack(mlp.down_proj.weight)
+        self.w_down = _packed_of(mlp.down_proj)
 
     def current(self) -> bool:
         """The parameters are the ones copied, unedited."""
@@ -93,7 +102,7 @@ class _LinearLayer(_FusedLayer):
         self.neg_a = -m.A_log.detach().float().exp()
         self.dt_bias = m.dt_bias.detach()
         self.g_norm, self.g_eps = m.norm.weight.detach(), m.norm.eps
-        self.w_out = _pack(m.out_proj.weight)
+        self.w_out = _packed_of(m.out_proj)
         self.hk, self.hv = m.num_k_heads, m.num_v_heads
         self.dk, self.dv = m.head_k_dim, m.head_v_dim
         self.qk_sizes = [2 * m.key_dim, m.value_dim]
@@ -136,7 +145,7 @@ class _AttentionLayer(_FusedLayer):
         self.qkv_sizes = [self.h * 2 * self.dh, self.hkv * self.dh, self.hkv * self.dh]
         self.w_qkv = _pack(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
         self.b_qkv = _bias(at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
-        self.w_o, self.b_o = _pack(at.o_proj.weight), _bias(at.o_proj.bias)
+        self.w_o, self.b_o = _packed_of(at.o_proj), _bias(at.o_proj.bias)
         # q heads then k heads, each kind with its own (1 + w): one norm call for both
         self.qk_norm = torch.cat([(1.0 + at.q_norm.weight).detach().expand(self.h, -1),
                                   (1.0 + at.k_norm.weight).detach().expand(self.hkv, -1)])
