@@ -9,8 +9,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from backend.config import ModelConfig
-from backend.model.hybrid import HybridForCausalLM
 from backend.model.decode import FastDecode
+from backend.model.hybrid import HybridForCausalLM
 from backend.model.linear import pack_linears
 
 # Prefixes real checkpoints put in front of the text model's names, and parts we never load.
