@@ -96,7 +96,30 @@ class TorchExecutor(ExecutorBuffers):
         """One batched step; returns last-token logits [B, V] (fp32).
 
         snapshots: (row, offset, saved slot): after the row's first `offset` new tokens (a
-        multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot."""
+        multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot.
+
+        The eager model pads a step's sequences to its longest one, so a step that mixes
+        decode tokens with a prefill chunk runs as two forwards: the decode rows (one
+        token each: the model's decode path) and then the rest (`split_decode_rows`)."""
+        parts = split_decode_rows(seqs)
+        if parts is None:
+            return self._forward(seqs, capture_src, capture_dst, layer_hooks, snapshots)
+        T = max(len(s.token_ids) for s in seqs)
+        logits = None
+        for i, rows in enumerate(parts):
+            last = i == len(parts) - 1
+            sub = _sub_step(rows, len(seqs), T, [seqs[b] for b in rows], capture_src,
+                            capture_dst, snapshots)
+            # New KV is copied out (offload) once every part has written it: the earlier
+            # part only waits for its layers' loads.
+            hooks = layer_hooks if last or layer_hooks is None else _LoadOnly(layer_hooks)
+            out = self._forward(*sub[:3], hooks, sub[3])
+            if logits is None:
+                logits = out.new_empty(len(seqs), out.shape[-1])
+            logits[rows] = out
+        return logits
+
+    def _forward(self, seqs, capture_src, capture_dst, layer_hooks, snapshots):
         capture = None
         if capture_src is not None and capture_src.numel():
             capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
@@ -129,3 +152,44 @@ class TorchExecutor(ExecutorBuffers):
 def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:
     for s, d in zip(src.conv + src.rec, dst.conv + dst.rec):
         d[j].copy_(s[i])
+
+
+def split_decode_rows(seqs: list[SeqInput]) -> list[list[int]] | None:
+    """[decode rows, other rows] of a step that mixes one-token continuations of cached
+    sequences with other chunks; None for a step of one kind only."""
+    decode = [b for b, s in enumerate(seqs) if len(s.token_ids) == 1 and s.start > 0]
+    if not decode or len(decode) == len(seqs):
+        return None
+    chosen = set(decode)
+    return [decode, [b for b in range(len(seqs)) if b not in chosen]]
+
+
+def _sub_step(rows: list[int], B: int, T: int, seqs: list[SeqInput], capture_src,
+              capture_dst, snapshots):
+    """The step's inputs restricted to `rows` (a sub-batch padded to its own length):
+    capture rows (flat indices into the [B, T] padded view) and snapshot rows renumbered."""
+    T_sub = max(len(s.token_ids) for s in seqs)
+    src = dst = None
+    if capture_src is not None and capture_src.numel():
+        where = torch.full((B,), -1, dtype=torch.long)
+        where[rows] = torch.arange(len(rows))
+        b, t = capture_src.div(T, rounding_mode="floor"), capture_src.remainder(T)
+        nb = where[b.cpu()].to(capture_src.device)
+        keep = nb >= 0
+        src, dst = (nb * T_sub + t)[keep], capture_dst[keep]
+    new_row = {b: i for i, b in enumerate(rows)}
+    snaps = [(new_row[r], off, slot) for r, off, slot in snapshots or () if r in new_row]
+    return seqs, src, dst, snaps
+
+
+class _LoadOnly:
+    """Layer hooks that wait for loads but do not start the offload of new KV."""
+
+    def __init__(self, hooks) -> None:
+        self.hooks = hooks
+
+    def after_write(self, layer: int) -> None:
+        pass
+
+    def before_read(self, layer: int) -> None:
+        self.hooks.before_read(layer)
