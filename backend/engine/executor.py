@@ -154,22 +154,27 @@ def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:
         d[j].copy_(s[i])
 
 
-# A mixed step is split when its decode rows would be padded by at least this many rows in
-# all: below it a second forward costs more than the padding (tiny model on the development
-# CPU: 1-2 decode rows beside an 8-16-token chunk ran 10-15% slower split, 8 beside 128
-# tokens 4.8x faster).
+# A mixed step is split when its longest chunk is longer than the chunked delta rule's chunk
+# (64 tokens: up to there a row costs about the same whatever its length, padding included)
+# and its decode rows would be padded by at least SPLIT_MIN_PADDED_ROWS rows in all. Below
+# either, a second forward costs more than the padding (tiny model on the development CPU:
+# 1-2 decode rows beside an 8-16-token chunk ran 10-15% slower split; the capacity
+# workload's hits, ~20-token chunks beside decodes, 8% slower; 8 decode rows beside a
+# 128-token chunk 4.8x faster, beside a 512-token chunk 7x).
+SPLIT_MIN_CHUNK = 65
 SPLIT_MIN_PADDED_ROWS = 64
 
 
 def split_decode_rows(seqs: list[SeqInput]) -> list[list[int]] | None:
     """[decode rows, other rows] of a step that mixes one-token continuations of cached
-    sequences with longer chunks, where padding the decode rows to the longest chunk would
-    cost at least SPLIT_MIN_PADDED_ROWS rows; None otherwise (one forward)."""
+    sequences with chunks longer than SPLIT_MIN_CHUNK, where padding the decode rows to the
+    longest chunk would cost at least SPLIT_MIN_PADDED_ROWS rows; None otherwise (one
+    forward)."""
     decode = [b for b, s in enumerate(seqs) if len(s.token_ids) == 1 and s.start > 0]
     if not decode or len(decode) == len(seqs):
         return None
     T = max(len(s.token_ids) for s in seqs)
-    if len(decode) * (T - 1) < SPLIT_MIN_PADDED_ROWS:
+    if T < SPLIT_MIN_CHUNK or len(decode) * (T - 1) < SPLIT_MIN_PADDED_ROWS:
         return None
     chosen = set(decode)
     return [decode, [b for b in range(len(seqs)) if b not in chosen]]

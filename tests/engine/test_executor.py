@@ -7,7 +7,12 @@ import torch
 from engine_helpers import random_prompt
 
 import backend.engine.executor as executor_mod
-from backend.engine.executor import SPLIT_MIN_PADDED_ROWS, TorchExecutor, split_decode_rows
+from backend.engine.executor import (
+    SPLIT_MIN_CHUNK,
+    SPLIT_MIN_PADDED_ROWS,
+    TorchExecutor,
+    split_decode_rows,
+)
 from backend.model import SeqInput, load_model
 from backend.model.hybrid import HybridForCausalLM
 from engine_build.hf_export import save_hf_directory
@@ -103,9 +108,10 @@ def test_split_decode_rows_picks_one_token_continuations():
     assert split_decode_rows([seq(30, 0), seq(4, 9)]) is None  # no decode row
     # a one-token fresh prompt is not a decode row (it has no state to continue)
     assert split_decode_rows([seq(1, 0), seq(30, 0)]) is None
-    assert split_decode_rows([seq(40, 0), seq(1, 7), seq(1, 0), seq(1, 3)]) == [[1, 3],
+    assert split_decode_rows([seq(80, 0), seq(1, 7), seq(1, 0), seq(1, 3)]) == [[1, 3],
                                                                                [0, 2]]
-    # two decode rows beside a 30-token chunk: 58 padded rows, cheaper than a second forward
-    assert SPLIT_MIN_PADDED_ROWS == 64
-    assert split_decode_rows([seq(30, 0), seq(1, 7), seq(1, 3)]) is None
-    assert split_decode_rows([seq(33, 0), seq(1, 7), seq(1, 3)]) == [[1, 2], [0]]
+    # padding cheaper than a second forward: chunks of at most 64 tokens, or few padded rows
+    assert (SPLIT_MIN_CHUNK, SPLIT_MIN_PADDED_ROWS) == (65, 64)
+    assert split_decode_rows([seq(64, 0)] + [seq(1, 7)] * 8) is None
+    assert split_decode_rows([seq(65, 0)] + [seq(1, 7)] * 8) == [list(range(1, 9)), [0]]
+    assert split_decode_rows([seq(200, 0), seq(1, 7)]) == [[1], [0]]
