@@ -99,11 +99,13 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """beta = sigmoid(b) and the log decay g (<= 0), [..., Hv]."""
-        beta = self.in_proj_b(x).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
-        return beta, g
+        return self.gates_of(self.in_proj_b(x), self.in_proj_a(x))
 
-    def output(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Gated RMSNorm with z = in_proj_z(x), then the out projection."""
-        z = self.in_proj_z(x).reshape(*out.shape)
+    def gates_of(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gates` from the b and a projections."""
+        return b.sigmoid(), -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+
+    def output(self, out: torch.Tensor, x: torch.Tensor, z: torch.Tensor | None = None):
+        """Gated RMSNorm with z = in_proj_z(x) (or the given z), then the out projection."""
+        z = (self.in_proj_z(x) if z is None else z).reshape(*out.shape)
         return self.out_proj(self.norm(out, z).reshape(*x.shape[:-1], self.value_dim))

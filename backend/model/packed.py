@@ -31,8 +31,12 @@ from backend.model.rotary import apply_rotary
 def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch.Tensor,
                         conv_state: torch.Tensor | None, rec_state: torch.Tensor | None,
                         decode: bool = False, output: bool = True,
-                        snap_offsets: torch.Tensor | None = None):
+                        snap_offsets: torch.Tensor | None = None,
+                        w_in: torch.Tensor | None = None):
     """Gated DeltaNet over packed tokens x [N, D] -> (out [N, D], (conv, rec) per sequence).
+
+    w_in: the qkv, z, b and a projections' weights concatenated (`fused_weights`): one
+    product for the four.
 
     decode: one token per sequence (N = B); the conv and the delta-rule step are then plain
     tensor maths that the compiler fuses, instead of calls to the packed operators.
@@ -44,14 +48,20 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
     import plugins  # registers the operators
 
     weight = mixer.conv1d.weight.squeeze(1)
-    xin = mixer.in_proj_qkv(x)
+    z = None
+    if w_in is None:
+        xin = mixer.in_proj_qkv(x)
+        beta, g = mixer.gates(x)
+    else:
+        Hv = mixer.num_v_heads
+        xin, z, b, a = F.linear(x, w_in).split([mixer.conv_dim, mixer.value_dim, Hv, Hv], -1)
+        beta, g = mixer.gates_of(b, a)
     if decode:
         mixed, new_conv = causal_conv1d(xin[:, None], weight, conv_state)
         mixed = mixed[:, 0]
     else:
         mixed, new_conv = plugins.causal_conv1d(xin, weight, cu_seqlens, conv_state, True)
     q, k, v = mixer.split_heads(mixed)
-    beta, g = mixer.gates(x)
     snaps = None
     if decode:
         out, new_rec = gated_delta_step(q[:, None], k[:, None], v[:, None], g[:, None],
@@ -69,15 +79,47 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
             torch.arange(W1, device=x.device)
         rows = rows.clamp(0, xin.shape[0] - 1)
         snaps = (xin[rows].transpose(1, 2), snap_rec)  # [B, C, W - 1], [B, H, K, V]
-    result = (mixer.output(out, x) if output else None), (new_conv, new_rec)
+    result = (mixer.output(out, x, z) if output else None), (new_conv, new_rec)
     return result if snaps is None else (*result, snaps)
 
 
 def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state,
-                        decode: bool = False, output: bool = True, snap_offsets=None):
+                        decode: bool = False, output: bool = True, snap_offsets=None,
+                        fused: dict | None = None):
+    """A decoder layer with a Gated DeltaNet mixer over packed tokens; `fused`: its
+    `fused_weights` (else each projection on its own)."""
     h, *states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
-                                     conv_state, rec_state, decode, output, snap_offsets)
-    return (layer._ffn(x + h) if output else None), *states
+                                     conv_state, rec_state, decode, output, snap_offsets,
+                                     fused["in"] if fused else None)
+    return (_ffn(layer, x + h, fused) if output else None), *states
+
+
+def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tensor:
+    if not fused:
+        return layer._ffn(x)
+    gate, up = F.linear(layer.post_attention_layernorm(x), fused["gate_up"]).split(
+        layer.mlp.gate_proj.out_features, -1)
+    return x + layer.mlp.down_proj(F.silu(gate) * up)
+
+
+def fused_weights(layer: DecoderLayer) -> dict[str, torch.Tensor]:
+    """Concatenated weights of the projections of `layer` that read one input (the MLP's
+    gate and up; a Gated DeltaNet's qkv, z, b, a; attention's q, k, v and their biases):
+    one product each, as the eager decode path (`decode.py`) has them."""
+    def cat(*ts):
+        return torch.cat([t.detach() for t in ts])
+
+    out = {"gate_up": cat(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)}
+    if layer.is_linear:
+        m = layer.linear_attn
+        out["in"] = cat(m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
+                        m.in_proj_a.weight)
+    else:
+        at = layer.self_attn
+        out["qkv"] = cat(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
+        if at.q_proj.bias is not None:
+            out["qkv_bias"] = cat(at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
+    return out
 
 
 class StepGraph(nn.Module):
@@ -104,6 +146,18 @@ class StepGraph(nn.Module):
         self.snapshots = snapshots
         cfg = model.config
         self.entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
+        # One product per input (`fused_weights`), buffers so that export keeps them as
+        # constants (a snapshot of the weights, as the exported graph is anyway).
+        self._fused_names = []
+        for i, layer in enumerate(model.model.layers):
+            names = {}
+            for key, w in fused_weights(layer).items():
+                self.register_buffer(f"fused_{i}_{key}", w, persistent=False)
+                names[key] = f"fused_{i}_{key}"
+            self._fused_names.append(names)
+
+    def _fused(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, n) for k, n in self._fused_names[i].items()}
 
     def forward(self, input_ids, positions, cu_seqlens, state_slots, fresh, write_slots,
                 pad_index, read_slots, attn_mask, capture_src, capture_dst,
@@ -127,32 +181,39 @@ class StepGraph(nn.Module):
                 r0 = rec[li].index_select(0, state_slots) * keep.unsqueeze(-1).float()
                 if self.snapshots:
                     x, (c1, r1), (sc, sr) = linear_layer_packed(
-                        layer, x, cu_seqlens, c0, r0, snap_offsets=snap_offsets)
+                        layer, x, cu_seqlens, c0, r0, snap_offsets=snap_offsets,
+                        fused=self._fused(i))
                     saved_conv[li].index_copy_(0, snap_slots, sc.to(saved_conv[li].dtype))
                     saved_rec[li].index_copy_(0, snap_slots, sr)
                 else:
                     x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0,
-                                                      self.decode)
+                                                      self.decode, fused=self._fused(i))
                 conv[li].index_copy_(0, state_slots, c1.to(conv[li].dtype))
                 rec[li].index_copy_(0, state_slots, r1)
             else:
                 a = layer.self_attn.attn_index
+                fused = self._fused(i)
                 h = _attention_packed(layer.self_attn, layer.input_layernorm(x), cos, sin,
                                       k_pool[a], v_pool[a], write_slots, pad_index,
-                                      read_slots, attn_mask, B, T)
-                x = layer._ffn(x + h)
+                                      read_slots, attn_mask, B, T, fused)
+                x = _ffn(layer, x + h, fused)
         last = m.model.norm(x.index_select(0, cu_seqlens[1:] - 1))
         return m.lm_head(last).float()
 
 
 def _attention_packed(attn, x, cos, sin, k_pool, v_pool, write_slots, pad_index, read_slots,
-                      attn_mask, B, T):
+                      attn_mask, B, T, fused: dict | None = None):
     N = x.shape[0]
     H, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    q, gate = attn.q_proj(x).view(N, H, 2 * Dh).chunk(2, dim=-1)
+    if fused:
+        qg, k, v = F.linear(x, fused["qkv"], fused.get("qkv_bias")).split(
+            [H * 2 * Dh, Hkv * Dh, Hkv * Dh], -1)
+    else:
+        qg, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    q, gate = qg.view(N, H, 2 * Dh).chunk(2, dim=-1)
     q = apply_rotary(attn.q_norm(q), cos, sin)
-    k = apply_rotary(attn.k_norm(attn.k_proj(x).view(N, Hkv, Dh)), cos, sin)
-    v = attn.v_proj(x).view(N, Hkv, Dh)
+    k = apply_rotary(attn.k_norm(k.view(N, Hkv, Dh)), cos, sin)
+    v = v.view(N, Hkv, Dh)
     k_pool.index_copy_(0, write_slots, k.to(k_pool.dtype))
     v_pool.index_copy_(0, write_slots, v.to(v_pool.dtype))
     q_pad = q.new_zeros(B * T, H, Dh).index_copy(0, pad_index, q).view(B, T, H, Dh)
