@@ -18,7 +18,7 @@ general path and the oracle tests to transformers).
 
 Used by `HybridForCausalLM.forward_batch` when the model was loaded for CPU inference in
 float32 with packed linears (`load_model`), the step is a decode step over cached sequences
-(one token each, no fresh row, no mid-forward snapshots) and grad is off. Anchor capture and
+(one token each, no fresh row, no mid-forward snapshots). Anchor capture and
 the tiered KV's layer hooks are honoured. A weight replaced or edited in place after the
 snapshot (its `_version` moves) is seen: that layer's fused copy is rebuilt before use.
 Set SUFFIXREPLAY_FAST_DECODE=0 to turn the path off (e.g. to compare against it).
@@ -33,10 +33,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.linear import packing_available
+from backend.model.rotary import apply_rotary
 
 
-def _pack(*weights: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._reorder_linear_weight(torch.cat([w.detach() for w in weights]))
+def fused_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """Concatenated weights of the projections of a decoder layer that read one input (the
+    MLP's gate and up; a Gated DeltaNet's qkv, z, b, a; attention's q, k, v and their
+    biases): one product each. Shared with the compiled step graphs (`packed.py`)."""
+    def cat(*ts):
+        return torch.cat([t.detach() for t in ts])
+
+    out = {"gate_up": cat(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)}
+    if layer.is_linear:
+        m = layer.linear_attn
+        out["in"] = cat(m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
+                        m.in_proj_a.weight)
+    else:
+        at = layer.self_attn
+        out["qkv"] = cat(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
+        if at.q_proj.bias is not None:
+            out["qkv_bias"] = cat(at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
+    return out
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight)
 
 
 def _packed_of(linear: nn.Module) -> torch.Tensor:
@@ -46,10 +67,6 @@ def _packed_of(linear: nn.Module) -> torch.Tensor:
             or linear._packed_version != linear.weight._version:
         linear.pack()
     return linear._packed
-
-
-def _bias(*biases: torch.Tensor | None) -> torch.Tensor | None:
-    return None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
 
 def _mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,14 +84,14 @@ class _FusedLayer:
     """What every decoder layer has: the two norms and the MLP; the parameters the fused
     copies were made from (with their versions, to notice replacement or in-place edits)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: nn.Module, fused: dict[str, torch.Tensor]) -> None:
         self.sources = [(mod._parameters, name, p, p._version) for mod in layer.modules()
                         for name, p in mod._parameters.items() if p is not None]
         self.eps = layer.input_layernorm.eps
         self.n_in = (1.0 + layer.input_layernorm.weight).detach()
         self.n_post = (1.0 + layer.post_attention_layernorm.weight).detach()
         mlp = layer.mlp
-        self.w_gate_up = _pack(mlp.gate_proj.weight, mlp.up_proj.weight)
+        self.w_gate_up = _pack(fused["gate_up"])
         self.ffn_dim = mlp.gate_proj.out_features
         self.w_down = _packed_of(mlp.down_proj)
 
@@ -92,11 +109,11 @@ class _LinearLayer(_FusedLayer):
     """A decoder layer with a Gated DeltaNet mixer."""
 
     def __init__(self, layer: nn.Module) -> None:
-        super().__init__(layer)
+        fused = fused_weights(layer)
+        super().__init__(layer, fused)
         m = layer.linear_attn
         self.state_index = layer.state_index
-        self.w_in = _pack(m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
-                          m.in_proj_a.weight)
+        self.w_in = _pack(fused["in"])
         self.in_sizes = [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads]
         self.taps = m.conv1d.weight.detach().squeeze(1)  # [C, W]
         self.neg_a = -m.A_log.detach().float().exp()
@@ -138,14 +155,15 @@ class _AttentionLayer(_FusedLayer):
     """A decoder layer with full attention over paged KV."""
 
     def __init__(self, layer: nn.Module) -> None:
-        super().__init__(layer)
+        fused = fused_weights(layer)
+        super().__init__(layer, fused)
         at = self.attn = layer.self_attn
         self.index = at.attn_index
         self.h, self.hkv, self.dh = at.num_heads, at.num_kv_heads, at.head_dim
         self.qkv_sizes = [self.h * 2 * self.dh, self.hkv * self.dh, self.hkv * self.dh]
-        self.w_qkv = _pack(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
-        self.b_qkv = _bias(at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
-        self.w_o, self.b_o = _packed_of(at.o_proj), _bias(at.o_proj.bias)
+        self.w_qkv, self.b_qkv = _pack(fused["qkv"]), fused.get("qkv_bias")
+        self.w_o = _packed_of(at.o_proj)
+        self.b_o = None if at.o_proj.bias is None else at.o_proj.bias.detach()
         # q heads then k heads, each kind with its own (1 + w): one norm call for both
         self.qk_norm = torch.cat([(1.0 + at.q_norm.weight).detach().expand(self.h, -1),
                                   (1.0 + at.k_norm.weight).detach().expand(self.hkv, -1)])
@@ -160,10 +178,7 @@ class _AttentionLayer(_FusedLayer):
         qg = qg.view(B, h, 2 * dh)
         qk = torch.cat((qg[..., :dh], k.view(B, hkv, dh)), 1)  # [B, H + Hkv, Dh]
         qk = F.rms_norm(qk, (dh,), None, self.qk_eps) * self.qk_norm
-        r = cos.shape[-1]
-        rot = qk[..., :r]
-        turned = torch.cat((-rot[..., r // 2:], rot[..., :r // 2]), -1)
-        qk = torch.cat((rot * cos + turned * sin, qk[..., r:]), -1)
+        qk = apply_rotary(qk, cos.view(B, -1), sin.view(B, -1))  # the rows as its tokens
         kv, a = batch.kv, self.index
         slots = batch.write_slots
         kv.k[a].index_copy_(0, slots, qk[:, h:])
@@ -206,8 +221,7 @@ class FastDecode:
         return (batch.input_ids.shape[1] == 1 and batch.kv is not None
                 and batch.states is not None and batch.read_pages is not None
                 and batch.fresh_rows is None and batch.snapshots is None
-                and batch.valid is None and batch.input_ids.is_cpu
-                and not torch.is_grad_enabled())
+                and batch.valid is None and batch.input_ids.is_cpu)
 
     def run(self, batch) -> torch.Tensor:
         """The final-normed hidden states [B, D] of the step's tokens."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from backend.model.batch import ForwardBatch
 from backend.model.conv import causal_conv1d
+from backend.model.decode import fused_weights
 from backend.model.delta_rule import gated_delta_step
 from backend.model.gated_deltanet import GatedDeltaNet
 from backend.model.hybrid import DecoderLayer, HybridForCausalLM
@@ -100,26 +101,6 @@ def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tens
     gate, up = F.linear(layer.post_attention_layernorm(x), fused["gate_up"]).split(
         layer.mlp.gate_proj.out_features, -1)
     return x + layer.mlp.down_proj(F.silu(gate) * up)
-
-
-def fused_weights(layer: DecoderLayer) -> dict[str, torch.Tensor]:
-    """Concatenated weights of the projections of `layer` that read one input (the MLP's
-    gate and up; a Gated DeltaNet's qkv, z, b, a; attention's q, k, v and their biases):
-    one product each, as the eager decode path (`decode.py`) has them."""
-    def cat(*ts):
-        return torch.cat([t.detach() for t in ts])
-
-    out = {"gate_up": cat(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)}
-    if layer.is_linear:
-        m = layer.linear_attn
-        out["in"] = cat(m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
-                        m.in_proj_a.weight)
-    else:
-        at = layer.self_attn
-        out["qkv"] = cat(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight)
-        if at.q_proj.bias is not None:
-            out["qkv_bias"] = cat(at.q_proj.bias, at.k_proj.bias, at.v_proj.bias)
-    return out
 
 
 class StepGraph(nn.Module):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backend.model import load_model
-from backend.model.batch import Capture
+from backend.model.batch import Capture, ForwardBatch, SeqInput
 from backend.model.decode import FastDecode
 from backend.model.generate import PagedSession
 from backend.model.hybrid import HybridForCausalLM
@@ -137,7 +137,6 @@ def test_capture_and_layer_hooks_during_decode(model):
         try:
             session = PagedSession(model, 3, 100)
             session.step([[1, 2, 3], [4, 5, 6, 7], [8]])
-            from backend.model.batch import ForwardBatch, SeqInput
             seqs = [SeqInput([9 + r], session.lengths[r], session.page_tables[r], r)
                     for r in range(3)]
             batch = ForwardBatch.build(seqs, session.kv, session.states)
