@@ -139,7 +139,12 @@ class CacheManager:
         `max_snapshots_per_row`) one step covers them; otherwise, or when no slot is free,
         the step ends at that position and `after_forward` saves it (making room as it
         does). The slots are the sequence's pending states from now on (a failed step's
-        release frees them)."""
+        release frees them).
+
+        When no slot can be had (every one held by running requests), the sequence gives up
+        its shallowest state from an earlier step, as `after_forward` does, or else goes
+        without this one: the step is not cut short for a checkpoint it could not keep
+        (cutting cost an extra forward, and the rest of the prompt's chunk, for nothing)."""
         planned: list[tuple[int, int]] = []
         limit = self.executor.max_snapshots_per_row
         for pos in sorted(p for p in seq.capture_positions if start < p < end):
@@ -148,7 +153,13 @@ class CacheManager:
                 return pos, planned
             slots = self.store.alloc_state_slots(1)
             if slots is None:
-                return pos, planned
+                earlier = [p for p in seq.pending_states if p <= start]
+                if not earlier:
+                    continue
+                shallowest = min(earlier)
+                slots = [seq.pending_states.pop(shallowest)]
+                if seq.live_position == shallowest:
+                    seq.live_position = None
             self._keep_state(seq, pos, slots[0])
             planned.append((pos, slots[0]))
         return end, planned

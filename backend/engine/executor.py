@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from backend.config import ModelConfig
@@ -98,10 +100,10 @@ class TorchExecutor(ExecutorBuffers):
         snapshots: (row, offset, saved slot): after the row's first `offset` new tokens (a
         multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot.
 
-        The eager model pads a step's sequences to its longest one, so a step that mixes
-        decode tokens with a prefill chunk runs as two forwards: the decode rows (one
-        token each: the model's decode path) and then the rest (`split_decode_rows`)."""
-        parts = split_decode_rows(seqs)
+        The eager model pads a step's sequences to its longest one, so a step whose rows
+        differ much in length runs as several forwards (`split_rows`): decode rows beside a
+        prefill chunk (the model's decode path), a short chunk beside a long one."""
+        parts = split_rows(seqs)
         if parts is None:
             return self._forward(seqs, capture_src, capture_dst, layer_hooks, snapshots)
         T = max(len(s.token_ids) for s in seqs)
@@ -163,13 +165,34 @@ def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:
 # 128-token chunk 4.8x faster, beside a 512-token chunk 7x).
 SPLIT_MIN_CHUNK = 65
 SPLIT_MIN_PADDED_ROWS = 64
+# The other rows (prefill chunks, hits' suffixes) are grouped by length with a cost model of
+# one eager forward: FORWARD_COST_ROWS + rows x longest row, in padded rows (default model on
+# the development CPU: 8-10 ms a forward, 0.2 ms a row; a 5-token chunk beside a 507-token one
+# cost 188 ms in one forward, 123 ms as two; 128 beside 384: 145 vs 127 ms; 300 beside 212 the
+# same either way). A split is taken only when it saves SPLIT_MIN_SAVED_ROWS padded rows.
+FORWARD_COST_ROWS = 48
+SPLIT_MIN_SAVED_ROWS = 64
+
+
+def split_rows(seqs: list[SeqInput]) -> list[list[int]] | None:
+    """The rows of a step as parts run one forward each (shortest part first), or None for
+    one forward. Decode rows (one-token continuations of cached sequences, the model's fused
+    decode path) go apart beside chunks longer than SPLIT_MIN_CHUNK when padding them would
+    cost SPLIT_MIN_PADDED_ROWS rows (`split_decode_rows`); the rest are grouped by length
+    where that saves SPLIT_MIN_SAVED_ROWS padded rows (`group_by_length`)."""
+    decode = split_decode_rows(seqs)
+    rest = decode[1] if decode else list(range(len(seqs)))
+    groups = group_by_length([len(seqs[b].token_ids) for b in rest])
+    if decode is None and groups is None:
+        return None
+    parts = [[rest[i] for i in g] for g in groups] if groups else [rest]
+    return ([decode[0]] if decode else []) + parts
 
 
 def split_decode_rows(seqs: list[SeqInput]) -> list[list[int]] | None:
     """[decode rows, other rows] of a step that mixes one-token continuations of cached
     sequences with chunks longer than SPLIT_MIN_CHUNK, where padding the decode rows to the
-    longest chunk would cost at least SPLIT_MIN_PADDED_ROWS rows; None otherwise (one
-    forward)."""
+    longest chunk would cost at least SPLIT_MIN_PADDED_ROWS rows; None otherwise."""
     decode = [b for b, s in enumerate(seqs) if len(s.token_ids) == 1 and s.start > 0]
     if not decode or len(decode) == len(seqs):
         return None
@@ -178,6 +201,31 @@ def split_decode_rows(seqs: list[SeqInput]) -> list[list[int]] | None:
         return None
     chosen = set(decode)
     return [decode, [b for b in range(len(seqs)) if b not in chosen]]
+
+
+def group_by_length(lengths: list[int]) -> list[list[int]] | None:
+    """Indices of `lengths` in groups (shortest group first, each in index order) that
+    minimise the modelled cost of one forward per group, FORWARD_COST_ROWS + size x longest;
+    None when that saves fewer than SPLIT_MIN_SAVED_ROWS rows over a single forward. The
+    best groups are runs of the rows sorted by length (a row never pads to a longer group
+    than it must), found by dynamic programming over those runs."""
+    n = len(lengths)
+    if n < 2:
+        return None
+    order = sorted(range(n), key=lambda i: -lengths[i])
+    best, cut = [0] + [math.inf] * n, [0] * (n + 1)
+    for j in range(1, n + 1):  # best[j]: the j longest rows, grouped
+        for i in range(j):  # last group: order[i:j], padded to lengths[order[i]]
+            cost = best[i] + FORWARD_COST_ROWS + (j - i) * lengths[order[i]]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    if FORWARD_COST_ROWS + n * lengths[order[0]] - best[n] < SPLIT_MIN_SAVED_ROWS:
+        return None
+    groups, j = [], n
+    while j:
+        groups.append(sorted(order[cut[j]:j]))
+        j = cut[j]
+    return groups
 
 
 def _sub_step(rows: list[int], B: int, T: int, seqs: list[SeqInput], capture_src,

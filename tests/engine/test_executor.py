@@ -1,4 +1,5 @@
-"""The eager executor's split of steps that mix decode tokens with prefill chunks."""
+"""The eager executor's split of steps whose rows differ in length: decode tokens beside
+prefill chunks, short chunks beside long ones."""
 
 from __future__ import annotations
 
@@ -8,10 +9,14 @@ from engine_helpers import random_prompt
 
 import backend.engine.executor as executor_mod
 from backend.engine.executor import (
+    FORWARD_COST_ROWS,
     SPLIT_MIN_CHUNK,
     SPLIT_MIN_PADDED_ROWS,
+    SPLIT_MIN_SAVED_ROWS,
     TorchExecutor,
+    group_by_length,
     split_decode_rows,
+    split_rows,
 )
 from backend.model import SeqInput, load_model
 from backend.model.hybrid import HybridForCausalLM
@@ -54,7 +59,7 @@ def _mixed_step(model, tables):
 def _run(model, split: bool, monkeypatch, hooks=None):
     with monkeypatch.context() as m:
         if not split:
-            m.setattr(executor_mod, "split_decode_rows", lambda seqs: None)
+            m.setattr(executor_mod, "split_rows", lambda seqs: None)
         ex = TorchExecutor(model, **SIZES)
         prefix, tables = _prefix_step(model)
         ex.forward(prefix)
@@ -63,6 +68,10 @@ def _run(model, split: bool, monkeypatch, hooks=None):
 
 
 def test_a_mixed_step_split_equals_one_padded_forward(model, monkeypatch):
+    """The step runs as three forwards (decode rows 0 and 3, the 10-token row, the 150-token
+    row) and computes what one padded forward does."""
+    prefix, tables = _prefix_step(model)
+    assert split_rows(_mixed_step(model, tables)[0]) == [[0, 3], [1], [2]]
     ref_ex, ref = _run(model, False, monkeypatch)
     ex, out = _run(model, True, monkeypatch)
     torch.testing.assert_close(out, ref, atol=1e-5 * ref.abs().max().item(), rtol=0)
@@ -94,10 +103,10 @@ def test_new_kv_is_offloaded_only_after_every_part_wrote_it(model, monkeypatch):
                         or real(self, b, last_only))
     _run(model, True, monkeypatch, hooks=Hooks())
     n = len(model.config.attention_layer_ids)
-    first, second = forwards[-2], forwards[-1]  # events before each part of the mixed step
-    assert events[first:second] == [("load", a) for a in range(n)]
-    assert sorted(e for e in events[second:] if e[0] == "offload") == [("offload", a)
-                                                                      for a in range(n)]
+    first, last = forwards[-3], forwards[-1]  # events before the first and the last part
+    assert events[first:last] == [("load", a) for a in range(n)] * 2
+    assert sorted(e for e in events[last:] if e[0] == "offload") == [("offload", a)
+                                                                    for a in range(n)]
 
 
 def test_split_decode_rows_picks_one_token_continuations():
@@ -115,3 +124,26 @@ def test_split_decode_rows_picks_one_token_continuations():
     assert split_decode_rows([seq(64, 0)] + [seq(1, 7)] * 8) is None
     assert split_decode_rows([seq(65, 0)] + [seq(1, 7)] * 8) == [list(range(1, 9)), [0]]
     assert split_decode_rows([seq(200, 0), seq(1, 7)]) == [[1], [0]]
+
+
+def test_group_by_length_pays_a_forward_only_for_padding_it_saves():
+    assert (FORWARD_COST_ROWS, SPLIT_MIN_SAVED_ROWS) == (48, 64)
+    assert group_by_length([300]) is None
+    assert group_by_length([5, 507]) == [[0], [1]]  # one: 48 + 1014 rows; two: 96 + 512
+    assert group_by_length([300, 212]) is None  # saves 40 rows
+    assert group_by_length([64, 64, 64, 64]) is None
+    assert group_by_length([20, 1, 1, 1]) is None  # saves 9 rows
+    # rows group with those of their length, each group padded to its own longest
+    assert group_by_length([10, 400, 20, 390]) == [[0, 2], [1, 3]]
+    assert group_by_length([400, 1, 200, 2, 390]) == [[1, 3], [2], [0, 4]]
+
+
+def test_split_rows_takes_decode_rows_apart_then_groups_the_rest():
+    def seq(n, start):
+        return SeqInput([1] * n, start)
+
+    assert split_rows([seq(1, 5), seq(1, 9)]) is None
+    assert split_rows([seq(300, 0), seq(212, 40)]) is None
+    assert split_rows([seq(300, 0), seq(1, 7), seq(20, 0)]) == [[1], [2], [0]]
+    assert split_rows([seq(300, 0), seq(1, 7), seq(280, 0)]) == [[1], [0, 2]]
+    assert split_rows([seq(20, 0), seq(507, 64)]) == [[0], [1]]

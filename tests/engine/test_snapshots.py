@@ -113,3 +113,65 @@ def test_snapshots_in_batches_with_decodes_keep_outputs_and_states(model):
     assert [g.new_token_ids for g in got] == greedy_generate(model, branches, 12, PAGE)
     assert [g.cached_tokens for g in got] == [128, 256, 64]
     assert_no_leak(engine)
+
+
+def _prefill_steps(engine, prompt):
+    """Steps until the prompt's first token, and the engine (prompt cached)."""
+    from backend.engine import Request
+
+    first = []
+    engine.submit(Request("p", prompt, GREEDY, on_output=lambda o: first.append(
+        engine.scheduler.num_steps) if o.new_token_ids and not first else None))
+    while engine.has_work:
+        engine.step()
+    return first[0]
+
+
+def test_budget_cut_chunks_end_on_a_chunk_boundary_before_planned_states(model):
+    """Checkpoints every 64 tokens (pages of 16), a 300-token step budget, a 700-token
+    prompt: chunks [0, 256), [256, 512), [512, 688), [688, 700), each saving its checkpoints
+    mid-step (688, the last page boundary, is off the delta rule's 64-token chunk grid and
+    ends a step). Cut at the budget ([0, 300), ...) the chunks after the first would start
+    off that grid and end at the next checkpoint: six steps, two of 20 tokens."""
+    from backend.model.generate import greedy_generate
+
+    V = model.config.vocab_size
+    prompt = random_prompt(700, V, seed=31)
+    engine = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=300)
+    assert _prefill_steps(engine, prompt) == 4
+    branches = [prompt[:at] + random_prompt(9, V, seed=at) for at in (200, 330, 650)]
+    got = [engine.generate(b, GREEDY) for b in branches]
+    assert [g.cached_tokens for g in got] == [192, 320, 640]
+    assert [g.new_token_ids for g in got] == greedy_generate(model, branches, 12, PAGE)
+    assert_no_leak(engine)
+    # a short budget-cut chunk is not shortened (it would lose too much of the step)
+    engine = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=100)
+    steps = _prefill_steps(engine, prompt)
+    assert steps > 7  # 100-token chunks, cut short at unaligned checkpoints
+    assert_no_leak(engine)
+
+
+def test_a_step_is_not_cut_for_a_checkpoint_without_a_free_slot(model):
+    """Two checkpoint slots, checkpoints every 64 tokens: a 300-token prompt prefills in two
+    steps (the second from 288, its last page boundary) as with plenty of slots: the
+    checkpoints that find no slot are not kept, the step goes on. Over several steps a
+    prompt gives up its shallowest earlier states for deeper ones. Every hit resumes with
+    plain greedy's tokens."""
+    from backend.model.generate import greedy_generate
+
+    V = model.config.vocab_size
+    prompt = random_prompt(300, V, seed=41)
+    plenty = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=512)
+    scarce = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=512,
+                         num_checkpoint_slots=2)
+    assert _prefill_steps(scarce, prompt) == _prefill_steps(plenty, prompt) == 2
+    long = random_prompt(600, V, seed=42)
+    scarce = make_engine(model, policy="checkpoint", interval=64, max_tokens_per_step=256,
+                         num_checkpoint_slots=2)
+    _prefill_steps(scarce, long)
+    branches = [long[:at] + random_prompt(7, V, seed=at) for at in (595, 100)]
+    got = [scarce.generate(b, GREEDY) for b in branches]
+    assert [g.new_token_ids for g in got] == greedy_generate(model, branches, 12, PAGE)
+    assert got[0].cached_tokens == 592  # the deepest states were kept
+    assert got[1].cached_tokens == 0  # the shallow ones were given up
+    assert_no_leak(scarce)
