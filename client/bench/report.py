@@ -81,6 +81,18 @@ def system_table(results: dict, workload: str) -> str:
     return "\n".join(lines)
 
 
+def projection_line(summary: dict) -> str:
+    """The simulator's H200 projection of PCR against SCCache (LMCache-like) on RAG."""
+    proj = summary.get("sim_projection_h200_pcr_ttft_speedup_vs_sccache")
+    if not proj:
+        return ""
+    return ("Simulator projection to an H200 (published figures, assumed; RAG queries of this "
+            "run, offered load / a no-cache server's capacity): PCR TTFT speedup vs "
+            "SCCache: " + "; ".join(
+                f"{model} " + ", ".join(f"{load} {v:.2f}x" for load, v in by_load.items())
+                for model, by_load in proj.items()))
+
+
 def write_report(summary: dict, out: Path) -> Path:
     results = summary["results"]
     plots = plot_all(summary, out)
@@ -91,7 +103,7 @@ def write_report(summary: dict, out: Path) -> Path:
              ratio_table(summary), "", "Also measured:", "", also_table(summary), "",
              "Simulator validation error per run: "
              + ", ".join(f"{k} {v:.2f}" for k, v in summary["sim_validation_errors"].items()),
-             "", "## Per workload (times in ms)", ""]
+             "", projection_line(summary), "", "## Per workload (times in ms)", ""]
     for workload in results:
         parts += [system_table(results, workload), ""]
     parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]

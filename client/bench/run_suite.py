@@ -35,6 +35,7 @@ from client.bench.suite import (
     summarize,
 )
 from client.bench.systems import (
+    INTERVAL,
     SGLANG,
     SYSTEMS,
     Budget,
@@ -451,7 +452,7 @@ def simulation(runner, jobs, results: dict) -> dict:
             pred = simulator.simulate(workload, sim_sys, shapes, cost)["ttft_mean_s"] * 1000
             meas = results[workload.name][system]["ttft_ms"]["mean"]
             errors[f"{workload.name}/{system}"] = abs(pred - meas) / meas
-    projection = {}
+    projection, pcr_vs_sccache = {}, {}
     for name, params_b in (("qwen3_5_4b", 4.0), ("qwen3_6_27b", 27.0)):
         cfg = ModelConfig.from_file(CONFIG_DIR / f"{name}.json")
         gpu = simulator.CostModel.h200(params_b, len(cfg.attention_layer_ids),
@@ -467,10 +468,49 @@ def simulation(runner, jobs, results: dict) -> dict:
                     s = simulator.simulate(workload, simulator.SimSystem(policy, gib << 30), sh,
                                            gpu)
                     proj.setdefault(workload.name, {})[f"{policy}@{gib}GiB"] = s
+        rag = next((wl for _, wl, _, _ in jobs if wl.name.startswith("rag")), None)
+        if rag is not None:
+            proj["rag"] = rag_projection(rag, sh, gpu)
+            pcr_vs_sccache[name] = {u: v["lmcache_like"]["ttft_mean_s"]
+                                    / v["pcr_full"]["ttft_mean_s"]
+                                    for u, v in proj["rag"].items()}
         projection[name] = proj
     mean_error = sum(errors.values()) / len(errors) if errors else float("nan")
     return {"sim_validation_error": mean_error, "sim_validation_errors": errors,
-            "sim_cost_model": cost.__dict__, "sim_projection_h200": projection}
+            "sim_cost_model": cost.__dict__, "sim_projection_h200": projection,
+            "sim_projection_h200_pcr_ttft_speedup_vs_sccache": pcr_vs_sccache}
+
+
+# The RAG projection: the run's queries at these loads (offered load / a no-cache server's
+# capacity), the tiers sized from the queries' distinct prefix pages as the measured RAG
+# budget sizes them (device 1/8, DRAM 1/2 of them, SSD all), checkpoint states as the
+# measured tiered systems keep them.
+RAG_PROJECTION_LOADS = (0.5, 0.8, 0.95)
+RAG_PROJECTION_SYSTEMS = {"lmcache_like": (False, False), "pcr_overlap": (True, False),
+                          "pcr_full": (True, True)}  # (overlap, prefetch)
+
+
+def rag_projection(workload: W.Workload, shapes, cost) -> dict:
+    from dataclasses import replace
+
+    pages = {k for r in workload.requests
+             for k in simulator._page_keys(r.prompt, shapes.page_size, r.salt)}
+    closed = W.Workload(workload.name, [replace(r, arrival=None) for r in workload.requests])
+    service = simulator.simulate(closed, simulator.SimSystem("none", 0), shapes,
+                                 cost)["ttft_mean_s"]
+    rate = workload.params["rate"]
+    out = {}
+    for load in RAG_PROJECTION_LOADS:
+        scale = rate / (load / service)  # arrival times at the new rate
+        wl = W.Workload(workload.name, [replace(r, arrival=r.arrival * scale)
+                                        for r in workload.requests])
+        out[f"load{load:g}"] = {
+            name: simulator.simulate(wl, simulator.SimSystem(
+                "checkpoint", len(pages) // 8 * shapes.kv_page, len(pages) // 2 * shapes.kv_page,
+                INTERVAL, ssd_bytes=4 * len(pages) * shapes.kv_page, overlap=overlap,
+                prefetch=prefetch), shapes, cost)
+            for name, (overlap, prefetch) in RAG_PROJECTION_SYSTEMS.items()}
+    return out
 
 
 def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:

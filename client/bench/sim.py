@@ -5,13 +5,19 @@ longest cached page-aligned prefix; the checkpoint baseline can only resume at a
 holds a checkpoint (every `interval` tokens and at prompt ends); suffix replay at any page
 boundary, paying the replay of k = min(ceil(f n), k_max) anchors per group; no cache never hits.
 Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
-least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one.
+least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one,
+and an SSD tier behind DRAM what DRAM evicts. (In the tiers checkpoints ride with their pages,
+as `state_tier.py` keeps them: a hit's resume checkpoint loads from its page's tier.)
 
 TTFT of a request = overhead + prefill of the recomputed tokens (linear in tokens and in
-tokens x context for attention) + replay of the anchors + loading tier-resident KV at the
-tier's bandwidth. `CostModel.fit` calibrates the coefficients by least squares on the
-measured records of a run on this machine; `CostModel.h200` states the published-figure
-assumptions for a GPU projection.
+tokens x context for attention) + replay of the anchors + loading tier-resident KV (and the
+resume checkpoint) at the tier's bandwidth. PCR's mechanisms: with layer-wise overlap the load
+hides behind the compute (max of the two, not their sum); open-loop requests (arrival times)
+queue for one server (FCFS, busy for each request's prefill), and with prefetch a queued
+request's SSD pages are read while it waits. Look-ahead eviction is not modelled.
+`CostModel.fit` calibrates the coefficients by least squares on the measured records of a run
+on this machine; `CostModel.h200` states the published-figure assumptions for a GPU
+projection.
 """
 
 from __future__ import annotations
@@ -77,6 +83,9 @@ class SimSystem:
     dram_bytes: int = 0
     interval: int = 256
     checkpoint_slots: int | None = None  # a separate pool of state slots (None: in bytes)
+    ssd_bytes: int = 0
+    overlap: bool = False  # layer-wise: tier loads hide behind the step's compute
+    prefetch: bool = False  # a queued request's SSD pages are read while it waits
 
 
 @dataclass
@@ -130,26 +139,29 @@ class _Tier:
 def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostModel) -> dict:
     ps = shapes.page_size
     device, dram = _Tier(system.device_bytes), _Tier(system.dram_bytes)
+    ssd = _Tier(system.ssd_bytes)
+    tiered = bool(system.dram_bytes or system.ssd_bytes)
     slots = system.checkpoint_slots
     checkpoints = _Tier(slots if slots is not None else 1 << 62)
+    kept: set = set()  # tiered checkpoint systems: the pages with a checkpoint (any tier)
     page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
     rows = []
+    free_at = 0.0  # open loop: when the server finishes the prefill it is on
     for req in workload.requests:
         keys = _page_keys(req.prompt, ps, req.salt)
-        hit_pages, from_dram = 0, 0
+        tiers: list[str] = []  # where each hit page is
         if system.policy != "none":
             for key in keys[: (len(req.prompt) - 1) // ps]:  # the last token is always computed
-                if device.get(key):
-                    hit_pages += 1
-                elif dram.get(key):
-                    hit_pages += 1
-                    from_dram += 1
-                else:
+                where = "device" if device.get(key) else "dram" if dram.get(key) else \
+                    "ssd" if ssd.get(key) else None
+                if where is None:
                     break
+                tiers.append(where)
             if system.policy == "checkpoint":
-                while hit_pages and not checkpoints.get(keys[hit_pages - 1]):
-                    hit_pages -= 1
-                from_dram = min(from_dram, hit_pages)
+                while tiers and not (keys[len(tiers) - 1] in kept if tiered
+                                     else checkpoints.get(keys[len(tiers) - 1])):
+                    tiers.pop()
+        hit_pages = len(tiers)
         cached = hit_pages * ps
         anchors = 0
         if system.policy == "suffixreplay" and cached:
@@ -157,7 +169,24 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                     hit_pages * shapes.anchors_per_page)
             anchors = k * shapes.groups
         recomputed = len(req.prompt) - cached
-        ttft = cost.ttft(recomputed, len(req.prompt), anchors, from_dram * shapes.kv_page)
+        compute = cost.ttft(recomputed, len(req.prompt), anchors)
+        dram_load = tiers.count("dram") * shapes.kv_page / cost.dram_bytes_per_s
+        ssd_load = tiers.count("ssd") * shapes.kv_page / cost.ssd_bytes_per_s
+        if system.policy == "checkpoint" and tiered and tiers and tiers[-1] != "device":
+            bw = cost.dram_bytes_per_s if tiers[-1] == "dram" else cost.ssd_bytes_per_s
+            (dram_load, ssd_load) = (dram_load + shapes.checkpoint / bw, ssd_load) \
+                if tiers[-1] == "dram" else (dram_load, ssd_load + shapes.checkpoint / bw)
+        wait = 0.0
+        if req.arrival is not None:
+            start = max(req.arrival, free_at)
+            wait = start - req.arrival
+        if system.prefetch:
+            ssd_load = max(0.0, ssd_load - wait)
+        load = dram_load + ssd_load
+        service = max(compute, load) if system.overlap else compute + load
+        if req.arrival is not None:
+            free_at = start + service
+        ttft = wait + service
         e2el = ttft + cost.per_output_token_s * max(req.max_tokens - 1, 0)
         rows.append({"tag": req.tag, "cached": cached, "ttft": ttft, "e2el": e2el,
                      "prompt": len(req.prompt)})
@@ -168,10 +197,20 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                 if isinstance(k, tuple):  # a checkpoint held in the byte budget
                     checkpoints.items.pop(k[1], None)
                 elif system.dram_bytes:
-                    dram.put(k, shapes.kv_page)
+                    for k2, size2 in dram.put(k, shapes.kv_page):
+                        if system.ssd_bytes:
+                            ssd.put(k2, size2)
+                        else:
+                            kept.discard(k2)
+                elif system.ssd_bytes:
+                    ssd.put(k, shapes.kv_page)
+                else:
+                    kept.discard(k)
             end = (i + 1) * ps
             if system.policy == "checkpoint" and (end % system.interval == 0 or i == len(keys) - 1):
-                if slots is not None:
+                if tiered:
+                    kept.add(key)
+                elif slots is not None:
                     checkpoints.put(key, 1)
                 elif key not in checkpoints.items:
                     checkpoints.put(key, 0)
@@ -187,12 +226,15 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
 def system_of(config, shapes: Shapes) -> SimSystem:
     """The simulated twin of an EngineConfig: the device pages its cache may keep
     (`max_cached_pages`, else the whole pool), its checkpoint slots, its DRAM tier."""
-    cache = config.cache
+    cache, tiers = config.cache, config.tiers
     page = shapes.kv_page + (shapes.anchor_page if cache.policy == "suffixreplay" else 0)
-    dram = config.tiers.host_pages * shapes.kv_page if config.tiers is not None else 0
+    dram = tiers.host_pages * shapes.kv_page if tiers is not None else 0
+    ssd = tiers.ssd_bytes if tiers is not None and tiers.uses_ssd else 0
     pages = cache.num_kv_pages if cache.max_cached_pages is None else cache.max_cached_pages
     return SimSystem(cache.policy, pages * page, dram, cache.checkpoint_interval,
-                     cache.num_checkpoint_slots)
+                     cache.num_checkpoint_slots, ssd,
+                     overlap=tiers is not None and tiers.enable_overlap,
+                     prefetch=tiers is not None and tiers.enable_prefetch)
 
 
 def shapes_of(cfg, page_size: int = 64, dtype_bytes: int = 2, k_max: int = 512) -> Shapes:

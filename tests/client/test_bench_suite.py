@@ -139,6 +139,63 @@ def test_simulator_hit_rates_follow_the_policies(model):
     assert tiny["hit_rate"] < hits["suffixreplay"]  # a one-page budget forgets
 
 
+def _tier_workload(arrival=None):
+    """Documents A, B, C, D (four 64-token pages each), then A again with a new page."""
+    docs = [[(7 * d + i) % 251 for i in range(256)] for d in range(4)]
+    reqs = [W.BenchRequest(f"d{d}", doc, 1, arrival=arrival) for d, doc in enumerate(docs)]
+    reqs.append(W.BenchRequest("again", docs[0] + [5] * 64, 1, tag="again", arrival=arrival))
+    return W.Workload("tiers", reqs)
+
+
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
+def test_simulator_tiers_load_hits_and_pcr_hides_the_loads(model, policy):
+    """Device 4 pages, DRAM 4, SSD the rest: A's pages reach SSD by the time A comes back.
+    Without PCR its TTFT is compute + the SSD read (and the resume checkpoint's, under the
+    checkpoint policy); with overlap the larger of the two; with prefetch a queued request's
+    SSD read happens while it waits."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    page = shapes.kv_page + (shapes.anchor_page if policy == "suffixreplay" else 0)
+    read = 4 * shapes.kv_page + (shapes.checkpoint if policy == "checkpoint" else 0)
+    cost = sim.CostModel(0.0, 1e-3, 0.0, 0.0, 0.0, dram_bytes_per_s=1e12,
+                         ssd_bytes_per_s=read / 0.1)  # A's read: 0.1 s
+
+    def again(arrival, overlap, prefetch):
+        system = sim.SimSystem(policy, 4 * page, 4 * shapes.kv_page, 256, None,
+                               100 * shapes.kv_page, overlap, prefetch)
+        out = sim.simulate(_tier_workload(arrival), system, shapes, cost)
+        return out["ttft_by_tag_s"]["again"], out["hit_rate"]
+
+    sccache, hits = again(None, False, False)
+    assert hits == 256 / (4 * 256 + 320)
+    assert math.isclose(sccache, 0.064 + 0.1)  # 64 new tokens, then the SSD read
+    assert math.isclose(again(None, True, False)[0], 0.1)  # overlapped
+    assert math.isclose(again(None, True, True)[0], 0.1)  # closed loop: nothing to prefetch
+    # all five arrive at once: "again" waits for 4 x 0.256 s of prefill, its read hidden
+    queued = again(0.0, True, True)[0]
+    assert math.isclose(queued, 4 * 0.256 + 0.064)
+    assert math.isclose(again(0.0, False, False)[0], 4 * 0.256 + 0.164)
+    no_ssd = sim.simulate(_tier_workload(), sim.SimSystem(policy, 4 * page, 4 * shapes.kv_page),
+                          shapes, cost)
+    assert no_ssd["ttft_by_tag_s"]["again"] == 0.320  # forgotten: recomputed
+
+
+def test_rag_projection_compares_pcr_with_sccache_at_each_load(model):
+    from client.bench.run_suite import RAG_PROJECTION_LOADS, rag_projection
+
+    corpus = W.rag_corpus(num_chunks=8, num_queries=10, chunk_tokens=128)
+    cfg = model.config
+    gpu = sim.CostModel.h200(4.0, len(cfg.attention_layer_ids), cfg.num_key_value_heads,
+                             cfg.head_dim, 0.75)
+    out = rag_projection(W.rag(corpus, rate=2.0), sim.shapes_of(cfg, dtype_bytes=2), gpu)
+    assert list(out) == [f"load{u:g}" for u in RAG_PROJECTION_LOADS]
+    for by_system in out.values():
+        ttft = {k: v["ttft_mean_s"] for k, v in by_system.items()}
+        assert ttft["pcr_full"] <= ttft["pcr_overlap"] <= ttft["lmcache_like"]
+        assert len({v["hit_rate"] for v in by_system.values()}) == 1  # same cache decisions
+    assert out["load0.95"]["lmcache_like"]["ttft_mean_s"] > out["load0.5"]["lmcache_like"][
+        "ttft_mean_s"]  # queueing grows with the load
+
+
 def test_cost_model_fit_recovers_known_coefficients():
     rows = [{"recomputed": n, "context": c, "anchors": a, "ttft": 0.002 + 1e-4 * n
              + 1e-8 * n * c + 3e-5 * a, "e2el": 0.5, "output_tokens": 5}
