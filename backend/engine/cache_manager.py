@@ -75,6 +75,20 @@ class CacheManager:
         self.num_recomputed_tokens += seq.recomputed_tokens
         self._plan_snapshots(seq, branch_point)
 
+    def keep_replayed(self, seq: Sequence) -> None:
+        """Keeps the state a replay just rebuilt (in the sequence's run slot) as the live
+        state of its match end: it joins the tree with the sequence's pages, and the next
+        prompt that matches up to the same page (a sibling of the same branch point) loads
+        it instead of replaying. It is what that replay would rebuild again (same anchors,
+        same budget); best-effort like every live state (no free slot: not kept)."""
+        if not self.snapshots or seq.num_computed in seq.pending_states:
+            return
+        slots = self.store.alloc_state_slots(1)
+        if slots is None:
+            return
+        self.executor.save_state(seq.run_slot, slots[0])
+        seq.pending_states[seq.num_computed] = slots[0]
+
     def _resume_checkpoint(self, seq: Sequence, nodes: list) -> tuple[list, bool]:
         """Checkpoint policy: the deepest node of the locked usable path `nodes` with a saved
         state (a device slot, else a lower tier) is loaded into the sequence's run slot; the

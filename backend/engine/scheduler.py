@@ -86,16 +86,22 @@ class Scheduler:
 
     def _admit(self) -> None:
         replays: list[tuple[int, torch.Tensor]] = []
+        replayed: list[Sequence] = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
             seq.run_slot = self.free_slots.pop()
             if seq.generator is None:
                 seq.generator = make_generator(seq.request.sampling.seed)
+            queued = len(replays)
             self.cache.admit(seq, replays)
+            if len(replays) > queued:
+                replayed.append(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
         if replays:
             self.executor.replay([s for s, _ in replays], [r for _, r in replays])
+            for seq in replayed:
+                self.cache.keep_replayed(seq)
 
     def _plan(self) -> list[Chunk]:
         budget = self.config.max_tokens_per_step

@@ -105,6 +105,26 @@ def test_live_state_and_replay_agree_in_exact_mode(model, prompt):
                                atol=1e-4, rtol=1e-4)
 
 
+def test_the_next_sibling_of_a_branch_point_loads_the_replayed_state(model, prompt):
+    """Two branches off the cached prompt at the same page (siblings of one branch point,
+    as in a tool-call tree): the first replays, the second loads the state that replay
+    rebuilt (kept as the match end's live state) and computes what a replay gives."""
+    replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8)
+    engine, fresh = make_engine(model, replay=replay), make_engine(model, replay=replay)
+    for e in (engine, fresh):
+        e.generate(prompt, GREEDY)
+    first = engine.generate(_branch(prompt, 140), GREEDY)
+    sibling = prompt[:140] + [(t + 5) % 97 for t in prompt[140:170]]
+    got = engine.generate(sibling, GREEDY, return_first_logits=True)
+    want = fresh.generate(sibling, GREEDY, return_first_logits=True)  # replays
+    assert first.cached_tokens == got.cached_tokens == want.cached_tokens == 128
+    assert first.replayed_anchors == want.replayed_anchors == 8
+    assert got.replayed_anchors == 0 and engine.stats()["live_state_hits"] == 1
+    assert got.new_token_ids == want.new_token_ids
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=1e-6, rtol=1e-6)
+    assert_no_leak(engine)
+
+
 def test_branch_between_checkpoints_hits_only_under_suffix_replay(model, prompt):
     branch = _branch(prompt, 170)  # page boundary 160 is not a multiple of the interval 64
     hits = {}
