@@ -151,8 +151,8 @@ class CacheManager:
         and [(position, saved slot)] for the planned positions strictly inside it. Where the
         executor saves states mid-step (chunk-aligned offsets, up to its
         `max_snapshots_per_row`) one step covers them; otherwise the step ends at that
-        position and `after_forward` saves it (making room as it does). The slots are the sequence's pending states from now on (a failed step's
-        release frees them).
+        position and `after_forward` saves it (making room as it does). The slots are the
+        sequence's pending states from now on (a failed step's release frees them).
 
         When no slot can be had (every one held by running requests), the sequence gives up
         its shallowest state from an earlier step, as `after_forward` does, or else goes
