@@ -164,15 +164,9 @@ class CacheManager:
             if not (self.executor.supports_snapshots and (pos - start) % SNAPSHOT_ALIGN == 0) \
                     or (limit is not None and len(planned) >= limit):
                 return pos, planned
-            slots = self.store.alloc_state_slots(1)
+            slots = self.store.alloc_state_slots(1) or self._give_up_shallowest(seq, start)
             if slots is None:
-                earlier = [p for p in seq.pending_states if p <= start]
-                if not earlier:
-                    continue
-                shallowest = min(earlier)
-                slots = [seq.pending_states.pop(shallowest)]
-                if seq.live_position == shallowest:
-                    seq.live_position = None
+                continue
             self._keep_state(seq, pos, slots[0])
             planned.append((pos, slots[0]))
         return end, planned
@@ -208,19 +202,25 @@ class CacheManager:
             at_boundary = pos % self.page_size == 0 and pos > seq.num_tree_pages * self.page_size
         if not (is_checkpoint or (at_boundary and pos >= len(seq.tokens))):
             return
-        slots = self.store.alloc_state_slots(1)
-        if slots is None and seq.pending_states:
-            # The pool is full of this prompt's own earlier states (not evictable while it
-            # runs): give up the shallowest one. Deeper states cover longer matches, which is
-            # what re-sent prompts (turns, tool calls, retries) hit.
-            shallowest = min(seq.pending_states)
-            slots = [seq.pending_states.pop(shallowest)]
-            if seq.live_position == shallowest:
-                seq.live_position = None
+        slots = self.store.alloc_state_slots(1) or self._give_up_shallowest(seq, pos)
         if slots is None:
             return  # an optimisation only: no free slot, no snapshot
         self.executor.save_state(seq.run_slot, slots[0])
         self._keep_state(seq, pos, slots[0])
+
+    @staticmethod
+    def _give_up_shallowest(seq: Sequence, upto: int) -> list[int] | None:
+        """The slot of the sequence's shallowest pending state at or before `upto`, taken
+        from it (None if it has none). When the pool is full of running prompts' own states
+        (not evictable while they run), deeper states are worth more: they cover longer
+        matches, which is what re-sent prompts (turns, tool calls, retries) hit."""
+        earlier = [p for p in seq.pending_states if p <= upto]
+        if not earlier:
+            return None
+        shallowest = min(earlier)
+        if seq.live_position == shallowest:
+            seq.live_position = None
+        return [seq.pending_states.pop(shallowest)]
 
     def _keep_state(self, seq: Sequence, pos: int, slot: int) -> None:
         """The state at `pos` (in `slot`) becomes the sequence's latest; the previous latest

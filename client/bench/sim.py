@@ -69,11 +69,10 @@ class CostModel:
         decode = 2 * params_b * 1e9 / 4.8e12
         return cls(0.004, per_token, per_pair, per_anchor, decode, 50e9, 12e9, "h200-assumed")
 
-    def ttft(self, recomputed: int, context: int, anchors: int, dram_bytes: int = 0,
-             ssd_bytes: int = 0) -> float:
+    def compute_s(self, recomputed: int, context: int, anchors: int) -> float:
+        """A hit's time on the server without tier reads (`simulate` adds those)."""
         return (self.overhead_s + self.per_token_s * recomputed
-                + self.per_token_ctx_s * recomputed * context + self.per_anchor_s * anchors
-                + dram_bytes / self.dram_bytes_per_s + ssd_bytes / self.ssd_bytes_per_s)
+                + self.per_token_ctx_s * recomputed * context + self.per_anchor_s * anchors)
 
 
 @dataclass
@@ -169,13 +168,12 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                     hit_pages * shapes.anchors_per_page)
             anchors = k * shapes.groups
         recomputed = len(req.prompt) - cached
-        compute = cost.ttft(recomputed, len(req.prompt), anchors)
-        dram_load = tiers.count("dram") * shapes.kv_page / cost.dram_bytes_per_s
-        ssd_load = tiers.count("ssd") * shapes.kv_page / cost.ssd_bytes_per_s
-        if system.policy == "checkpoint" and tiered and tiers and tiers[-1] != "device":
-            bw = cost.dram_bytes_per_s if tiers[-1] == "dram" else cost.ssd_bytes_per_s
-            (dram_load, ssd_load) = (dram_load + shapes.checkpoint / bw, ssd_load) \
-                if tiers[-1] == "dram" else (dram_load, ssd_load + shapes.checkpoint / bw)
+        compute = cost.compute_s(recomputed, len(req.prompt), anchors)
+        read = {t: tiers.count(t) * shapes.kv_page for t in ("dram", "ssd")}
+        if system.policy == "checkpoint" and tiers and tiers[-1] in read:
+            read[tiers[-1]] += shapes.checkpoint  # the resume state, from its page's tier
+        dram_load = read["dram"] / cost.dram_bytes_per_s
+        ssd_load = read["ssd"] / cost.ssd_bytes_per_s
         wait = 0.0
         if req.arrival is not None:
             start = max(req.arrival, free_at)
@@ -196,16 +194,11 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             for k, _size in device.put(key, page_bytes):
                 if isinstance(k, tuple):  # a checkpoint held in the byte budget
                     checkpoints.items.pop(k[1], None)
-                elif system.dram_bytes:
-                    for k2, size2 in dram.put(k, shapes.kv_page):
-                        if system.ssd_bytes:
-                            ssd.put(k2, size2)
-                        else:
-                            kept.discard(k2)
-                elif system.ssd_bytes:
-                    ssd.put(k, shapes.kv_page)
-                else:
-                    kept.discard(k)
+                    continue
+                spilled = [k]  # down the tiers the system has; what falls off the last is gone
+                for tier in (t for t in (dram, ssd) if t.capacity):
+                    spilled = [e for s in spilled for e, _ in tier.put(s, shapes.kv_page)]
+                kept.difference_update(spilled)
             end = (i + 1) * ps
             if system.policy == "checkpoint" and (end % system.interval == 0 or i == len(keys) - 1):
                 if tiered:
