@@ -131,6 +131,17 @@ class Engine:
         bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        params = request.sampling
+        # -1: no end token (TensorRT-LLM's way to force max_tokens); any other id outside the
+        # vocabulary could never be sampled, so it is a client's mistake (another tokenizer).
+        if params.end_id is not None and params.end_id != -1 and not 0 <= params.end_id < vocab:
+            raise ValueError(f"end_id={params.end_id} is outside the vocabulary [0, {vocab}) "
+                             "(-1: no end token)")
+        for name in ("stop_words", "bad_words"):
+            bad = [t for word in getattr(params, name) for t in word if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} hold token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {vocab})")
         total = len(ids) + request.sampling.max_tokens
         if total > self.max_context_len:
             raise ValueError(

@@ -35,6 +35,10 @@ HTTP_CASES = [
     ("wrong_shape", {"text_input": ["a", "b"], "max_tokens": 4}, "batch size does not match"),
     ("beam_search", {"text_input": "hi", "max_tokens": 4, "beam_width": 2}, "not supported"),
     ("penalty", {"text_input": "hi", "max_tokens": 4, "presence_penalty": 0.5}, "not supported"),
+    ("end_id_outside_vocab", {"text_input": "hi", "max_tokens": 4, "end_id": 999},
+     "end_id=999 is outside the vocabulary [0, 260)"),
+    ("end_id_negative", {"text_input": "hi", "max_tokens": 4, "end_id": -2},
+     "end_id=-2 is outside the vocabulary"),
 ]  # fmt: skip
 
 
