@@ -78,7 +78,8 @@ def plan(quick: bool) -> dict:
     if quick:
         return {"branch_systems": QUICK_BRANCH_SYSTEMS,
                 "long_agentic_systems": QUICK_LONG_AGENTIC_SYSTEMS,
-                "sharegpt": dict(sessions=3, turns=5), "agentic": [5_000, 16_000],
+                # 4 sessions x 6 turns: 10 branch requests (3 x 5 had 4, too few for a mean).
+                "sharegpt": dict(sessions=4, turns=6), "agentic": [5_000, 16_000],
                 "agentic_fanout": 3, "agentic_depth": 2, "agentic_grow": 1,
                 "rag": dict(num_chunks=16, num_queries=12, chunk_tokens=192),
                 # The document ends two pages past the last cut (1024 + 256): each cut's
@@ -494,7 +495,7 @@ def rag_projection(workload: W.Workload, shapes, cost) -> dict:
     from dataclasses import replace
 
     pages = {k for r in workload.requests
-             for k in simulator._page_keys(r.prompt, shapes.page_size, r.salt)}
+             for k in simulator.page_keys(r.prompt, shapes.page_size, r.salt)}
     closed = W.Workload(workload.name, [replace(r, arrival=None) for r in workload.requests])
     service = simulator.simulate(closed, simulator.SimSystem("none", 0), shapes,
                                  cost)["ttft_mean_s"]

@@ -101,7 +101,7 @@ class Shapes:
     k_max: int = 512
 
 
-def _page_keys(tokens: list[int], page: int, salt: str = "") -> list[int]:
+def page_keys(tokens: list[int], page: int, salt: str = "") -> list[int]:
     """One key per whole page, chained over the prefix, in the request's cache namespace."""
     keys, h = [], hash(salt)
     for i in range(len(tokens) // page):
@@ -147,7 +147,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
     rows = []
     free_at = 0.0  # open loop: when the server finishes the prefill it is on
     for req in workload.requests:
-        keys = _page_keys(req.prompt, ps, req.salt)
+        keys = page_keys(req.prompt, ps, req.salt)
         tiers: list[str] = []  # where each hit page is
         if system.policy != "none":
             for key in keys[: (len(req.prompt) - 1) // ps]:  # the last token is always computed
