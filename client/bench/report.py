@@ -93,6 +93,21 @@ def projection_line(summary: dict) -> str:
                 for model, by_load in proj.items()))
 
 
+def branch_projection_line(summary: dict) -> str:
+    """The simulator's H200 projection of the branching workloads: suffix replay's branch
+    TTFT reduction vs the checkpoint grid with a tight and an ample HBM budget."""
+    proj = summary.get("sim_projection_h200_branch_ttft_reduction_vs_checkpoint")
+    if not proj:
+        return ""
+    return ("Simulator projection of the branching workloads to an H200 (same assumptions; "
+            "prefix cache given 1 GiB / 40 GiB of HBM): branch TTFT reduction of suffix replay "
+            "vs the checkpoint grid: " + "; ".join(
+                f"{model} " + ", ".join(
+                    f"{wl} " + " / ".join(f"{v:.2f}" for v in by_budget.values())
+                    for wl, by_budget in by_wl.items())
+                for model, by_wl in proj.items()))
+
+
 def write_report(summary: dict, out: Path) -> Path:
     results = summary["results"]
     plots = plot_all(summary, out)
@@ -103,7 +118,8 @@ def write_report(summary: dict, out: Path) -> Path:
              ratio_table(summary), "", "Also measured:", "", also_table(summary), "",
              "Simulator validation error per run: "
              + ", ".join(f"{k} {v:.2f}" for k, v in summary["sim_validation_errors"].items()),
-             "", projection_line(summary), "", "## Per workload (times in ms)", ""]
+             "", projection_line(summary), "", branch_projection_line(summary), "",
+             "## Per workload (times in ms)", ""]
     for workload in results:
         parts += [system_table(results, workload), ""]
     parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]

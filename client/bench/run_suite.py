@@ -453,13 +453,14 @@ def simulation(runner, jobs, results: dict) -> dict:
             pred = simulator.simulate(workload, sim_sys, shapes, cost)["ttft_mean_s"] * 1000
             meas = results[workload.name][system]["ttft_ms"]["mean"]
             errors[f"{workload.name}/{system}"] = abs(pred - meas) / meas
-    projection, pcr_vs_sccache = {}, {}
-    for name, params_b in (("qwen3_5_4b", 4.0), ("qwen3_6_27b", 27.0)):
+    projection, pcr_vs_sccache, branch_reduction = {}, {}, {}
+    # The papers' replay caps: k_max 512 for Qwen3.5-4B, 256 for Qwen3.6-27B.
+    for name, params_b, k_max in (("qwen3_5_4b", 4.0, 512), ("qwen3_6_27b", 27.0, 256)):
         cfg = ModelConfig.from_file(CONFIG_DIR / f"{name}.json")
         gpu = simulator.CostModel.h200(params_b, len(cfg.attention_layer_ids),
                                        cfg.num_key_value_heads, cfg.head_dim,
                                        len(cfg.groups[0]) / cfg.num_hidden_layers)
-        sh = simulator.shapes_of(cfg, dtype_bytes=2)
+        sh = simulator.shapes_of(cfg, dtype_bytes=2, k_max=k_max)
         proj = {}
         for _, workload, _, _ in jobs:
             if not workload.name.startswith(("agentic", "sharegpt")):
@@ -476,10 +477,26 @@ def simulation(runner, jobs, results: dict) -> dict:
                                     / v["pcr_full"]["ttft_mean_s"]
                                     for u, v in proj["rag"].items()}
         projection[name] = proj
+        branch_reduction[name] = _branch_reduction(proj)
     mean_error = sum(errors.values()) / len(errors) if errors else float("nan")
     return {"sim_validation_error": mean_error, "sim_validation_errors": errors,
             "sim_cost_model": cost.__dict__, "sim_projection_h200": projection,
-            "sim_projection_h200_pcr_ttft_speedup_vs_sccache": pcr_vs_sccache}
+            "sim_projection_h200_pcr_ttft_speedup_vs_sccache": pcr_vs_sccache,
+            "sim_projection_h200_branch_ttft_reduction_vs_checkpoint": branch_reduction}
+
+
+def _branch_reduction(proj: dict) -> dict:
+    """{workload: {budget: branch requests' TTFT reduction of suffix replay vs the checkpoint
+    grid}} from one model's projection (HBM budgets of 1 and 40 GiB for the prefix cache)."""
+    out = {}
+    for workload, systems in proj.items():
+        for gib in (1, 40):
+            ckpt = systems.get(f"checkpoint@{gib}GiB", {}).get("ttft_by_tag_s", {}).get("branch")
+            ours = systems.get(f"suffixreplay@{gib}GiB", {}).get("ttft_by_tag_s", {}).get(
+                "branch")
+            if ckpt and ours is not None:
+                out.setdefault(workload, {})[f"{gib}GiB"] = 1 - ours / ckpt
+    return out
 
 
 # The RAG projection: the run's queries at these loads (offered load / a no-cache server's

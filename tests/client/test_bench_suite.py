@@ -196,6 +196,29 @@ def test_rag_projection_compares_pcr_with_sccache_at_each_load(model):
         "ttft_mean_s"]  # queueing grows with the load
 
 
+def test_branch_projection_compares_policies_per_budget(model):
+    from client.bench.run_suite import _branch_reduction
+
+    cfg = model.config
+    gpu = sim.CostModel.h200(4.0, len(cfg.attention_layer_ids), cfg.num_key_value_heads,
+                             cfg.head_dim, 0.75)
+    shapes = sim.shapes_of(cfg, dtype_bytes=2)
+    wl = W.agentic(2_000, fanout=3, depth=2, grow=1)
+    # Budgets in this model's bytes: one that holds a checkpoint for a few pages only, one
+    # that holds everything (the "1GiB" / "40GiB" keys stand for tight / ample).
+    runs = {f"{p}@{gib}GiB": sim.simulate(wl, sim.SimSystem(p, size), shapes, gpu)
+            for gib, size in ((1, 40 * shapes.kv_page), (40, 1 << 30))
+            for p in ("checkpoint", "suffixreplay")}
+    red = _branch_reduction({"agentic2k": runs})["agentic2k"]
+    for gib in (1, 40):
+        want = 1 - runs[f"suffixreplay@{gib}GiB"]["ttft_by_tag_s"]["branch"] / runs[
+            f"checkpoint@{gib}GiB"]["ttft_by_tag_s"]["branch"]
+        assert math.isclose(red[f"{gib}GiB"], want)
+    # Anchors page with their KV, checkpoints do not fit: only the tight budget separates them.
+    assert runs["suffixreplay@1GiB"]["hit_rate"] > runs["checkpoint@1GiB"]["hit_rate"]
+    assert red["1GiB"] > red["40GiB"] and red["1GiB"] > 0.3
+
+
 def test_cost_model_fit_recovers_known_coefficients():
     rows = [{"recomputed": n, "context": c, "anchors": a, "ttft": 0.002 + 1e-4 * n
              + 1e-8 * n * c + 3e-5 * a, "e2el": 0.5, "output_tokens": 5}
