@@ -12,7 +12,7 @@ from backend.engine.executor import TorchExecutor
 from backend.engine.sequence import Sequence
 from backend.model.batch import SNAPSHOT_ALIGN
 from backend.replay.anchors import AnchorLayout
-from backend.replay.budget import replay_budget
+from backend.replay.budget import recompute_is_cheaper, replay_budget
 
 
 class CacheManager:
@@ -49,6 +49,10 @@ class CacheManager:
         if n and self.policy == "checkpoint":
             nodes, restored = self._resume_checkpoint(seq, nodes)
             n, live = len(nodes), None
+        elif n and live is None and self.policy == "suffixreplay" and \
+                self.config.replay.live_state:
+            nodes, live = self._resume_short(match, nodes)
+            n = len(nodes)
         if self.sglang_placement and match.num_cached_pages > n:
             # KV cached past the deepest state: SGLang's branch point (where the "sglang"
             # placement saves this prompt's state, for the siblings that follow).
@@ -102,6 +106,23 @@ class CacheManager:
                 continue
             return self._relock(nodes, i + 1), True
         return self._relock(nodes, 0), False
+
+    def _resume_short(self, match, nodes: list) -> tuple[list, int | None]:
+        """Suffix replay: the deepest live state on the locked usable path `nodes`, short of
+        its end, when recomputing the pages after it costs less than the replay at the end
+        (`recompute_is_cheaper`; e.g. a branch one page past an earlier prompt's end). The
+        path is cut there. Returns (path, the state's slot or None: replay at the end)."""
+        state = match.checkpoint
+        if state is None or state.slot is None:
+            return nodes, None
+        depth = state.num_tokens // self.page_size
+        if not 0 < depth < len(nodes) or nodes[depth - 1] is not state.node:
+            return nodes, None
+        end = len(nodes) * self.page_size
+        k = replay_budget(end, self.config.replay, len(nodes) * self.layout.anchors_per_page)
+        if not recompute_is_cheaper(end - state.num_tokens, end, k, self.config.replay):
+            return nodes, None
+        return self._relock(nodes, depth), state.slot
 
     def _relock(self, nodes: list, n: int) -> list:
         """Keeps the lock on `nodes[:n]` only (a locked path is unlocked root first)."""

@@ -23,6 +23,15 @@ class ReplayConfig:
     k_max: int | None = 512  # None: unbounded
     anchor_dtype: str = "model"
     live_state: bool = True
+    # Resume from a live state short of the match end (recomputing the pages after it)
+    # instead of replaying at the match end when that costs less, in recomputed-token units:
+    # a replay costs replay_fixed_tokens + replay_anchor_tokens x k; a token recomputed at
+    # context c costs 1 + c / recompute_context_tokens (`recompute_is_cheaper`). Defaults
+    # measured with the default model on the development CPU, where a replay's two eager
+    # passes over the groups cost ~9 ms whatever k (docs/gpu.md); 0 and 0 turn it off.
+    replay_fixed_tokens: float = 53.0
+    replay_anchor_tokens: float = 0.67
+    recompute_context_tokens: float = 10_700.0
     # k_max comes from the model's calibration.json when the engine is built from a model
     # directory (`k_max: auto` in the serving configuration).
     k_max_auto: bool = False
@@ -40,6 +49,12 @@ class ReplayConfig:
             )
         if not 0 < self.anchor_density <= 1:
             raise ValueError(f"anchor_density must be in (0, 1], got {self.anchor_density}")
+        for name in ("replay_fixed_tokens", "replay_anchor_tokens"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {getattr(self, name)}")
+        if not self.recompute_context_tokens > 0:
+            raise ValueError("recompute_context_tokens must be > 0, got "
+                             f"{self.recompute_context_tokens}")
 
     @classmethod
     def exact(cls) -> ReplayConfig:
@@ -54,3 +69,12 @@ def replay_budget(num_tokens: int, config: ReplayConfig, num_available: int) -> 
     if config.k_max is not None:
         k = min(k, config.k_max)
     return max(1, min(k, num_available))
+
+
+def recompute_is_cheaper(distance: int, context: int, anchors: int,
+                         config: ReplayConfig) -> bool:
+    """Whether recomputing `distance` tokens (ending at `context`) from an exact live state
+    costs no more than replaying `anchors` anchors (`ReplayConfig`'s cost model). Ties go to
+    the live state: it is exact, a replay of a bounded suffix approximates."""
+    recompute = distance * (1 + context / config.recompute_context_tokens)
+    return recompute <= config.replay_fixed_tokens + config.replay_anchor_tokens * anchors

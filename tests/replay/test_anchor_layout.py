@@ -5,7 +5,7 @@ import torch
 
 from backend.model.quant import dequantize_int8, quantize_int8
 from backend.replay.anchors import AnchorLayout
-from backend.replay.budget import ReplayConfig, replay_budget
+from backend.replay.budget import ReplayConfig, recompute_is_cheaper, replay_budget
 
 
 def test_dense_tail_and_uniform_offsets():
@@ -36,6 +36,23 @@ def test_budget_is_min_of_fraction_and_cap(n, expected):
 def test_budget_never_exceeds_available_anchors():
     assert replay_budget(4096, ReplayConfig(), num_available=100) == 100
     assert replay_budget(300, ReplayConfig.exact(), num_available=300) == 300
+
+
+def test_recompute_or_replay_cost_rule():
+    cfg = ReplayConfig(replay_fixed_tokens=50, replay_anchor_tokens=0.5,
+                       recompute_context_tokens=1000)
+    # replay of 20 anchors: 60 token-units; 60 tokens at context 0 cost 60 (a tie: recompute)
+    assert recompute_is_cheaper(60, 0, 20, cfg)
+    assert not recompute_is_cheaper(61, 0, 20, cfg)
+    # at context 1000 a recomputed token costs 2: 30 tokens tie with the replay
+    assert recompute_is_cheaper(30, 1000, 20, cfg) and not recompute_is_cheaper(31, 1000, 20, cfg)
+    # a free replay is only ever matched by a live state at the match end itself
+    free = ReplayConfig(replay_fixed_tokens=0, replay_anchor_tokens=0)
+    assert recompute_is_cheaper(0, 500, 8, free) and not recompute_is_cheaper(1, 500, 8, free)
+    with pytest.raises(ValueError, match="replay_fixed_tokens"):
+        ReplayConfig(replay_fixed_tokens=-1)
+    with pytest.raises(ValueError, match="recompute_context_tokens"):
+        ReplayConfig(recompute_context_tokens=0)
 
 
 def test_int8_round_trip_error_is_within_half_a_step():
