@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from backend.cache.config import CacheConfig
 from backend.engine import Engine
 from backend.model import load_model
 from client.bench import sim as simulator
@@ -467,8 +468,9 @@ def simulation(runner, jobs, results: dict) -> dict:
                 continue
             for gib in (1, 40):  # prefix-cache budget in HBM
                 for policy in ("none", "checkpoint", "suffixreplay"):
-                    s = simulator.simulate(workload, simulator.SimSystem(policy, gib << 30), sh,
-                                           gpu)
+                    # Suffix replay with the engine's default 16 live-state slots.
+                    system = simulator.SimSystem(policy, gib << 30, live_slots=PROJECTION_LIVE)
+                    s = simulator.simulate(workload, system, sh, gpu)
                     proj.setdefault(workload.name, {})[f"{policy}@{gib}GiB"] = s
         rag = next((wl for _, wl, _, _ in jobs if wl.name.startswith("rag")), None)
         if rag is not None:
@@ -503,6 +505,7 @@ def _branch_reduction(proj: dict) -> dict:
 # capacity), the tiers sized from the queries' distinct prefix pages as the measured RAG
 # budget sizes them (device 1/8, DRAM 1/2 of them, SSD all), checkpoint states as the
 # measured tiered systems keep them.
+PROJECTION_LIVE = CacheConfig().num_checkpoint_slots
 RAG_PROJECTION_LOADS = (0.5, 0.8, 0.95)
 RAG_PROJECTION_SYSTEMS = {"lmcache_like": (False, False), "pcr_overlap": (True, False),
                           "pcr_full": (True, True)}  # (overlap, prefetch)

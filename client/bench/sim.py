@@ -3,7 +3,9 @@
 The cache is simulated at page granularity on the workload's real token ids: a prompt hits the
 longest cached page-aligned prefix; the checkpoint baseline can only resume at a boundary that
 holds a checkpoint (every `interval` tokens and at prompt ends); suffix replay at any page
-boundary, paying the replay of k = min(ceil(f n), k_max) anchors per group; no cache never hits.
+boundary, paying the replay of k = min(ceil(f n), k_max) anchors per group, or none where it
+keeps a live state (prompt ends, replayed states; LRU over its slots) at the match end or,
+when recomputing the pages between is cheaper, a few pages short of it; no cache never hits.
 Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
 least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one,
 and an SSD tier behind DRAM what DRAM evicts. (In the tiers checkpoints ride with their pages,
@@ -85,6 +87,10 @@ class SimSystem:
     ssd_bytes: int = 0
     overlap: bool = False  # layer-wise: tier loads hide behind the step's compute
     prefetch: bool = False  # a queued request's SSD pages are read while it waits
+    live_slots: int = 0  # suffix replay: live states kept (LRU) at prompt ends and replays
+    # The engine's replay-or-recompute rule (`ReplayConfig`) for a measured system's twin;
+    # None: decided by the cost model (projections).
+    replay: object | None = None
 
 
 @dataclass
@@ -143,6 +149,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
     slots = system.checkpoint_slots
     checkpoints = _Tier(slots if slots is not None else 1 << 62)
     kept: set = set()  # tiered checkpoint systems: the pages with a checkpoint (any tier)
+    live = _Tier(system.live_slots if system.policy == "suffixreplay" else 0)
     page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
     rows = []
     free_at = 0.0  # open loop: when the server finishes the prefill it is on
@@ -160,13 +167,18 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                 while tiers and not (keys[len(tiers) - 1] in kept if tiered
                                      else checkpoints.get(keys[len(tiers) - 1])):
                     tiers.pop()
+        anchors = 0
+        if system.policy == "suffixreplay" and tiers:
+            del tiers[_resume_point(keys, len(tiers), live, shapes, cost, len(req.prompt),
+                                    system.replay):]
+            hit_pages = len(tiers)
+            if not live.get(keys[hit_pages - 1]):
+                k = min(math.ceil(shapes.budget_fraction * hit_pages * ps), shapes.k_max,
+                        hit_pages * shapes.anchors_per_page)
+                anchors = k * shapes.groups
+                live.put(keys[hit_pages - 1], 1)  # the replayed state is kept
         hit_pages = len(tiers)
         cached = hit_pages * ps
-        anchors = 0
-        if system.policy == "suffixreplay" and cached:
-            k = min(math.ceil(shapes.budget_fraction * cached), shapes.k_max,
-                    hit_pages * shapes.anchors_per_page)
-            anchors = k * shapes.groups
         recomputed = len(req.prompt) - cached
         compute = cost.compute_s(recomputed, len(req.prompt), anchors)
         read = {t: tiers.count(t) * shapes.kv_page for t in ("dram", "ssd")}
@@ -190,6 +202,8 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                      "prompt": len(req.prompt)})
         if system.policy == "none":
             continue
+        if keys:
+            live.put(keys[-1], 1)  # the state at the prompt's last page boundary
         for i, key in enumerate(keys):  # insert every full page of the prompt
             for k, _size in device.put(key, page_bytes):
                 if isinstance(k, tuple):  # a checkpoint held in the byte budget
@@ -216,6 +230,33 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             "throughput_requests_per_s": len(rows) / max(sum(r["e2el"] for r in rows), 1e-9)}
 
 
+def _resume_point(keys: list, hit_pages: int, live: _Tier, shapes: Shapes, cost: CostModel,
+                  context: int, replay=None) -> int:
+    """Pages a suffix-replay hit of `hit_pages` pages resumes after: all of them (a live state
+    at the end, or a replay there), or fewer when a live state short of the end makes
+    recomputing the pages between cheaper than the replay (the engine's
+    `recompute_is_cheaper` with `replay`'s constants, or by the simulator's cost model)."""
+    from backend.replay.budget import recompute_is_cheaper
+
+    if keys[hit_pages - 1] in live.items:
+        return hit_pages
+    for j in range(hit_pages - 1, 0, -1):
+        if keys[j - 1] in live.items:
+            k = min(math.ceil(shapes.budget_fraction * hit_pages * shapes.page_size),
+                    shapes.k_max, hit_pages * shapes.anchors_per_page)
+            extra = (hit_pages - j) * shapes.page_size
+            if replay is not None:
+                cheaper = recompute_is_cheaper(extra, hit_pages * shapes.page_size, k, replay)
+            else:
+                cheaper = cost.per_token_s * extra + cost.per_token_ctx_s * extra * context \
+                    <= cost.per_anchor_s * k * shapes.groups
+            if cheaper:
+                live.get(keys[j - 1])
+                return j
+            break  # a shallower state is farther still
+    return hit_pages
+
+
 def system_of(config, shapes: Shapes) -> SimSystem:
     """The simulated twin of an EngineConfig: the device pages its cache may keep
     (`max_cached_pages`, else the whole pool), its checkpoint slots, its DRAM tier."""
@@ -224,10 +265,12 @@ def system_of(config, shapes: Shapes) -> SimSystem:
     dram = tiers.host_pages * shapes.kv_page if tiers is not None else 0
     ssd = tiers.ssd_bytes if tiers is not None and tiers.uses_ssd else 0
     pages = cache.num_kv_pages if cache.max_cached_pages is None else cache.max_cached_pages
+    live = cache.num_checkpoint_slots if config.replay.live_state else 0
     return SimSystem(cache.policy, pages * page, dram, cache.checkpoint_interval,
                      cache.num_checkpoint_slots, ssd,
                      overlap=tiers is not None and tiers.enable_overlap,
-                     prefetch=tiers is not None and tiers.enable_prefetch)
+                     prefetch=tiers is not None and tiers.enable_prefetch, live_slots=live,
+                     replay=config.replay)
 
 
 def shapes_of(cfg, page_size: int = 64, dtype_bytes: int = 2, k_max: int = 512) -> Shapes:

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
-from client.bench.workloads import BenchRequest, Workload
+from client.bench.workloads import BenchRequest, Workload, text_of
 
 
 @dataclass
@@ -169,7 +169,7 @@ def _send(grpc_url: str, req: BenchRequest, rec: Record) -> None:
     """One request through tritonserver (gRPC streaming, ensemble), recorded into `rec`."""
     from client.generate import GenerateParams, stream_grpc
 
-    text = bytes(t for t in req.prompt if t < 256).decode("utf-8", "replace")
+    text = text_of(req.prompt)  # the server's tokenizer gives back req.prompt (tested)
     params = GenerateParams(text, max_tokens=req.max_tokens, min_tokens=req.max_tokens,
                             top_k=1, cache_salt=req.salt)
     try:

@@ -22,10 +22,12 @@ library's training split (engine_build/corpus.py), so prompts are real bytes, no
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from backend.tokenizer import NUM_BYTES, SPECIAL_TOKENS
 from engine_build.corpus import load_split
 
 
@@ -58,14 +60,40 @@ class TextSource:
         self.rng = random.Random(seed)
 
     def take(self, n: int) -> list[int]:
+        """n token ids of text that the server's tokenizer gives back unchanged from the text
+        the client sends (`text_of`): ASCII only (a multi-byte character cut at either end
+        would not survive UTF-8), and no special token spelled out."""
         start = self.rng.randrange(len(self.data) - n - 200)
         nl = self.data.find(b"\n", start)
         start = nl + 1 if 0 <= nl < start + 200 else start
-        return list(self.data[start:start + n])
+        text = bytes(b if b < 128 else 63 for b in self.data[start:start + n])  # 63: "?"
+        return list(text.replace(b"<|", b"<!"))
+
+
+_SPECIAL = {t: NUM_BYTES + i for i, t in enumerate(SPECIAL_TOKENS)}
+_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
 
 
 def _tokens(text: str) -> list[int]:
-    return list(text.encode())
+    """The byte tokenizer's ids of `text` (backend/tokenizer.py): special tokens spelled out
+    in it become their ids, as the server's preprocessing tokenizes them."""
+    ids, at = [], 0
+    for m in _SPECIAL_RE.finditer(text):
+        ids += list(text[at:m.start()].encode()) + [_SPECIAL[m.group()]]
+        at = m.end()
+    return ids + list(text[at:].encode())
+
+
+def text_of(ids: list[int]) -> str:
+    """The text a client sends for prompt `ids` (inverse of `_tokens` on workload prompts)."""
+    out, run = [], []
+    for t in ids:
+        if t < NUM_BYTES:
+            run.append(t)
+            continue
+        out += [bytes(run).decode("utf-8", "replace"), SPECIAL_TOKENS[t - NUM_BYTES]]
+        run = []
+    return "".join(out) + bytes(run).decode("utf-8", "replace")
 
 
 def sharegpt(seed: int = 0, sessions: int = 4, turns: int = 5, branch_prob: float = 0.35,

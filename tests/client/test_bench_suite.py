@@ -39,7 +39,7 @@ def test_workloads_are_deterministic_and_shaped():
     assert all(r.prompt[:2000] == root for r in tree.requests[1:])
     a, b = tree.requests[1].prompt, tree.requests[2].prompt  # siblings: one call, two results
     shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-    assert shared > 2000 + 60 and bytes(a[2000:shared]).count(b"<tool_call>") == 1
+    assert shared > 2000 + 60 and W.text_of(a[2000:shared]).count("<tool_call>") == 1
     narrow = W.agentic(2000, fanout=3, depth=2, grow=1)  # level 2 grows from one branch
     parents = [r.rid.rsplit(".", 1)[0] for r in narrow.requests[1:]]
     assert parents == ["root"] * 3 + ["root.0"] * 3
@@ -128,6 +128,25 @@ def test_in_process_interleaving_alternates_engines_and_keeps_their_caches_apart
     assert cached["suffixreplay"] > cached["checkpoint"] > 0
 
 
+def test_served_prompts_are_the_workloads_token_ids():
+    """What a served run sends (`text_of`) the server's tokenizer turns back into the very ids
+    the in-process runs and the simulator use: special tokens included (ChatML markers are one
+    token each), no character lost at a slice's edge."""
+    from backend.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(MODEL_REPO / DEFAULT_MODEL)
+    corpus = W.rag_corpus(num_chunks=8, num_queries=6, chunk_tokens=128)
+    workloads = [W.sharegpt(sessions=3, turns=5), W.agentic(3000, fanout=3, depth=2),
+                 W.rag(corpus, rate=1.0), W.distance_sweep(doc_tokens=640, repeats=1),
+                 W.capacity(2048, 2, doc_tokens=256, passes=1)]
+    specials = 0
+    for wl in workloads:
+        for r in wl.requests:
+            assert tok.encode(W.text_of(r.prompt), add_special_tokens=True) == r.prompt, r.rid
+            specials += sum(t >= 256 for t in r.prompt)
+    assert specials > 0  # the chat and tool workloads carry ChatML markers as tokens
+
+
 def test_simulator_hit_rates_follow_the_policies(model):
     wl = W.sharegpt(seed=1, sessions=2, turns=4, branch_prob=0.6)
     cost = sim.CostModel(0.001, 1e-4, 1e-8, 1e-5, 1e-3)
@@ -137,6 +156,45 @@ def test_simulator_hit_rates_follow_the_policies(model):
     assert hits["none"] == 0 < hits["checkpoint"] < hits["suffixreplay"]
     tiny = sim.simulate(wl, sim.SimSystem("suffixreplay", shapes.kv_page), shapes, cost)
     assert tiny["hit_rate"] < hits["suffixreplay"]  # a one-page budget forgets
+
+
+def test_simulator_live_states_spare_replays(model):
+    """Suffix replay's live states, hand-computed (each case in its own namespace): a prompt's
+    end (a turn that extends it resumes there, no replay); a replayed state kept (the second
+    sibling of a branch point replays nothing); and a state a page short of the match end,
+    resumed from when recomputing that page (64 x 1 ms) costs less than the replay
+    (k x 2 groups x per anchor)."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)  # 64-token pages, 2 groups
+    doc = [(3 * i) % 251 for i in range(512)]
+    reqs = [W.BenchRequest("a", doc[:200], 1, "a", salt="A"),  # live state at 192
+            W.BenchRequest("turn", doc[:300], 1, "turn", salt="A"),  # resumes at 192
+            W.BenchRequest("p", doc[:330], 1, "p", salt="B"),  # pages to 320, live at 320
+            W.BenchRequest("b1", doc[:260] + [1] * 100, 1, "b1", salt="B"),  # 256: replay
+            W.BenchRequest("b2", doc[:260] + [2] * 100, 1, "b2", salt="B"),  # 256: kept state
+            W.BenchRequest("x", doc[:300], 1, "x", salt="C"),  # live at 256
+            W.BenchRequest("y", doc[:420], 1, "y", salt="C"),  # pages to 384, live at 384
+            W.BenchRequest("z", doc[:340] + [3] * 30, 1, "z", salt="C")]  # 320, live at 256
+    wl = W.Workload("live", reqs)
+
+    def ttft(per_anchor, live_slots=16):
+        cost = sim.CostModel(0.0, 1e-3, 0.0, per_anchor, 0.0)
+        out = sim.simulate(wl, sim.SimSystem("suffixreplay", 1 << 30, live_slots=live_slots),
+                           shapes, cost)["ttft_by_tag_s"]
+        return {t: round(v, 6) for t, v in out.items()}
+
+    def replay(tokens, per_anchor=1e-3):
+        return 2 * math.ceil(0.05 * tokens) * per_anchor
+
+    got = ttft(1e-3)  # a replayed anchor costs a token
+    assert got["turn"] == 0.108  # 108 tokens past the live state at 192, no replay
+    assert got["b1"] == round(0.104 + replay(256), 6)  # no state at 256: replayed
+    assert got["b2"] == 0.104  # the state b1's replay rebuilt (b1's own end is at 320)
+    assert got["z"] == round(0.050 + replay(320), 6)  # replay (32 ms) < a page (64 ms)
+    dear = ttft(10e-3)  # replaying 16 anchors x 2 groups: 320 ms > a page's 64
+    assert dear["z"] == 0.114  # resumed at 256: 64 + 50 tokens recomputed
+    none = ttft(1e-3, live_slots=0)
+    assert none["turn"] == round(0.108 + replay(192), 6)
+    assert none["b2"] == none["b1"]
 
 
 def _tier_workload(arrival=None):
