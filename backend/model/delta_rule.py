@@ -96,6 +96,10 @@ def chunk_gated_delta_rule(
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
+    if states_at is None and T < C:
+        # One short chunk (a replay of a few anchors, a short suffix): the next power of two,
+        # not T padded to the chunk size, which would cost a full chunk's matrices.
+        C = max(8, 1 << (T - 1).bit_length())
     scale = K**-0.5 if scale is None else scale
     out_dtype = v.dtype
     # [B, H, T, *] in fp32

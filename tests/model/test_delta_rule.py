@@ -16,6 +16,8 @@ SHAPES = [  # B, T, H, K, V, chunk
     (2, 70, 3, 16, 8, 64),
     (1, 129, 2, 8, 24, 32),
     (3, 33, 4, 32, 32, 16),
+    (2, 5, 2, 16, 8, 64),  # one short chunk: computed as an 8-token chunk
+    (2, 20, 2, 8, 8, 64),  # ... as a 32-token chunk
 ]
 
 
