@@ -28,10 +28,11 @@ class ReplayConfig:
     # a replay costs replay_fixed_tokens + replay_anchor_tokens x k; a token recomputed at
     # context c costs 1 + c / recompute_context_tokens (`recompute_is_cheaper`). Defaults
     # measured with the default model on the development CPU, where a replay's two eager
-    # passes over the groups cost ~9 ms whatever k (docs/gpu.md); 0 and 0 turn it off.
-    replay_fixed_tokens: float = 53.0
-    replay_anchor_tokens: float = 0.67
-    recompute_context_tokens: float = 10_700.0
+    # passes over the groups cost ~5.5 ms whatever k, an anchor ~0.1 ms more and a token
+    # 0.15 ms at context 0 (docs/gpu.md); 0 and 0 turn it off.
+    replay_fixed_tokens: float = 38.0
+    replay_anchor_tokens: float = 0.65
+    recompute_context_tokens: float = 10_400.0
     # k_max comes from the model's calibration.json when the engine is built from a model
     # directory (`k_max: auto` in the serving configuration).
     k_max_auto: bool = False
