@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend.replay.budget import ReplayConfig, recompute_is_cheaper
 from client.bench.workloads import Workload
 
 
@@ -90,7 +91,7 @@ class SimSystem:
     live_slots: int = 0  # suffix replay: live states kept (LRU) at prompt ends and replays
     # The engine's replay-or-recompute rule (`ReplayConfig`) for a measured system's twin;
     # None: decided by the cost model (projections).
-    replay: object | None = None
+    replay: ReplayConfig | None = None
 
 
 @dataclass
@@ -173,9 +174,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                                     system.replay):]
             hit_pages = len(tiers)
             if not live.get(keys[hit_pages - 1]):
-                k = min(math.ceil(shapes.budget_fraction * hit_pages * ps), shapes.k_max,
-                        hit_pages * shapes.anchors_per_page)
-                anchors = k * shapes.groups
+                anchors = _replay_k(shapes, hit_pages) * shapes.groups
                 live.put(keys[hit_pages - 1], 1)  # the replayed state is kept
         hit_pages = len(tiers)
         cached = hit_pages * ps
@@ -226,7 +225,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
     return {"hit_rate": sum(r["cached"] for r in rows) / max(total, 1),
             "ttft_mean_s": float(np.mean([r["ttft"] for r in rows])),
             "ttft_by_tag_s": {t: float(np.mean([r["ttft"] for r in rows if r["tag"] == t]))
-                              for t in {r["tag"] for r in rows}},
+                              for t in dict.fromkeys(r["tag"] for r in rows)},
             "throughput_requests_per_s": len(rows) / max(sum(r["e2el"] for r in rows), 1e-9)}
 
 
@@ -236,14 +235,11 @@ def _resume_point(keys: list, hit_pages: int, live: _Tier, shapes: Shapes, cost:
     at the end, or a replay there), or fewer when a live state short of the end makes
     recomputing the pages between cheaper than the replay (the engine's
     `recompute_is_cheaper` with `replay`'s constants, or by the simulator's cost model)."""
-    from backend.replay.budget import recompute_is_cheaper
-
     if keys[hit_pages - 1] in live.items:
         return hit_pages
     for j in range(hit_pages - 1, 0, -1):
         if keys[j - 1] in live.items:
-            k = min(math.ceil(shapes.budget_fraction * hit_pages * shapes.page_size),
-                    shapes.k_max, hit_pages * shapes.anchors_per_page)
+            k = _replay_k(shapes, hit_pages)
             extra = (hit_pages - j) * shapes.page_size
             if replay is not None:
                 cheaper = recompute_is_cheaper(extra, hit_pages * shapes.page_size, k, replay)
@@ -255,6 +251,12 @@ def _resume_point(keys: list, hit_pages: int, live: _Tier, shapes: Shapes, cost:
                 return j
             break  # a shallower state is farther still
     return hit_pages
+
+
+def _replay_k(shapes: Shapes, hit_pages: int) -> int:
+    """Anchors (per group) a hit of `hit_pages` pages replays: k = min(ceil(f n), k_max)."""
+    return min(math.ceil(shapes.budget_fraction * hit_pages * shapes.page_size), shapes.k_max,
+               hit_pages * shapes.anchors_per_page)
 
 
 def system_of(config, shapes: Shapes) -> SimSystem:
