@@ -120,14 +120,13 @@ class Scheduler:
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
             end = min(len(seq.tokens), seq.num_computed + budget)
-            aligned = end // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
             if end < len(seq.tokens) and end - seq.num_computed >= ALIGN_MIN_CHUNK and \
                     any(p > end for p in seq.capture_positions):
                 # A long chunk cut by the budget before a planned state ends on a chunk
                 # boundary of the delta rule (giving up < 1/4 of it), so the next chunk starts
                 # on one and saves that state on its way: from an unaligned start it would be
                 # cut short there, a step of a few tokens.
-                end = aligned
+                end = end // SNAPSHOT_ALIGN * SNAPSHOT_ALIGN
             end = self.cache.ensure_pages(seq, end)
             end, snapshots = self.cache.plan_snapshots(seq, seq.num_computed, end)
             if end > seq.num_computed:

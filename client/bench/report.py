@@ -81,31 +81,33 @@ def system_table(results: dict, workload: str) -> str:
     return "\n".join(lines)
 
 
-def projection_line(summary: dict) -> str:
-    """The simulator's H200 projection of PCR against SCCache (LMCache-like) on RAG."""
-    proj = summary.get("sim_projection_h200_pcr_ttft_speedup_vs_sccache")
+def _per_model_line(summary: dict, key: str, preamble: str, per_model) -> str:
+    """`preamble` then `per_model(value)` for each model of the projection `summary[key]`."""
+    proj = summary.get(key)
     if not proj:
         return ""
-    return ("Simulator projection to an H200 (published figures, assumed; RAG queries of this "
-            "run, offered load / a no-cache server's capacity): PCR TTFT speedup vs "
-            "SCCache: " + "; ".join(
-                f"{model} " + ", ".join(f"{load} {v:.2f}x" for load, v in by_load.items())
-                for model, by_load in proj.items()))
+    return preamble + "; ".join(f"{model} {per_model(v)}" for model, v in proj.items())
+
+
+def projection_line(summary: dict) -> str:
+    """The simulator's H200 projection of PCR against SCCache (LMCache-like) on RAG."""
+    return _per_model_line(
+        summary, "sim_projection_h200_pcr_ttft_speedup_vs_sccache",
+        "Simulator projection to an H200 (published figures, assumed; RAG queries of this "
+        "run, offered load / a no-cache server's capacity): PCR TTFT speedup vs SCCache: ",
+        lambda by_load: ", ".join(f"{load} {v:.2f}x" for load, v in by_load.items()))
 
 
 def branch_projection_line(summary: dict) -> str:
     """The simulator's H200 projection of the branching workloads: suffix replay's branch
     TTFT reduction vs the checkpoint grid with a tight and an ample HBM budget."""
-    proj = summary.get("sim_projection_h200_branch_ttft_reduction_vs_checkpoint")
-    if not proj:
-        return ""
-    return ("Simulator projection of the branching workloads to an H200 (same assumptions; "
-            "prefix cache given 1 GiB / 40 GiB of HBM): branch TTFT reduction of suffix replay "
-            "vs the checkpoint grid: " + "; ".join(
-                f"{model} " + ", ".join(
-                    f"{wl} " + " / ".join(f"{v:.2f}" for v in by_budget.values())
-                    for wl, by_budget in by_wl.items())
-                for model, by_wl in proj.items()))
+    return _per_model_line(
+        summary, "sim_projection_h200_branch_ttft_reduction_vs_checkpoint",
+        "Simulator projection of the branching workloads to an H200 (same assumptions; "
+        "prefix cache given 1 GiB / 40 GiB of HBM): branch TTFT reduction of suffix replay "
+        "vs the checkpoint grid: ",
+        lambda by_wl: ", ".join(f"{wl} " + " / ".join(f"{v:.2f}" for v in by_budget.values())
+                                for wl, by_budget in by_wl.items()))
 
 
 def write_report(summary: dict, out: Path) -> Path:

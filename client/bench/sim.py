@@ -24,13 +24,12 @@ projection.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 
-from backend.replay.budget import ReplayConfig, recompute_is_cheaper
+from backend.replay.budget import ReplayConfig, recompute_is_cheaper, replay_budget
 from client.bench.workloads import Workload
 
 
@@ -254,9 +253,10 @@ def _resume_point(keys: list, hit_pages: int, live: _Tier, shapes: Shapes, cost:
 
 
 def _replay_k(shapes: Shapes, hit_pages: int) -> int:
-    """Anchors (per group) a hit of `hit_pages` pages replays: k = min(ceil(f n), k_max)."""
-    return min(math.ceil(shapes.budget_fraction * hit_pages * shapes.page_size), shapes.k_max,
-               hit_pages * shapes.anchors_per_page)
+    """Anchors (per group) a hit of `hit_pages` pages replays: the engine's `replay_budget`."""
+    config = ReplayConfig(budget_fraction=shapes.budget_fraction, k_max=shapes.k_max)
+    return replay_budget(hit_pages * shapes.page_size, config,
+                         hit_pages * shapes.anchors_per_page)
 
 
 def system_of(config, shapes: Shapes) -> SimSystem:

@@ -21,13 +21,13 @@ library's training split (engine_build/corpus.py), so prompts are real bytes, no
 
 from __future__ import annotations
 
+import functools
 import random
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from backend.tokenizer import NUM_BYTES, SPECIAL_TOKENS
+from backend.tokenizer import byte_tokenizer
 from engine_build.corpus import load_split
 
 
@@ -70,30 +70,20 @@ class TextSource:
         return list(text.replace(b"<|", b"<!"))
 
 
-_SPECIAL = {t: NUM_BYTES + i for i, t in enumerate(SPECIAL_TOKENS)}
-_SPECIAL_RE = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+@functools.cache
+def _byte_tokenizer():
+    return byte_tokenizer()
 
 
 def _tokens(text: str) -> list[int]:
     """The byte tokenizer's ids of `text` (backend/tokenizer.py): special tokens spelled out
     in it become their ids, as the server's preprocessing tokenizes them."""
-    ids, at = [], 0
-    for m in _SPECIAL_RE.finditer(text):
-        ids += list(text[at:m.start()].encode()) + [_SPECIAL[m.group()]]
-        at = m.end()
-    return ids + list(text[at:].encode())
+    return _byte_tokenizer().encode(text)
 
 
 def text_of(ids: list[int]) -> str:
     """The text a client sends for prompt `ids` (inverse of `_tokens` on workload prompts)."""
-    out, run = [], []
-    for t in ids:
-        if t < NUM_BYTES:
-            run.append(t)
-            continue
-        out += [bytes(run).decode("utf-8", "replace"), SPECIAL_TOKENS[t - NUM_BYTES]]
-        run = []
-    return "".join(out) + bytes(run).decode("utf-8", "replace")
+    return _byte_tokenizer().decode(ids, skip_special_tokens=False)
 
 
 def sharegpt(seed: int = 0, sessions: int = 4, turns: int = 5, branch_prob: float = 0.35,
