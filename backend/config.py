@@ -9,12 +9,24 @@ from typing import Any
 
 LINEAR = "linear_attention"
 FULL = "full_attention"
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+MLP = "mlp"  # Nemotron-H: a layer that is only an MLP (no token mixer)
+QWEN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+NEMOTRON_H = "nemotron_h"
+SUPPORTED_MODEL_TYPES = (*QWEN_MODEL_TYPES, NEMOTRON_H)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Qwen3.5-family hybrid model (HF field names, text part only)."""
+    """Shape of a hybrid model (HF field names, text part only).
+
+    Two families: Qwen3.5 (every layer a Gated DeltaNet or gated attention mixer, each with a
+    SwiGLU MLP) and Nemotron-H (`model_type` "nemotron_h": each layer one block, a Mamba2
+    mixer, plain attention without positional encoding, or a squared-ReLU MLP). For Nemotron-H
+    the `linear_*` fields describe the Mamba2 mixer in the same state layout as Gated
+    DeltaNet's: key heads = the B/C groups (`n_groups`), key head dim = `ssm_state_size`,
+    value heads = `mamba_num_heads`, value head dim = `mamba_head_dim`; so the conv runs over
+    2 * key_dim + value_dim channels and the recurrent state is [heads, d_state, head_dim].
+    """
 
     vocab_size: int
     hidden_size: int
@@ -50,9 +62,10 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries, "
                 f"num_hidden_layers is {self.num_hidden_layers}"
             )
-        bad = sorted({t for t in self.layer_types if t not in (LINEAR, FULL)})
+        kinds = (LINEAR, FULL, MLP) if self.is_nemotron_h else (LINEAR, FULL)
+        bad = sorted({t for t in self.layer_types if t not in kinds})
         if bad:
-            raise ValueError(f"unknown layer types {bad}; expected {LINEAR!r} or {FULL!r}")
+            raise ValueError(f"unknown layer types {bad}; expected one of {kinds}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -63,9 +76,14 @@ class ModelConfig:
                 f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
                 f"linear_num_key_heads={self.linear_num_key_heads}"
             )
-        if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+        act = "relu2" if self.is_nemotron_h else "silu"
+        if self.hidden_act != act:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only {act!r})")
+        if self.is_nemotron_h:
+            if self.rotary_dim:
+                raise ValueError("Nemotron-H attention has no rotary embedding (partial_"
+                                 f"rotary_factor must be 0, got {self.partial_rotary_factor})")
+        elif self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(
                 f"partial_rotary_factor={self.partial_rotary_factor} gives rotary dim "
                 f"{self.rotary_dim} for head_dim={self.head_dim}; "
@@ -73,6 +91,10 @@ class ModelConfig:
             )
 
     # Derived shapes -------------------------------------------------------------------
+    @property
+    def is_nemotron_h(self) -> bool:
+        return self.model_type == NEMOTRON_H
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
@@ -99,16 +121,27 @@ class ModelConfig:
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
-        """Maximal runs of consecutive linear-attention layers (decoder layer indices)."""
-        runs: list[list[int]] = []
+        """The layers (decoder layer indices) of each group: a maximal run of layers without
+        attention, from its first linear layer to its last (Nemotron-H's MLP-only layers in
+        between belong to it; those before or after carry no state and need no replay)."""
+        runs: list[list[int]] = [[]]
         for i, t in enumerate(self.layer_types):
-            if t != LINEAR:
-                continue
-            if runs and runs[-1][-1] == i - 1:
-                runs[-1].append(i)
+            if t == FULL:
+                runs.append([])
             else:
-                runs.append([i])
-        return tuple(tuple(r) for r in runs)
+                runs[-1].append(i)
+        out = []
+        for run in runs:
+            linear = [i for i in run if self.layer_types[i] == LINEAR]
+            if linear:
+                out.append(tuple(range(linear[0], linear[-1] + 1)))
+        return tuple(out)
+
+    @property
+    def group_state_layers(self) -> tuple[tuple[int, ...], ...]:
+        """The linear (state-carrying) layers of each group, in order: what `replay_group`
+        returns states for. The same as `groups` for Qwen3.5."""
+        return tuple(tuple(i for i in g if self.layer_types[i] == LINEAR) for g in self.groups)
 
     @property
     def group_entry_layers(self) -> tuple[int, ...]:
@@ -122,12 +155,15 @@ class ModelConfig:
     # Construction ---------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Builds the config from an HF config.json dict (`qwen3_5` or `qwen3_5_text`)."""
+        """Builds the config from an HF config.json dict (`qwen3_5`, `qwen3_5_text` or
+        `nemotron_h`)."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
+        if model_type == NEMOTRON_H:
+            return cls._from_nemotron_h(raw)
         text = dict(raw.get("text_config", raw)) if model_type == "qwen3_5" else dict(raw)
         rope = dict(text.get("rope_parameters") or {})
         num_layers = int(text["num_hidden_layers"])
@@ -165,6 +201,66 @@ class ModelConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             model_type=model_type,
             extra={"rope_type": rope.get("rope_type", "default")},
+        )
+
+    @classmethod
+    def _from_nemotron_h(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Nemotron-H: layers from `layers_block_type` (transformers 5) or the checkpoints'
+        `hybrid_override_pattern` (M Mamba2, * attention, - MLP; E, MoE, is not supported)."""
+        kinds = {"M": LINEAR, "*": FULL, "-": MLP, "E": "moe"}
+        types = raw.get("layers_block_type") or raw.get("layer_types")
+        if types is None:
+            pattern = str(raw["hybrid_override_pattern"])
+            bad = sorted(set(pattern) - set(kinds))
+            if bad:
+                raise ValueError(f"hybrid_override_pattern has unknown layer codes {bad}")
+            types = [kinds[c] for c in pattern]
+        types = [str(t) for t in types]
+        if "moe" in types:
+            raise ValueError("Nemotron-H mixture-of-experts layers ('moe' / 'E') are not "
+                             "supported; dense Nemotron-H checkpoints are")
+        eos = raw.get("eos_token_id")
+        heads = int(raw["num_attention_heads"])
+
+        def pick(*names: str, default=None):
+            for n in names:
+                if raw.get(n) is not None:
+                    return raw[n]
+            if default is None:
+                raise KeyError(names[0])
+            return default
+
+        return cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=len(types),
+            layer_types=tuple(types),
+            num_attention_heads=heads,
+            num_key_value_heads=int(pick("num_key_value_heads", default=heads)),
+            head_dim=int(pick("head_dim", "attention_head_dim",
+                              default=int(raw["hidden_size"]) // heads)),
+            linear_num_key_heads=int(pick("n_groups", "mamba_n_groups", default=8)),
+            linear_num_value_heads=int(raw["mamba_num_heads"]),
+            linear_key_head_dim=int(pick("ssm_state_size", "mamba_d_state", default=128)),
+            linear_value_head_dim=int(raw["mamba_head_dim"]),
+            linear_conv_kernel_dim=int(pick("conv_kernel", "mamba_d_conv", default=4)),
+            rms_norm_eps=float(pick("layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            partial_rotary_factor=0.0,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            hidden_act=str(pick("mlp_hidden_act", default="relu2")),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            model_type=NEMOTRON_H,
+            extra={
+                "use_conv_bias": bool(pick("use_conv_bias", "mamba_conv_bias", default=True)),
+                "mamba_proj_bias": bool(pick("use_bias", "mamba_proj_bias", default=False)),
+                "mlp_bias": bool(raw.get("mlp_bias", False)),
+                # transformers' prefill clamps dt to [time_step_min, inf); we clamp in
+                # every form, decode included, so a cached state equals a prefilled one.
+                "dt_min": float(pick("time_step_min", "mamba_dt_min", default=0.001)),
+            },
         )
 
     @classmethod

@@ -1,4 +1,4 @@
-"""Builds a Triton model repository that serves a Qwen3.5-family checkpoint.
+"""Builds a Triton model repository that serves a hybrid checkpoint (Qwen3.5 or Nemotron-H).
 
     python -m engine_build.build --model CKPT --repo OUT                    # eager (default)
     python -m engine_build.build --model CKPT --repo OUT --backend aot      # AOTInductor engine
@@ -9,7 +9,8 @@ with finite logits, a tokenizer) and writes a complete repository: ensemble, pre
 hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at the checkpoint.
 - `--calibrate` runs engine_build/calibrate.py on the checkpoint and serves `k_max: auto`.
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
-  (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`.
+  (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`
+  (Qwen3.5 checkpoints; Nemotron-H is served by the eager executor).
 - `--backend tensorrt` needs the `tensorrt` package (NVIDIA's index; unavailable in this
   project's environment): it registers the Triton kernels as TensorRT plugins with AOT PTX
   (plugins/tensorrt.py). Without TensorRT it says so and exits with status 2.
@@ -52,7 +53,8 @@ def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32) -> 
         raise BuildError(f"checkpoint {model_dir}: tokenizer.json is missing (the repository's "
                          "preprocessing and postprocessing models need it)")
     params = sum(p.numel() for p in model.parameters())
-    return {"parameters": params, "layers": cfg.num_hidden_layers, "groups": cfg.num_groups}
+    return {"parameters": params, "layers": cfg.num_hidden_layers, "groups": cfg.num_groups,
+            "model_type": cfg.model_type}
 
 
 def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool) -> Path:
@@ -87,8 +89,12 @@ def build(args: argparse.Namespace) -> Path:
         bar.set_postfix(step=step)
         if step == "validate":
             info = validate_checkpoint(model_dir)
-            tqdm.write(f"checkpoint ok: {info['parameters']:,} parameters, {info['layers']} "
-                       f"layers, {info['groups']} linear-attention groups")
+            tqdm.write(f"checkpoint ok ({info['model_type']}): {info['parameters']:,} "
+                       f"parameters, {info['layers']} layers, {info['groups']} "
+                       "linear-attention groups")
+            if args.backend != "eager" and info["model_type"] == "nemotron_h":
+                raise BuildError(f"--backend {args.backend} compiles Qwen3.5 graphs only; "
+                                 "build Nemotron-H checkpoints with --backend eager")
         elif step == "calibrate":
             from engine_build import calibrate
 

@@ -54,7 +54,8 @@ def calibration_sequences(num: int, length: int, seed: int = 7) -> list[list[int
 @torch.inference_mode()
 def sweep(model: HybridForCausalLM, seqs: list[list[int]], boundaries: list[int],
           continuation: int, layout: AnchorLayout, ks=KS) -> dict[int, dict]:
-    groups = [[model.config.linear_layer_ids.index(i) for i in g] for g in model.config.groups]
+    groups = [[model.config.linear_layer_ids.index(i) for i in g]
+              for g in model.config.group_state_layers]
     acc = {k: {"kl": [], "top1": [], "state_error": [[] for _ in groups]} for k in ks}
     jobs = [(s, j) for s in seqs for j in boundaries if j + continuation <= len(s)]
     for seq, j in tqdm(jobs, desc="calibrate"):

@@ -125,13 +125,20 @@ class HybridLayout:
 
 def layout_from_hf(raw: dict[str, Any], name: str = "") -> HybridLayout:
     """Reads a Qwen3.5 / Qwen3-Next (`layer_types` or `full_attention_interval`) or a
-    Nemotron-H (`hybrid_override_pattern`) config; a nested `text_config` wins."""
+    Nemotron-H (`hybrid_override_pattern`, or transformers 5's `layers_block_type`) config; a
+    nested `text_config` wins."""
     cfg = dict(raw.get("text_config") or raw)
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or raw.get("torch_dtype") or "bfloat16"
     model_bytes = _dtype_bytes(dtype)
     name = name or cfg.get("model_type") or raw.get("model_type", "model")
     if "hybrid_override_pattern" in cfg:
         return _mamba2_layout(cfg, name, model_bytes)
+    if cfg.get("model_type") == "nemotron_h" and cfg.get("layers_block_type"):
+        # transformers 5 saves the layer list instead of the pattern string
+        codes = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
+        pattern = "".join(codes.get(t, "?") for t in cfg["layers_block_type"])
+        return _mamba2_layout({**cfg, "hybrid_override_pattern": pattern,
+                               "num_hidden_layers": len(pattern)}, name, model_bytes)
     return _gated_deltanet_layout(cfg, name, model_bytes)
 
 

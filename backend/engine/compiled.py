@@ -194,7 +194,7 @@ class CompiledExecutor(ExecutorBuffers):
             for slot in slots:
                 self.reset_state(slot)
             return
-        for g, layers in enumerate(self.config.groups):
+        for g, layers in enumerate(self.config.group_state_layers):
             out = self.replays[g](self.anchors[g].index_select(0, index), cu)
             states = [(out[2 * i], out[2 * i + 1]) for i in range(len(layers))]
             self._write_replayed(slot_ids, layers, states)

@@ -144,7 +144,7 @@ class TorchExecutor(ExecutorBuffers):
         for b, rows in enumerate(anchor_rows):
             index[b, : rows.numel()] = rows
         slot_ids = torch.tensor(slots, device=self.model.device)
-        for g, layers in enumerate(cfg.groups):
+        for g, layers in enumerate(cfg.group_state_layers):
             hidden = self.anchors[g][index]  # [B, T, D]
             if self.anchor_scales is not None:
                 hidden = dequantize_int8(hidden, self.anchor_scales[g][index], self.model.dtype)

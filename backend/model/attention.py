@@ -1,4 +1,5 @@
-"""Full attention with grouped KV heads, q/k norm, partial rotary, output gate, paged KV."""
+"""Full attention with grouped KV heads and paged KV: Qwen3.5's (q/k norm, partial rotary,
+output gate) or Nemotron-H's (plain: no norm, no positional encoding, no gate)."""
 
 from __future__ import annotations
 
@@ -21,22 +22,29 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         D, Dh, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        # q_proj emits the query and the output gate interleaved per head: [H, 2 * Dh].
-        self.q_proj = Linear(D, self.num_heads * Dh * 2, bias=bias)
+        self.gated = not cfg.is_nemotron_h
+        # Qwen3.5: q_proj emits the query and the output gate interleaved per head: [H, 2 * Dh].
+        self.q_proj = Linear(D, self.num_heads * Dh * (2 if self.gated else 1), bias=bias)
         self.k_proj = Linear(D, self.num_kv_heads * Dh, bias=bias)
         self.v_proj = Linear(D, self.num_kv_heads * Dh, bias=bias)
         self.o_proj = Linear(self.num_heads * Dh, D, bias=bias)
-        self.q_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
+        if self.gated:
+            self.q_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(Dh, eps=cfg.rms_norm_eps)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch | None
     ) -> torch.Tensor:
-        """x: [B, T, D]; cos, sin: [B, T, R] -> [B, T, D]."""
+        """x: [B, T, D]; cos, sin: [B, T, R] (unused without rotary) -> [B, T, D]."""
         B, T, _ = x.shape
-        q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rotary(self.q_norm(q), cos, sin)
-        k = apply_rotary(self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, -1)), cos, sin)
+        if self.gated:
+            q, gate = self.q_proj(x).view(B, T, self.num_heads, 2 * self.head_dim).chunk(2, -1)
+            q = apply_rotary(self.q_norm(q), cos, sin)
+            k = self.k_norm(self.k_proj(x).view(B, T, self.num_kv_heads, -1))
+            k = apply_rotary(k, cos, sin)
+        else:
+            q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         kv = batch.kv if batch is not None else None
         if kv is not None:
@@ -60,7 +68,9 @@ class Attention(nn.Module):
                 q.transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
                 attn_mask=mask, enable_gqa=True,
             )
-        out = out.transpose(1, 2).reshape(B, T, -1) * torch.sigmoid(gate.reshape(B, T, -1))
+        out = out.transpose(1, 2).reshape(B, T, -1)
+        if self.gated:
+            out = out * torch.sigmoid(gate.reshape(B, T, -1))
         return self.o_proj(out)
 
     def _context(self, kv, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:

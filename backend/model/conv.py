@@ -13,10 +13,11 @@ def causal_conv1d(
     lengths: torch.Tensor | None = None,
     silu: bool = True,
     at: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ):
-    """x: [B, T, C]; weight: [C, W]; state: [B, C, W - 1] or None (zeros).
+    """x: [B, T, C]; weight: [C, W]; state: [B, C, W - 1] or None (zeros); bias: [C] or None.
 
-    Returns silu(conv(x)) (conv(x) with silu=False) [B, T, C] and the new state
+    Returns silu(conv(x) + bias) (without silu when silu=False) [B, T, C] and the new state
     [B, C, W - 1]: the last W - 1 inputs
     before each sequence's end (`lengths` [B] for right-padded batches, else T).
     With `at` = (rows [M], offsets [M]) a third result: the state [M, C, W - 1] after the
@@ -38,6 +39,8 @@ def causal_conv1d(
         y = torch.mul(full[:, :T], taps[0])
         for i in range(1, W):
             y.addcmul_(full[:, i:i + T], taps[i])
+    if bias is not None:
+        y = y + bias.to(x.dtype)
     if lengths is None:
         new_state = full[:, T:]
     else:

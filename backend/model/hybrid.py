@@ -1,7 +1,8 @@
 """The hybrid decoder: layer layout, groups, full forward, capture and group replay.
 
-Parameter names follow the Hugging Face Qwen3.5 checkpoints (`model.layers.N.linear_attn...`),
-so a checkpoint's state dict loads without renaming.
+Two families behind one interface. Parameter names follow the Hugging Face checkpoints
+(Qwen3.5: `model.layers.N.linear_attn...`; Nemotron-H: `model.layers.N.mixer...`,
+`model.embeddings`, `model.norm_f`), so a checkpoint's state dict loads without renaming.
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.config import LINEAR, ModelConfig
+from backend.config import FULL, LINEAR, ModelConfig
 from backend.model.attention import Attention
 from backend.model.batch import Capture, ForwardBatch, SeqInput, Snapshots
 from backend.model.gated_deltanet import GatedDeltaNet, LinearState
 from backend.model.linear import Linear
-from backend.model.mlp import SwiGLU
-from backend.model.norm import RMSNorm
+from backend.model.mamba2 import Mamba2Mixer
+from backend.model.mlp import ReluSquaredMLP, SwiGLU
+from backend.model.norm import PlainRMSNorm, RMSNorm
 from backend.model.rotary import Rotary
 
 
@@ -48,7 +50,8 @@ class DecoderLayer(nn.Module):
             snapshots.write(self.state_index, conv, rec)
         return (self._ffn(x + h) if output else None), new_state
 
-    def mix_attention(self, x, cos, sin, batch: ForwardBatch | None) -> torch.Tensor:
+    def mix_stateless(self, x, cos, sin, batch: ForwardBatch | None) -> torch.Tensor:
+        """A layer without recurrent state (here: attention, then the MLP)."""
         return self._ffn(x + self.self_attn(self.input_layernorm(x), cos, sin, batch))
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,17 +66,75 @@ class HybridTextModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
 
+class NemotronHBlock(nn.Module):
+    """One Nemotron-H layer: x + mixer(norm(x)), the mixer a Mamba2 mixer, plain attention
+    or a squared-ReLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        kind = cfg.layer_types[layer_id]
+        self.is_linear = kind == LINEAR
+        self.is_attention = kind == FULL
+        self.norm = PlainRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        if self.is_linear:
+            self.mixer = Mamba2Mixer(cfg)
+            self.state_index = cfg.linear_layer_ids.index(layer_id)
+        elif self.is_attention:
+            self.mixer = Attention(cfg, cfg.attention_layer_ids.index(layer_id))
+        else:
+            self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size,
+                                        bias=bool(cfg.extra.get("mlp_bias", False)))
+
+    def mix_linear(
+        self, x: torch.Tensor, state: LinearState | None, valid, lengths, output: bool = True,
+        snapshots: Snapshots | None = None,
+    ) -> tuple[torch.Tensor | None, LinearState]:
+        """As `DecoderLayer.mix_linear`."""
+        if snapshots is None:
+            h, new_state = self.mixer(self.norm(x), state, valid, lengths, output)
+        else:
+            h, new_state, (conv, rec) = self.mixer(
+                self.norm(x), state, valid, lengths, output,
+                snapshot_at=(snapshots.rows, snapshots.offsets))
+            snapshots.write(self.state_index, conv, rec)
+        return (x + h if output else None), new_state
+
+    def mix_stateless(self, x, cos, sin, batch: ForwardBatch | None) -> torch.Tensor:
+        if self.is_attention:
+            return x + self.mixer(self.norm(x), cos, sin, batch)
+        return x + self.mixer(self.norm(x))
+
+
+class NemotronHTextModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(NemotronHBlock(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm_f = PlainRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    # The names the shared code uses.
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self.embeddings
+
+    @property
+    def norm(self) -> PlainRMSNorm:
+        return self.norm_f
+
+
 class HybridForCausalLM(nn.Module):
-    """Qwen3.5-family hybrid LM. Public entry points: `logits`, `forward_batch`, `replay_group`."""
+    """Hybrid LM (Qwen3.5 or Nemotron-H). Public entry points: `logits`, `forward_batch`,
+    `replay_group`, `capture_hidden`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = HybridTextModel(cfg)
+        self.model = NemotronHTextModel(cfg) if cfg.is_nemotron_h else HybridTextModel(cfg)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+        # Nemotron-H's attention has no positional encoding.
+        self.rotary = Rotary(cfg.rotary_dim, cfg.rope_theta) if cfg.rotary_dim else None
         self._entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
         # Fused copies for one-token CPU steps (`backend/model/decode.py`), set by load_model.
         self.fast_decode = None
@@ -115,7 +176,7 @@ class HybridForCausalLM(nn.Module):
 
     def _run_layers(self, ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
         x = self.model.embed_tokens(ids)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype) if self.rotary else (None, None)
         valid = batch.valid if batch is not None else None
         lengths = batch.lengths if valid is not None else None
         for i, layer in enumerate(self.model.layers):
@@ -127,7 +188,7 @@ class HybridForCausalLM(nn.Module):
                 x, new_state = layer.mix_linear(x, state, valid, lengths, snapshots=snapshots)
                 self._write_state(layer.state_index, batch, new_state)
             else:
-                x = layer.mix_attention(x, cos, sin, batch)
+                x = layer.mix_stateless(x, cos, sin, batch)
         return self.model.norm(x)
 
     @staticmethod
@@ -153,10 +214,12 @@ class HybridForCausalLM(nn.Module):
     def replay_group(
         self, group: int, hidden: torch.Tensor, lengths: torch.Tensor | None = None
     ) -> list[LinearState]:
-        """Runs only group `group`'s linear layers (with their MLPs) from zero state.
+        """Runs only group `group`'s layers (linear layers with their MLPs; Nemotron-H's
+        MLP-only layers between them) from zero state.
 
         hidden: [B, T, D] entry hidden states (right-padded; `lengths` [B] when ragged).
-        Returns the final (conv, recurrent) states of each layer of the group, in order.
+        Returns the final (conv, recurrent) states of each linear layer of the group
+        (`config.group_state_layers[group]`), in order.
         """
         B, T, _ = hidden.shape
         valid = None
@@ -168,9 +231,12 @@ class HybridForCausalLM(nn.Module):
         states = []
         layer_ids = self.config.groups[group]
         for i, layer_id in enumerate(layer_ids):
+            layer = self.model.layers[layer_id]
+            if not layer.is_linear:  # an MLP-only layer (Nemotron-H)
+                x = layer.mix_stateless(x, None, None, None)
+                continue
             # The group's last layer: its state only (its output feeds nothing here).
-            x, st = self.model.layers[layer_id].mix_linear(x, None, valid, lengths,
-                                                           output=i + 1 < len(layer_ids))
+            x, st = layer.mix_linear(x, None, valid, lengths, output=i + 1 < len(layer_ids))
             states.append(st)
         return states
 

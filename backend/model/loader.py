@@ -1,4 +1,5 @@
-"""Hugging Face-format checkpoint directory -> HybridForCausalLM (memory-mapped safetensors)."""
+"""Hugging Face-format checkpoint directory (Qwen3.5 or Nemotron-H) -> HybridForCausalLM
+(memory-mapped safetensors)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from backend.model.decode import FastDecode
 from backend.model.hybrid import HybridForCausalLM
 from backend.model.linear import pack_linears
 
-# Prefixes real checkpoints put in front of the text model's names, and parts we never load.
-_NAME_PREFIXES = ("model.language_model.", "language_model.model.")
-_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
+# Prefixes real checkpoints put in front of the text model's names (Nemotron-H: backbone.),
+# and parts we never load.
+_NAME_PREFIXES = ("model.language_model.", "language_model.model.", "backbone.")
+_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.",
+                     "model.mtp.")
 
 
 class CheckpointError(ValueError):
@@ -108,10 +111,11 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = model.rotary.__class__(cfg.rotary_dim, cfg.rope_theta).to(device)
+    if model.rotary is not None:  # its tables were built on the meta device
+        model.rotary = model.rotary.__class__(cfg.rotary_dim, cfg.rope_theta).to(device)
     if pack:
         pack_linears(model)
-        if FastDecode.available(model):
+        if not cfg.is_nemotron_h and FastDecode.available(model):
             model.fast_decode = FastDecode(model)
     return model.eval()
 

@@ -31,7 +31,7 @@ def replayed_states(model: HybridForCausalLM, hidden: torch.Tensor, k: int,
     order) -> (conv, rec) per linear layer, each without a batch dim."""
     cfg = model.config
     out: LinearStates = [None] * len(cfg.linear_layer_ids)  # type: ignore[list-item]
-    for g, layers in enumerate(cfg.groups):
+    for g, layers in enumerate(cfg.group_state_layers):
         rows = hidden[g, -k:]
         if int8:
             rows = dequantize_int8(*quantize_int8(rows), dtype=rows.dtype)

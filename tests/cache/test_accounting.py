@@ -82,3 +82,13 @@ def test_module_prints_the_table():
     for name in ("qwen3_5_4b", "qwen3_6_27b", "qwen3_next_80b_a3b", "nemotron_h_8b"):
         assert name in out
     assert "ratio@8192" in out
+
+
+def test_nemotron_layer_list_reads_like_the_pattern():
+    """transformers 5 saves Nemotron-H's layers as `layers_block_type`, not the pattern."""
+    raw = json.loads((REPO / "backend/cache/model_configs/nemotron_h_8b.json").read_text())
+    codes = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    listed = {k: v for k, v in raw.items() if k != "hybrid_override_pattern"}
+    listed["layers_block_type"] = [codes[c] for c in raw["hybrid_override_pattern"]]
+    assert layout_from_hf(listed).groups == layout_from_hf(raw).groups
+    assert layout_from_hf(listed).checkpoint_bytes() == layout_from_hf(raw).checkpoint_bytes()

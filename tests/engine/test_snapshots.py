@@ -6,16 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import GREEDY, PAGE, assert_no_leak, make_engine, random_prompt
-from hf_oracle import make_hf_checkpoint
+from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
 
 from backend.engine.executor import TorchExecutor
 from backend.model import SeqInput, load_model
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("snapshot-model")
-    make_hf_checkpoint(path, seed=23)
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"snapshot-model-{request.param}")
+    make = make_hf_checkpoint if request.param == "qwen3_5" else make_nemotron_h_checkpoint
+    make(path, seed=23)
     return load_model(path)
 
 

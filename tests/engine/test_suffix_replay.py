@@ -1,12 +1,12 @@
 """SuffixReplay through the engine: exact mode, budgeted replay against a slow reference,
-packed replay, live state, branches between checkpoints."""
+packed replay, live state, branches between checkpoints; on a Qwen3.5 and a Nemotron-H model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from engine_helpers import GREEDY, PAGE, assert_no_leak, make_engine, random_prompt
-from hf_oracle import make_hf_checkpoint
+from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
 
 from backend.model import load_model
 from backend.model.generate import PagedSession, greedy_generate
@@ -14,10 +14,12 @@ from backend.replay.anchors import AnchorLayout
 from backend.replay.budget import ReplayConfig
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("engine-model")
-    make_hf_checkpoint(path, seed=21, slow_decay=True)
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def model(request, tmp_path_factory):
+    """Each test runs on both families: Gated DeltaNet and Mamba2 hybrids."""
+    path = tmp_path_factory.mktemp(f"engine-model-{request.param}")
+    make = make_hf_checkpoint if request.param == "qwen3_5" else make_nemotron_h_checkpoint
+    make(path, seed=21, slow_decay=True)
     return load_model(path)
 
 
@@ -60,7 +62,7 @@ def test_budgeted_replay_equals_slow_reference(model, prompt):
     session = PagedSession(model, batch_size=1, max_tokens=len(branch), page_size=PAGE)
     session.step([branch[:128]])
     cfg = model.config
-    for g, layers in enumerate(cfg.groups):
+    for g, layers in enumerate(cfg.group_state_layers):
         for layer_id, (conv, rec) in zip(layers, model.replay_group(g, hidden[g])):
             li = cfg.linear_layer_ids.index(layer_id)
             session.states.conv[li][0] = conv[0]

@@ -87,3 +87,75 @@ def make_hf_checkpoint(path: Path, seed: int = 0, slow_decay: bool = False, **ov
                 p.fill_(-2.0)
     model.save_pretrained(path)
     return model
+
+
+NEMOTRON_H_CONFIGS = {
+    # id: overrides of nemotron_h_config_dict's base
+    "mlp-edges-g2": {},
+    "m-only-groups-g1": {
+        "layers_block_type": ["linear_attention", "linear_attention", "full_attention",
+                              "linear_attention", "mlp", "linear_attention", "full_attention"],
+        "n_groups": 1,
+        "use_conv_bias": False,
+    },
+}
+
+
+def nemotron_h_config_dict(**overrides) -> dict:
+    cfg = {
+        "vocab_size": 97,
+        "hidden_size": 64,
+        "layers_block_type": ["mlp", "linear_attention", "mlp", "linear_attention",
+                              "full_attention", "mlp", "linear_attention", "mlp",
+                              "linear_attention", "full_attention", "mlp"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 96,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 8,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "conv_kernel": 4,
+        "chunk_size": 64,
+        "layer_norm_epsilon": 1e-5,
+        "tie_word_embeddings": False,
+        "eos_token_id": None,  # generation runs to max_tokens, as with the Qwen3.5 builder
+    }
+    cfg.update(overrides)
+    return cfg
+
+
+def make_nemotron_h_checkpoint(path: Path, seed: int = 0, slow_decay: bool = False,
+                               **overrides):
+    """Saves a randomly initialised transformers NemotronHForCausalLM to `path` (norms,
+    decays, dt biases and skips perturbed so each parameter shows in the logits), with the
+    project's byte tokenizer beside it."""
+    import shutil
+
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
+
+    torch.manual_seed(seed)
+    model = NemotronHForCausalLM(NemotronHConfig(**nemotron_h_config_dict(**overrides))).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("dt_bias"):
+                p.copy_(-2.0 if slow_decay else 0.5 * torch.randn_like(p))
+            elif name.endswith("A_log"):
+                p.copy_(torch.full_like(p, -3.0) if slow_decay
+                        else torch.empty_like(p).uniform_(0.0, 2.5))
+            elif name.endswith(".D"):
+                p.copy_(torch.randn_like(p))
+            elif "conv1d" in name or "embeddings" in name:
+                p.mul_(4.0)
+            elif "mixer.out_proj" in name or name == "lm_head.weight":
+                p.mul_(4.0)  # logits of order 1, in which the mixers' states weigh
+    model.save_pretrained(path)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (MODEL_REPO / DEFAULT_MODEL / f).exists():
+            shutil.copy2(MODEL_REPO / DEFAULT_MODEL / f, path / f)
+    return model

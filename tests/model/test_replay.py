@@ -34,7 +34,7 @@ def test_replay_over_all_positions_is_exact(model, tokens, j):
     cfg = model.config
     states = _prefill_states(model, tokens, j)
     hidden = model.capture_hidden(tokens[:, :j], torch.arange(j).unsqueeze(0))  # [G, 1, j, D]
-    for g, layers in enumerate(cfg.groups):
+    for g, layers in enumerate(cfg.group_state_layers):
         replayed = model.replay_group(g, hidden[g])
         for layer_id, (conv, rec) in zip(layers, replayed):
             want_conv, want_rec = states[cfg.linear_layer_ids.index(layer_id)]

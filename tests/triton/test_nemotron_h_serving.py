@@ -1,0 +1,58 @@
+"""A Nemotron-H (Mamba2) checkpoint built with engine_build/build.py and served by tritonserver:
+the ensemble returns what the in-process engine generates, and a repeated prefix hits the
+cache (suffix replay of the Mamba2 groups)."""
+
+from __future__ import annotations
+
+import pytest
+from hf_oracle import make_nemotron_h_checkpoint
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from client.generate import GenerateParams, generate_http, stream_grpc
+from engine_build import build
+from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
+from tests.triton.llm_helpers import long_prompt
+
+pytest.importorskip("transformers")
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def nemotron_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nemotron-h")
+    make_nemotron_h_checkpoint(path, seed=4, vocab_size=260)  # the byte tokenizer's ids
+    return path
+
+
+def test_build_accepts_nemotron_h_for_eager_and_refuses_aot(nemotron_dir, tmp_path, capsys):
+    assert build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "repo")]) == 0
+    assert "nemotron_h" in capsys.readouterr().out
+    config = (tmp_path / "repo" / "hybrid_llm" / "config.pbtxt").read_text()
+    assert str(nemotron_dir) in config
+    code = build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "aot"),
+                       "--backend", "aot"])
+    assert code != 0
+    assert "--backend eager" in capsys.readouterr().err
+
+
+def test_served_nemotron_h_matches_the_engine_and_hits_the_cache(triton_server, nemotron_dir):
+    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "model_path": str(nemotron_dir)},
+              "preprocessing": {"tokenizer_dir": str(nemotron_dir)},
+              "postprocessing": {"tokenizer_dir": str(nemotron_dir)}}
+    server = triton_server(LLM_MODELS, params)
+    engine = Engine.from_model_dir(nemotron_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+    prompt = long_prompt("Mamba2 layers keep a state", 200)
+    request = GenerateParams(prompt, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+    ids = engine.tokenizer.encode(prompt)
+    want = engine.tokenizer.decode(engine.generate(ids, sampling).new_token_ids,
+                                   skip_special_tokens=True)
+    served = generate_http(server.urls.http, request)
+    assert served.text == want
+    # The same prompt with another ending: its pages hit, the groups' states are replayed.
+    branch = GenerateParams(prompt[:-20] + " and a different end.", max_tokens=MAX_TOKENS,
+                            min_tokens=MAX_TOKENS, top_k=1)
+    chunks = list(stream_grpc(server.urls.grpc, branch))
+    counts = {k: v for c in chunks for k, v in c.counts.items()}
+    assert counts["cached_tokens"] >= 128
+    assert counts["replayed_anchors"] > 0
