@@ -17,8 +17,8 @@ from torch import nn
 from backend.config import ModelConfig
 from backend.model.conv import causal_conv1d
 from backend.model.linear import Linear
-from backend.model.norm import GroupGatedRMSNorm
 from backend.model.mamba_scan import chunk_ssd, recurrent_ssd
+from backend.model.norm import GroupGatedRMSNorm
 
 LinearState = tuple[torch.Tensor, torch.Tensor]  # (conv [B, C, W - 1], recurrent [B, H, N, P])
 
