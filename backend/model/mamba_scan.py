@@ -1,4 +1,5 @@
-"""The Mamba2 state-space scan (SSD, state-space duality): a recurrent form (the reference) and a chunked form.
+"""The Mamba2 state-space scan (SSD, state-space duality): a recurrent form (the
+reference) and a chunked form.
 
 Written as decayed linear attention, in the layout of `delta_rule.py`: q = C, k = B (both
 already expanded from their groups to the heads), v = dt * x, g = dt * A (log decay, <= 0):
