@@ -1,4 +1,5 @@
-"""Writes a HybridForCausalLM as a Hugging Face-format directory (loads in transformers too)."""
+"""Writes a HybridForCausalLM (Qwen3.5 or Nemotron-H) as a Hugging Face-format directory
+(loads in transformers too)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from backend.tokenizer import write_byte_tokenizer
 
 
 def hf_config(cfg: ModelConfig) -> dict:
+    if cfg.is_nemotron_h:
+        return nemotron_h_config(cfg)
     return {
         "architectures": ["Qwen3_5ForCausalLM"],
         "model_type": "qwen3_5_text",
@@ -39,6 +42,43 @@ def hf_config(cfg: ModelConfig) -> dict:
             "rope_theta": cfg.rope_theta,
             "partial_rotary_factor": cfg.partial_rotary_factor,
         },
+        "eos_token_id": cfg.eos_token_id,
+        "pad_token_id": 259,
+        "bos_token_id": None,
+        "torch_dtype": "float32",
+    }
+
+
+def nemotron_h_config(cfg: ModelConfig) -> dict:
+    """The config.json of a Nemotron-H checkpoint, as NVIDIA's are written (the layer layout
+    as `hybrid_override_pattern`); transformers' NemotronHConfig reads it."""
+    codes = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    return {
+        "architectures": ["NemotronHForCausalLM"],
+        "model_type": "nemotron_h",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "hybrid_override_pattern": "".join(codes[t] for t in cfg.layer_types),
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "attention_bias": cfg.attention_bias,
+        "mamba_num_heads": cfg.linear_num_value_heads,
+        "mamba_head_dim": cfg.linear_value_head_dim,
+        "ssm_state_size": cfg.linear_key_head_dim,
+        "n_groups": cfg.linear_num_key_heads,
+        "conv_kernel": cfg.linear_conv_kernel_dim,
+        "use_conv_bias": bool(cfg.extra.get("use_conv_bias", True)),
+        "use_bias": bool(cfg.extra.get("mamba_proj_bias", False)),
+        "mlp_bias": bool(cfg.extra.get("mlp_bias", False)),
+        "mlp_hidden_act": cfg.hidden_act,
+        "time_step_min": float(cfg.extra.get("dt_min", 0.001)),
+        "chunk_size": 64,
+        "layer_norm_epsilon": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
         "eos_token_id": cfg.eos_token_id,
         "pad_token_id": 259,
         "bos_token_id": None,

@@ -1,4 +1,5 @@
-"""Trains the project's default model: a byte-level Qwen3.5-architecture hybrid on this CPU.
+"""Trains the project's default model: a byte-level Qwen3.5-architecture hybrid on this CPU
+(`--family nemotron_h`: the Nemotron-H-architecture one, Mamba2 + attention + MLP layers).
 
 Deterministic (seeded), resumable (`--resume` continues from the last checkpoint in
 `--work-dir`), with a tqdm bar and a loss-curve PNG. Data: the interpreter's standard library
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from backend.config import FULL, LINEAR, ModelConfig
+from backend.config import FULL, LINEAR, MLP, NEMOTRON_H, ModelConfig
 from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
 from engine_build.corpus import EOT, MixedSampler, load_split, to_ids
@@ -35,7 +36,32 @@ DEFAULT_OUT = Path(__file__).resolve().parent.parent / "model_repo/hybrid_llm/1/
 PHASES = ((0.0, 512), (0.25, 1024), (0.7, 2048), (0.92, 4096))
 
 
-def tiny_config(hidden: int = 256, layers: int = 8) -> ModelConfig:
+FAMILIES = ("qwen3_5", NEMOTRON_H)
+
+
+def tiny_config(hidden: int = 256, layers: int = 8, family: str = "qwen3_5") -> ModelConfig:
+    """Qwen3.5: `layers` decoder layers, every fourth full attention. Nemotron-H: the same
+    number of token mixers, each Mamba2 one followed by an MLP layer and each attention layer
+    by one after it (8 -> "M-M-M*-M-M-M*-", 14 layers); Mamba2 with 8 heads of 32 (one times
+    the hidden size, where Nemotron-H uses two), a 64-wide state in 2 groups."""
+    if family == NEMOTRON_H:
+        # As Nemotron-H's own: the Mamba2 layer before an attention layer has no MLP.
+        pattern = "".join("*-" if (i + 1) % 4 == 0 else "M" if (i + 2) % 4 == 0 else "M-"
+                          for i in range(layers))
+        codes = {"M": LINEAR, "*": FULL, "-": MLP}
+        return ModelConfig(
+            vocab_size=260, hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=len(pattern), layer_types=tuple(codes[c] for c in pattern),
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=hidden // 32,
+            linear_key_head_dim=64, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-5, partial_rotary_factor=0.0, max_position_embeddings=32768,
+            hidden_act="relu2", eos_token_id=EOT, model_type=NEMOTRON_H,
+            extra={"use_conv_bias": True, "mamba_proj_bias": False, "mlp_bias": False,
+                   "dt_min": 0.001},
+        )
+    if family != "qwen3_5":
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     return ModelConfig(
         vocab_size=260, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers,
@@ -87,8 +113,12 @@ def init_weights(model: HybridForCausalLM, seed: int, dt_init: str = "reference"
             with torch.no_grad():
                 p.fill_(qk_gain - 1.0)
             continue
-        if name.endswith(("norm.weight",)):
-            continue  # norms at identity
+        if name.endswith(("norm.weight", "mixer.D")):
+            continue  # norms at identity, Mamba2's skip at its constructor's 1
+        if name.endswith("conv1d.bias"):
+            with torch.no_grad():
+                p.zero_()
+            continue
         if "conv1d" in name:
             torch.nn.init.normal_(p, std=0.3)
         elif p.dim() >= 2:
@@ -162,7 +192,7 @@ def train(args: argparse.Namespace) -> Path:
         model = load_model(args.init_from)  # a second stage continues from a saved model
         cfg = model.config
     else:
-        cfg = tiny_config(args.hidden, args.layers)
+        cfg = tiny_config(args.hidden, args.layers, args.family)
         model = HybridForCausalLM(cfg)
         init_weights(model, args.seed, args.dt_init, args.qk_gain)
     opt = torch.optim.AdamW(param_groups(model, args.qk_norm_lr_mult), lr=args.lr,
@@ -223,7 +253,8 @@ def train(args: argparse.Namespace) -> Path:
                "args": vars(args)}
     (work / "train_summary.json").write_text(json.dumps(summary, indent=2, default=str))
     (work / "loss_history.json").write_text(json.dumps(history))
-    plot_loss(history, out / "loss_curve.png")
+    plot_loss(history, out / "loss_curve.png",
+              "Nemotron-H" if cfg.is_nemotron_h else "Qwen3.5")
     return out
 
 
@@ -241,7 +272,7 @@ def last_probe(history: list[dict]) -> float:
     return next((h["kv_accuracy"] for h in reversed(history) if "kv_accuracy" in h), 0.0)
 
 
-def plot_loss(history: list[dict], path: Path) -> None:
+def plot_loss(history: list[dict], path: Path, family: str = "Qwen3.5") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -259,7 +290,7 @@ def plot_loss(history: list[dict], path: Path) -> None:
     ax.plot(steps, smooth, label=f"moving mean ({k + 1} steps)")
     ax.set_xlabel("step")
     ax.set_ylabel("weighted training loss (bits per byte)")
-    ax.set_title("tiny Qwen3.5-architecture model: training loss")
+    ax.set_title(f"tiny {family}-architecture model: training loss")
     ax.legend(loc="upper left")
     probes = [(h["step"], h["kv_accuracy"]) for h in history if "kv_accuracy" in h]
     if probes:
@@ -282,7 +313,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps")
     p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=8, help="token mixers (see tiny_config)")
+    p.add_argument("--family", choices=FAMILIES, default="qwen3_5",
+                   help="architecture of a model trained from scratch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dt-init", choices=("reference", "log-uniform"), default="reference",
                    help="Gated DeltaNet decay initialisation (see init_weights)")

@@ -60,3 +60,24 @@ def test_param_groups_decay_matrices_only_and_single_out_qk_norms():
             assert torch.equal(p, torch.ones_like(p)), n
         elif n.endswith("layernorm.weight"):
             assert torch.equal(p, torch.zeros_like(p)), n
+
+
+def test_nemotron_h_family_trains_and_exports_what_transformers_loads(tmp_path, monkeypatch):
+    """`--family nemotron_h`: a few steps lower the loss; the written directory (NVIDIA's
+    config layout, `hybrid_override_pattern`) loads in transformers with the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setattr("engine_build.train_tiny.PHASES", ((0.0, 128),))
+    args = _args(tmp_path, 10)
+    args.family, args.dt_init = "nemotron_h", "log-uniform"
+    out = train(args)
+    history = json.loads((tmp_path / "work" / "loss_history.json").read_text())
+    assert sum(h["loss"] for h in history[-3:]) < sum(h["loss"] for h in history[:3]) - 0.9
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["model_type"] == "nemotron_h" and raw["hybrid_override_pattern"] == "M-M-M*-"
+    ours = load_model(out)
+    hf = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(0, 260, (1, 150), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(ids).logits
+    assert (ours.logits(ids) - want).abs().max() <= 1e-4 * want.abs().max()
