@@ -1,13 +1,15 @@
 """Prefill and decode tokens/s of our model against transformers on the same weights (CPU).
 
-    python -m client.bench.model_speed [--quick] [--compiled]
+    python -m client.bench.model_speed [--quick] [--compiled] [--family nemotron_h]
 
 Writes client/bench/results/model_speed/summary.json with per-case numbers and
 `prefill_speedup_vs_hf` / `decode_speedup_vs_hf` (the smallest speedup over all cases) of the
 eager model; with --compiled also `compiled_prefill_speedup_vs_hf` /
 `compiled_decode_speedup_vs_hf` of the AOT-compiled engine of each model. The sides take
 turns within every repeat and each keeps its fastest time, so slow minutes on this shared
-host land on all of them.
+host land on all of them. `--family nemotron_h` times the Nemotron-H-architecture models of the
+same sizes against transformers' NemotronHForCausalLM (results/model_speed_nemotron_h/; no
+compiled engine for that family).
 """
 
 from __future__ import annotations
@@ -24,19 +26,20 @@ from backend.model import load_model
 from backend.model.generate import PagedSession
 from client.bench.common import write_summary
 from engine_build.hf_export import save_hf_directory
-from engine_build.train_tiny import init_weights, tiny_config
+from engine_build.train_tiny import FAMILIES, init_weights, tiny_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "model_speed"
 
 
-def build_checkpoints(root: Path) -> dict[str, Path]:
+def build_checkpoints(root: Path, family: str = "qwen3_5") -> dict[str, Path]:
     from backend.model.hybrid import HybridForCausalLM
 
-    configs = {"tiny": tiny_config(), "medium-1024x12": tiny_config(hidden=1024, layers=12)}
+    configs = {"tiny": tiny_config(family=family),
+               "medium-1024x12": tiny_config(hidden=1024, layers=12, family=family)}
     paths = {}
     for name, cfg in configs.items():
         model = HybridForCausalLM(cfg)
-        init_weights(model, seed=0)
+        init_weights(model, seed=0, dt_init="log-uniform" if cfg.is_nemotron_h else "reference")
         paths[name] = save_hf_directory(model, root / name)
     return paths
 
@@ -66,9 +69,9 @@ def ours(path: Path, batch: int, prompt_len: int, decode_steps: int):
 
 
 def transformers_hf(path: Path, batch: int, prompt_len: int, decode_steps: int):
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (batch, prompt_len))
 
     @torch.inference_mode()
@@ -77,17 +80,23 @@ def transformers_hf(path: Path, batch: int, prompt_len: int, decode_steps: int):
 
     @torch.inference_mode()
     def decode():
-        cache = model(ids, use_cache=True).past_key_values
+        cache = _cache_of(model(ids, use_cache=True))
         step = torch.ones(batch, 1, dtype=torch.long)
 
         def steps():
             nonlocal cache
             for _ in range(decode_steps):
-                cache = model(step, past_key_values=cache, use_cache=True).past_key_values
+                cache = _cache_of(model(step, past_key_values=cache, use_cache=True))
 
         return _timed(steps)
 
     return prefill, decode
+
+
+def _cache_of(out):
+    """The cache a transformers forward returned (Nemotron-H's outputs name it `cache`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def compiled(engine_dir: Path, batch: int, prompt_len: int, decode_steps: int):
@@ -136,12 +145,15 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--compiled", action="store_true",
                    help="also time the AOT-compiled engine (engine_build/aot.py) of each model")
+    p.add_argument("--family", choices=FAMILIES, default="qwen3_5")
     args = p.parse_args(argv)
+    if args.compiled and args.family != "qwen3_5":
+        p.error("--compiled: AOT engines are built for the Qwen3.5 family only")
     torch.set_num_threads(2)
     prompt_len, decode_steps, repeats = (256, 16, 4) if args.quick else (512, 32, 5)
     cases = []
     with tempfile.TemporaryDirectory() as tmp:
-        paths = build_checkpoints(Path(tmp))
+        paths = build_checkpoints(Path(tmp), args.family)
         engines = {}
         if args.compiled:
             from engine_build.aot import build_aot_engine
@@ -179,9 +191,11 @@ def main(argv: list[str] | None = None) -> dict:
         "cases": cases, "threads": torch.get_num_threads(), "repeats": repeats,
         "method": "fastest of the repeats; ours, transformers (and the compiled engine) take "
                   "turns within each repeat",
+        "family": args.family,
         "date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (no GPU)",
     }
-    write_summary(RESULTS / "summary.json", summary, echo=False)
+    out = RESULTS if args.family == "qwen3_5" else RESULTS.with_name(f"model_speed_{args.family}")
+    write_summary(out / "summary.json", summary, echo=False)
     for c in cases:
         print(f"{c['model']:>15} b={c['batch']}: prefill {c['prefill_tok_s']:8.0f} tok/s "
               f"({c['prefill_speedup']:.2f}x HF)  decode {c['decode_tok_s']:7.0f} tok/s "

@@ -1,5 +1,5 @@
 """The engine over the PCR tiers: pages evicted from the device come back from DRAM or SSD
-(also after a restart) and give the same tokens as a full prefill."""
+(also after a restart) and give the same tokens as a full prefill; on both model families."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 from engine_helpers import GREEDY, assert_no_leak, make_engine, random_prompt
-from hf_oracle import make_hf_checkpoint
+from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine
@@ -15,10 +15,12 @@ from backend.model import load_model
 from backend.model.generate import greedy_generate
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tier-model")
-    make_hf_checkpoint(path, seed=5)
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def model(request, tmp_path_factory):
+    """Both families: Gated DeltaNet and Mamba2 states, anchors and KV through the tiers."""
+    path = tmp_path_factory.mktemp(f"tier-model-{request.param}")
+    make = make_hf_checkpoint if request.param == "qwen3_5" else make_nemotron_h_checkpoint
+    make(path, seed=5)
     return load_model(path)
 
 
