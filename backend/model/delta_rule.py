@@ -72,6 +72,36 @@ def gated_delta_step(
     return (o if o.dtype == out_dtype else o.to(out_dtype)), S
 
 
+def chunk_size_for(T: int, chunk_size: int, states_at) -> int:
+    """The chunk a forward of T tokens runs in: a forward shorter than the chunk (a replay of
+    a few anchors, a short suffix) runs as one chunk of the next power of two (>= 8), not T
+    padded to the chunk size, which would cost a full chunk's matrices; snapshots keep the
+    chunk size (their offsets are its multiples)."""
+    if states_at is None and T < chunk_size:
+        return max(8, 1 << (T - 1).bit_length())
+    return chunk_size
+
+
+class ChunkSnapshots:
+    """The carried state after chunk-aligned offsets, recorded as a chunked scan runs:
+    `states_at` = (rows [M], offsets [M], multiples of C); `out` [M, *state] once done."""
+
+    def __init__(self, states_at: tuple[torch.Tensor, torch.Tensor], C: int, num_chunks: int,
+                 state: torch.Tensor) -> None:
+        self.rows, self.chunk = states_at[0], states_at[1] // C - 1
+        bad = (states_at[1] % C != 0) | (self.chunk < 0) | (self.chunk >= num_chunks)
+        if bool(bad.any()):
+            raise ValueError(f"snapshot offsets must be multiples of {C} within the forward")
+        self.out = state.new_empty(self.rows.numel(), *state.shape[1:])
+        self.wanted = set(self.chunk.tolist())
+
+    def record(self, n: int, state: torch.Tensor) -> None:
+        """`state` [B, ...] is the state after chunk n."""
+        if n in self.wanted:
+            hit = (self.chunk == n).nonzero().view(-1)
+            self.out[hit] = state[self.rows[hit]]
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -95,11 +125,7 @@ def chunk_gated_delta_rule(
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C = chunk_size
-    if states_at is None and T < C:
-        # One short chunk (a replay of a few anchors, a short suffix): the next power of two,
-        # not T padded to the chunk size, which would cost a full chunk's matrices.
-        C = max(8, 1 << (T - 1).bit_length())
+    C = chunk_size_for(T, chunk_size, states_at)
     scale = K**-0.5 if scale is None else scale
     out_dtype = v.dtype
     # [B, H, T, *] in fp32
@@ -135,13 +161,7 @@ def chunk_gated_delta_rule(
     S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
     zero = initial_state is None  # the first chunk reads nothing from the state
     outs = []
-    if states_at is not None:
-        snap_rows, snap_chunk = states_at[0], states_at[1] // C - 1
-        bad = (states_at[1] % C != 0) | (snap_chunk < 0) | (snap_chunk >= N)
-        if bool(bad.any()):
-            raise ValueError(f"snapshot offsets must be multiples of {C} within the forward")
-        snaps = S.new_empty(snap_rows.numel(), H, K, V)
-        wanted = set(snap_chunk.tolist())
+    snaps = None if states_at is None else ChunkSnapshots(states_at, C, N, S)
     for n in range(N):
         first = zero and n == 0
         v_new = u[:, :, n] if first else u[:, :, n] - w[:, :, n] @ S
@@ -149,11 +169,10 @@ def chunk_gated_delta_rule(
             o_n = intra[:, :, n] @ v_new
             outs.append(o_n if first else o_n + q_decayed[:, :, n] @ S)
         S = S * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v_new
-        if states_at is not None and n in wanted:
-            hit = (snap_chunk == n).nonzero().view(-1)
-            snaps[hit] = S[snap_rows[hit]]
+        if snaps is not None:
+            snaps.record(n, S)
     o = None
     if output:
         o = torch.stack(outs, dim=2).reshape(B, H, N * C, V)[:, :, :T]
         o = o.transpose(1, 2).to(out_dtype)
-    return (o, S) if states_at is None else (o, S, snaps)
+    return (o, S) if snaps is None else (o, S, snaps.out)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from backend.model.delta_rule import ChunkSnapshots, chunk_size_for
+
 
 def recurrent_ssd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -46,9 +48,7 @@ def chunk_ssd(
     """
     B, T, H, N = q.shape
     P = v.shape[-1]
-    C = chunk_size
-    if states_at is None and T < C:  # one short chunk: the next power of two (>= 8)
-        C = max(8, 1 << (T - 1).bit_length())
+    C = chunk_size_for(T, chunk_size, states_at)
     out_dtype = v.dtype
     q, k, v = (x.transpose(1, 2).float() for x in (q, k, v))  # [B, H, T, *]
     g = g.transpose(1, 2).float()
@@ -69,22 +69,15 @@ def chunk_ssd(
         q_decayed = q * gc.exp().unsqueeze(-1)
     S = q.new_zeros(B, H, N, P) if initial_state is None else initial_state.float()
     outs = []
-    if states_at is not None:
-        snap_rows, snap_chunk = states_at[0], states_at[1] // C - 1
-        bad = (states_at[1] % C != 0) | (snap_chunk < 0) | (snap_chunk >= NC)
-        if bool(bad.any()):
-            raise ValueError(f"snapshot offsets must be multiples of {C} within the forward")
-        snaps = S.new_empty(snap_rows.numel(), H, N, P)
-        wanted = set(snap_chunk.tolist())
+    snaps = None if states_at is None else ChunkSnapshots(states_at, C, NC, S)
     for n in range(NC):
         if output:
             outs.append(intra[:, :, n] + q_decayed[:, :, n] @ S)
         S = S * chunk_decay[:, :, n] + k_to_end[:, :, n].transpose(-1, -2) @ v[:, :, n]
-        if states_at is not None and n in wanted:
-            hit = (snap_chunk == n).nonzero().view(-1)
-            snaps[hit] = S[snap_rows[hit]]
+        if snaps is not None:
+            snaps.record(n, S)
     o = None
     if output:
         o = torch.stack(outs, dim=2).reshape(B, H, NC * C, P)[:, :, :T]
         o = o.transpose(1, 2).to(out_dtype)
-    return (o, S) if states_at is None else (o, S, snaps)
+    return (o, S) if snaps is None else (o, S, snaps.out)
