@@ -12,6 +12,10 @@ FULL = "full_attention"
 MLP = "mlp"  # Nemotron-H: a layer that is only an MLP (no token mixer)
 QWEN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 NEMOTRON_H = "nemotron_h"
+# Nemotron-H's `hybrid_override_pattern` letters -> layer types (E, mixture of experts, is read
+# only to be refused) and back.
+NEMOTRON_H_CODES = {"M": LINEAR, "*": FULL, "-": MLP, "E": "moe"}
+NEMOTRON_H_LETTERS = {t: c for c, t in NEMOTRON_H_CODES.items()}
 SUPPORTED_MODEL_TYPES = (*QWEN_MODEL_TYPES, NEMOTRON_H)
 
 
@@ -207,14 +211,13 @@ class ModelConfig:
     def _from_nemotron_h(cls, raw: dict[str, Any]) -> ModelConfig:
         """Nemotron-H: layers from `layers_block_type` (transformers 5) or the checkpoints'
         `hybrid_override_pattern` (M Mamba2, * attention, - MLP; E, MoE, is not supported)."""
-        kinds = {"M": LINEAR, "*": FULL, "-": MLP, "E": "moe"}
         types = raw.get("layers_block_type") or raw.get("layer_types")
         if types is None:
             pattern = str(raw["hybrid_override_pattern"])
-            bad = sorted(set(pattern) - set(kinds))
+            bad = sorted(set(pattern) - set(NEMOTRON_H_CODES))
             if bad:
                 raise ValueError(f"hybrid_override_pattern has unknown layer codes {bad}")
-            types = [kinds[c] for c in pattern]
+            types = [NEMOTRON_H_CODES[c] for c in pattern]
         types = [str(t) for t in types]
         if "moe" in types:
             raise ValueError("Nemotron-H mixture-of-experts layers ('moe' / 'E') are not "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from backend.config import ModelConfig
+from backend.config import NEMOTRON_H_LETTERS, ModelConfig
 from backend.model.hybrid import HybridForCausalLM
 from backend.tokenizer import write_byte_tokenizer
 
@@ -52,7 +52,6 @@ def hf_config(cfg: ModelConfig) -> dict:
 def nemotron_h_config(cfg: ModelConfig) -> dict:
     """The config.json of a Nemotron-H checkpoint, as NVIDIA's are written (the layer layout
     as `hybrid_override_pattern`); transformers' NemotronHConfig reads it."""
-    codes = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
     return {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
@@ -60,7 +59,7 @@ def nemotron_h_config(cfg: ModelConfig) -> dict:
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers,
-        "hybrid_override_pattern": "".join(codes[t] for t in cfg.layer_types),
+        "hybrid_override_pattern": "".join(NEMOTRON_H_LETTERS[t] for t in cfg.layer_types),
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from backend.config import FULL, LINEAR, MLP, NEMOTRON_H, ModelConfig
+from backend.config import FULL, LINEAR, NEMOTRON_H, NEMOTRON_H_CODES, ModelConfig
 from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
 from engine_build.corpus import EOT, MixedSampler, load_split, to_ids
@@ -48,10 +48,9 @@ def tiny_config(hidden: int = 256, layers: int = 8, family: str = "qwen3_5") -> 
         # As Nemotron-H's own: the Mamba2 layer before an attention layer has no MLP.
         pattern = "".join("*-" if (i + 1) % 4 == 0 else "M" if (i + 2) % 4 == 0 else "M-"
                           for i in range(layers))
-        codes = {"M": LINEAR, "*": FULL, "-": MLP}
         return ModelConfig(
             vocab_size=260, hidden_size=hidden, intermediate_size=2 * hidden,
-            num_hidden_layers=len(pattern), layer_types=tuple(codes[c] for c in pattern),
+            num_hidden_layers=len(pattern), layer_types=tuple(NEMOTRON_H_CODES[c] for c in pattern),
             num_attention_heads=4, num_key_value_heads=2, head_dim=64,
             linear_num_key_heads=2, linear_num_value_heads=hidden // 32,
             linear_key_head_dim=64, linear_value_head_dim=32, linear_conv_kernel_dim=4,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from backend.config import NEMOTRON_H_LETTERS
+
 CONFIG_DIR = Path(__file__).with_name("model_configs")
 KIB, MIB = 1024, 1024 * 1024
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "int8": 1}
@@ -135,8 +137,7 @@ def layout_from_hf(raw: dict[str, Any], name: str = "") -> HybridLayout:
         return _mamba2_layout(cfg, name, model_bytes)
     if cfg.get("model_type") == "nemotron_h" and cfg.get("layers_block_type"):
         # transformers 5 saves the layer list instead of the pattern string
-        codes = {"linear_attention": "M", "full_attention": "*", "mlp": "-", "moe": "E"}
-        pattern = "".join(codes.get(t, "?") for t in cfg["layers_block_type"])
+        pattern = "".join(NEMOTRON_H_LETTERS.get(t, "?") for t in cfg["layers_block_type"])
         return _mamba2_layout({**cfg, "hybrid_override_pattern": pattern,
                                "num_hidden_layers": len(pattern)}, name, model_bytes)
     return _gated_deltanet_layout(cfg, name, model_bytes)

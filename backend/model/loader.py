@@ -17,8 +17,7 @@ from backend.model.linear import pack_linears
 # Prefixes real checkpoints put in front of the text model's names (Nemotron-H: backbone.),
 # and parts we never load.
 _NAME_PREFIXES = ("model.language_model.", "language_model.model.", "backbone.")
-_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.",
-                     "model.mtp.")
+_IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.vision_tower.")
 
 
 class CheckpointError(ValueError):
