@@ -1,8 +1,8 @@
 """CPU implementations of the operators (vectorised PyTorch; also correct on any device).
 
 The packed sequences are gathered into one right-padded batch, run through the model's own
-chunked gated delta rule / causal conv (padding positions carry g = 0 and beta = 0, so they
-leave states untouched), then scattered back to the packed layout.
+chunked gated delta rule, Mamba2 scan or causal conv (padding positions carry g = 0 and beta = 0
+or v = 0, so they leave states untouched), then scattered back to the packed layout.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import torch
 
 from backend.model.conv import causal_conv1d
 from backend.model.delta_rule import chunk_gated_delta_rule, gated_delta_step
+from backend.model.mamba_scan import chunk_ssd, recurrent_ssd
 
 
 def _padding_plan(cu_seqlens: torch.Tensor, total: int):
@@ -39,37 +40,59 @@ def _one_token_each(x: torch.Tensor, cu_seqlens: torch.Tensor) -> bool:
     return bool(torch.equal(cu_seqlens.long(), torch.arange(n + 1, device=cu_seqlens.device)))
 
 
-def gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale):
-    if _one_token_each(q, cu_seqlens):
-        o, final = gated_delta_step(q[:, None], k[:, None], v[:, None], g[:, None],
-                                    beta[:, None], initial_state=initial_state, scale=scale)
+def _scan_cpu(step, chunked, inputs, cu_seqlens, initial_state, **kw):
+    """A scan over packed sequences: `step` (the recurrent form) when every sequence has one
+    token, else `chunked` over the right-padded batch. inputs: (q, k, v, ...) [T, H, *]."""
+    v = inputs[2]
+    if _one_token_each(inputs[0], cu_seqlens):
+        o, final = step(*(t[:, None] for t in inputs), initial_state=initial_state, **kw)
         return o[:, 0].to(v.dtype), final.float()
-    index, valid, _ = _padding_plan(cu_seqlens, q.shape[0])
-    qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
-    rule = gated_delta_step if qp.shape[1] == 1 else chunk_gated_delta_rule
-    o, final = rule(qp, kp, vp, gp, bp, initial_state=initial_state, scale=scale)
+    index, valid, _ = _padding_plan(cu_seqlens, v.shape[0])
+    padded = [_pad(t, index, valid) for t in inputs]
+    rule = step if padded[0].shape[1] == 1 else chunked
+    o, final = rule(*padded, initial_state=initial_state, **kw)
     return o[valid].to(v.dtype), final.float()
 
 
-def gated_delta_scan_snap_cpu(q, k, v, g, beta, cu_seqlens, initial_state, snap_offsets,
-                              scale):
-    """`gated_delta_scan_cpu` plus a third result, snap [N, H, K, V]: the state after the
-    first `snap_offsets[n]` tokens of sequence n (a positive multiple of the chunked rule's
-    chunk, 64, within the sequence), or its final state where the offset is 0."""
-    index, valid, lengths = _padding_plan(cu_seqlens, q.shape[0])
+def _scan_snap_cpu(step, chunked, inputs, cu_seqlens, initial_state, snap_offsets, **kw):
+    """`_scan_cpu` plus a third result, snap [N, *state]: the state after the first
+    `snap_offsets[n]` tokens of sequence n (a positive multiple of the chunked rule's chunk,
+    64, within the sequence), or its final state where the offset is 0."""
+    index, valid, lengths = _padding_plan(cu_seqlens, inputs[0].shape[0])
     off = snap_offsets.long()
     rows = (off > 0).nonzero().view(-1)
     if bool(((off < 0) | (off > lengths)).any()):
         raise ValueError("snapshot offsets must lie within their sequences")
     if rows.numel() == 0:
-        o, final = gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+        o, final = _scan_cpu(step, chunked, inputs, cu_seqlens, initial_state, **kw)
         return o, final, final.clone()
-    qp, kp, vp, gp, bp = (_pad(t, index, valid) for t in (q, k, v, g, beta))
-    o, final, snaps = chunk_gated_delta_rule(qp, kp, vp, gp, bp, initial_state=initial_state,
-                                             scale=scale, states_at=(rows, off[rows]))
+    padded = [_pad(t, index, valid) for t in inputs]
+    o, final, snaps = chunked(*padded, initial_state=initial_state, states_at=(rows, off[rows]),
+                              **kw)
     snap = final.float().clone()
     snap[rows] = snaps.float()
-    return o[valid].to(v.dtype), final.float(), snap
+    return o[valid].to(inputs[2].dtype), final.float(), snap
+
+
+def gated_delta_scan_cpu(q, k, v, g, beta, cu_seqlens, initial_state, scale):
+    return _scan_cpu(gated_delta_step, chunk_gated_delta_rule, (q, k, v, g, beta), cu_seqlens,
+                     initial_state, scale=scale)
+
+
+def gated_delta_scan_snap_cpu(q, k, v, g, beta, cu_seqlens, initial_state, snap_offsets,
+                              scale):
+    return _scan_snap_cpu(gated_delta_step, chunk_gated_delta_rule, (q, k, v, g, beta),
+                          cu_seqlens, initial_state, snap_offsets, scale=scale)
+
+
+def ssd_scan_cpu(q, k, v, g, cu_seqlens, initial_state):
+    """The Mamba2 scan (padding positions carry g = 0 and v = 0: the state passes them)."""
+    return _scan_cpu(recurrent_ssd, chunk_ssd, (q, k, v, g), cu_seqlens, initial_state)
+
+
+def ssd_scan_snap_cpu(q, k, v, g, cu_seqlens, initial_state, snap_offsets):
+    return _scan_snap_cpu(recurrent_ssd, chunk_ssd, (q, k, v, g), cu_seqlens, initial_state,
+                          snap_offsets)
 
 
 def causal_conv1d_cpu(x, weight, cu_seqlens, initial_state, silu):

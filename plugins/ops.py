@@ -8,10 +8,10 @@ Two registrations per operator:
   `wrap_triton`, so `torch.export` sees the kernel and AOTInductor embeds it in CUDA engines.
   Registered only where the `triton` package imports.
 
-Callers use the Python entry points below (`gated_delta_scan`, `causal_conv1d`,
-`anchor_capture`), which pick the Triton form for CUDA tensors when it exists.
-`gated_delta_scan_snap` (the scan plus states at given offsets, for mid-step snapshots in
-compiled CPU engines) has the opaque form only.
+Callers use the Python entry points below (`gated_delta_scan`, `ssd_scan` (Mamba2),
+`causal_conv1d`, `anchor_capture`), which pick the Triton form for CUDA tensors when it exists.
+`gated_delta_scan_snap` / `ssd_scan_snap` (the scans plus states at given offsets, for
+mid-step snapshots in compiled CPU engines) have the opaque form only.
 """
 
 from __future__ import annotations
@@ -56,6 +56,33 @@ def _(q, k, v, g, beta, cu_seqlens, initial_state, snap_offsets, scale):
     return torch.empty_like(v), state, torch.empty_like(state)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::ssd_scan", mutates_args=())
+def _ssd_scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Tensor,
+              initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+    return cpu.ssd_scan_cpu(q, k, v, g, cu_seqlens, initial_state)
+
+
+@_ssd_scan.register_fake
+def _(q, k, v, g, cu_seqlens, initial_state):
+    N = cu_seqlens.shape[0] - 1
+    return torch.empty_like(v), v.new_empty(N, v.shape[1], k.shape[2], v.shape[2],
+                                            dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ssd_scan_snap", mutates_args=())
+def _ssd_scan_snap(q: Tensor, k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Tensor,
+                   initial_state: Tensor | None,
+                   snap_offsets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    return cpu.ssd_scan_snap_cpu(q, k, v, g, cu_seqlens, initial_state, snap_offsets)
+
+
+@_ssd_scan_snap.register_fake
+def _(q, k, v, g, cu_seqlens, initial_state, snap_offsets):
+    N = cu_seqlens.shape[0] - 1
+    state = v.new_empty(N, v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32)
+    return torch.empty_like(v), state, torch.empty_like(state)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::causal_conv1d", mutates_args=())
 def _causal_conv1d(x: Tensor, weight: Tensor, cu_seqlens: Tensor, initial_state: Tensor | None,
                    silu: bool) -> tuple[Tensor, Tensor]:
@@ -88,10 +115,7 @@ def _register_triton_ops() -> bool:
 
     from plugins import triton_kernels as tk
 
-    @triton_op(f"{NAMESPACE}::gated_delta_scan_triton", mutates_args=())
-    def gated_delta_scan_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                                cu_seqlens: Tensor, initial_state: Tensor | None,
-                                scale: float) -> tuple[Tensor, Tensor]:
+    def launch_scan(q, k, v, g, beta, cu_seqlens, initial_state, scale, delta):
         H, K, V = q.shape[1], q.shape[2], v.shape[2]
         N = cu_seqlens.shape[0] - 1
         o = torch.empty_like(v)
@@ -99,11 +123,22 @@ def _register_triton_ops() -> bool:
         BK = triton.next_power_of_2(K)
         BV = min(triton.next_power_of_2(V), 32)
         h0 = initial_state.float().contiguous() if initial_state is not None else ht
-        wrap_triton(tk.gated_delta_scan_kernel)[(triton.cdiv(V, BV), N * H)](
+        wrap_triton(tk.linear_scan_kernel)[(triton.cdiv(V, BV), N * H)](
             q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(),
             h0, cu_seqlens, o, ht, H=H, K=K, V=V, BK=BK, BV=BV,
-            HAS_H0=initial_state is not None, SCALE=scale)
+            HAS_H0=initial_state is not None, SCALE=scale, DELTA=delta)
         return o, ht
+
+    @triton_op(f"{NAMESPACE}::gated_delta_scan_triton", mutates_args=())
+    def gated_delta_scan_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                cu_seqlens: Tensor, initial_state: Tensor | None,
+                                scale: float) -> tuple[Tensor, Tensor]:
+        return launch_scan(q, k, v, g, beta, cu_seqlens, initial_state, scale, True)
+
+    @triton_op(f"{NAMESPACE}::ssd_scan_triton", mutates_args=())
+    def ssd_scan_triton(q: Tensor, k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Tensor,
+                        initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
+        return launch_scan(q, k, v, g, g, cu_seqlens, initial_state, 1.0, False)
 
     @triton_op(f"{NAMESPACE}::causal_conv1d_triton", mutates_args=())
     def causal_conv1d_triton(x: Tensor, weight: Tensor, cu_seqlens: Tensor,
@@ -163,6 +198,19 @@ def gated_delta_scan_snap(q, k, v, g, beta, cu_seqlens, initial_state, snap_offs
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu_seqlens,
                                                         initial_state, snap_offsets, scale)
+
+
+def ssd_scan(q, k, v, g, cu_seqlens, initial_state=None):
+    """The Mamba2 scan over packed sequences (see `plugins/reference.py`, `ssd_scan_ref`)."""
+    op = (torch.ops.suffixreplay.ssd_scan_triton if _use_triton(q)
+          else torch.ops.suffixreplay.ssd_scan)
+    return op(q, k, v, g, cu_seqlens, initial_state)
+
+
+def ssd_scan_snap(q, k, v, g, cu_seqlens, initial_state, snap_offsets):
+    """`ssd_scan` plus mid-step states, as `gated_delta_scan_snap` (CPU form only)."""
+    return torch.ops.suffixreplay.ssd_scan_snap(q, k, v, g, cu_seqlens, initial_state,
+                                                snap_offsets)
 
 
 def causal_conv1d(x, weight, cu_seqlens, initial_state=None, silu=True):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from backend.model.delta_rule import recurrent_gated_delta_rule
+from backend.model.mamba_scan import recurrent_ssd
 
 
 def anchor_capture_ref(hidden: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
@@ -43,6 +44,29 @@ def gated_delta_scan_ref(
             continue
         o, s = recurrent_gated_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b],
                                           g[None, a:b], beta[None, a:b], h0, scale)
+        out[a:b], finals[n] = o[0], s[0]
+    return out, finals
+
+
+def ssd_scan_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+    cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Mamba2 scan (`backend/model/mamba_scan.py`: S <- S exp(g_t) + k_t v_t^T,
+    o_t = S^T q_t, no scale) over packed sequences. q, k [T, H, N]; v [T, H, P]; g [T, H];
+    initial_state [S, H, N, P] or None. Returns outputs [T, H, P] (dtype of v) and the final
+    states [S, H, N, P] (fp32)."""
+    S, H, N, P = cu_seqlens.numel() - 1, q.shape[1], q.shape[2], v.shape[2]
+    out = torch.zeros_like(v)
+    finals = torch.zeros(S, H, N, P, dtype=torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for n in range(S):
+        a, b = bounds[n], bounds[n + 1]
+        h0 = None if initial_state is None else initial_state[n : n + 1]
+        if b == a:
+            finals[n] = 0 if h0 is None else h0[0].float()
+            continue
+        o, s = recurrent_ssd(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], h0)
         out[a:b], finals[n] = o[0], s[0]
     return out, finals
 

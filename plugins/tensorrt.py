@@ -52,15 +52,24 @@ def _specs(dtype: str, heads: int, k_dim: int, v_dim: int, conv_width: int):
     t = _DTYPES[dtype]
     bk = 1 << (k_dim - 1).bit_length()
     bv = min(1 << (v_dim - 1).bit_length(), 32)
+    scan_signature = {
+        "q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": f"*{t}", "g_ptr": "*fp32",
+        "beta_ptr": f"*{t}", "h0_ptr": "*fp32", "cu_ptr": "*i32", "o_ptr": f"*{t}",
+        "ht_ptr": "*fp32", "H": "constexpr", "K": "constexpr", "V": "constexpr",
+        "BK": "constexpr", "BV": "constexpr", "HAS_H0": "constexpr", "SCALE": "constexpr",
+        "DELTA": "constexpr"}
     return {
         "gated_delta_scan": (
-            tk.gated_delta_scan_kernel,
-            {"q_ptr": "*fp32", "k_ptr": "*fp32", "v_ptr": f"*{t}", "g_ptr": "*fp32",
-             "beta_ptr": f"*{t}", "h0_ptr": "*fp32", "cu_ptr": "*i32", "o_ptr": f"*{t}",
-             "ht_ptr": "*fp32", "H": "constexpr", "K": "constexpr", "V": "constexpr",
-             "BK": "constexpr", "BV": "constexpr", "HAS_H0": "constexpr", "SCALE": "constexpr"},
+            tk.linear_scan_kernel, scan_signature,
             {"H": heads, "K": k_dim, "V": v_dim, "BK": bk, "BV": bv, "HAS_H0": True,
-             "SCALE": k_dim ** -0.5},
+             "SCALE": k_dim ** -0.5, "DELTA": True},
+        ),
+        # Mamba2 (Nemotron-H): heads = Mamba heads, k_dim = d_state, v_dim = head dim; the
+        # kernel reads no beta (its pointer is the gate's).
+        "ssd_scan": (
+            tk.linear_scan_kernel, scan_signature,
+            {"H": heads, "K": k_dim, "V": v_dim, "BK": bk, "BV": bv, "HAS_H0": True,
+             "SCALE": 1.0, "DELTA": False},
         ),
         "causal_conv1d": (
             tk.causal_conv1d_kernel,

@@ -5,9 +5,10 @@ Written against plain pointers, integer scalars and constexprs only, with parame
 source compiles to the PTX a TensorRT quickly-deployable plugin embeds (`plugins/tensorrt.py`).
 Layouts are the packed variable-length ones of `plugins/reference.py`, contiguous.
 
-- `gated_delta_scan_kernel`: grid (V blocks, N * H). Each program keeps a [K, BV] slice of one
-  head's state in registers and walks its sequence token by token (the value columns of the
-  delta rule are independent, so V splits across programs without communication).
+- `linear_scan_kernel`: the gated delta rule (DELTA) or the Mamba2 scan (not DELTA: no erase,
+  no beta, SCALE 1). Grid (V blocks, N * H). Each program keeps a [K, BV] slice of one head's
+  state in registers and walks its sequence token by token (the value columns of both
+  recurrences are independent, so V splits across programs without communication).
 - `causal_conv1d_kernel`: grid (N, C blocks); each program walks its sequence, reading the
   W - 1 inputs before the sequence from the carried state, and writes the new state.
 - `anchor_capture_kernel`: grid (M, D blocks); row gather-scatter with a dtype cast.
@@ -20,11 +21,14 @@ import triton.language as tl
 
 
 @triton.jit
-def gated_delta_scan_kernel(
+def linear_scan_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, h0_ptr, cu_ptr, o_ptr, ht_ptr,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, SCALE: tl.constexpr,
+    DELTA: tl.constexpr,
 ):
+    """S <- exp(g) S, then the delta rule's erase-and-write (DELTA) or S += k v^T; o = S^T q.
+    beta_ptr is not read without DELTA."""
     i_v = tl.program_id(0)
     i_nh = tl.program_id(1)
     i_n = i_nh // H
@@ -46,10 +50,11 @@ def gated_delta_scan_kernel(
         b_q = tl.load(q_ptr + row * K + o_k, mask=m_k, other=0.0).to(tl.float32) * SCALE
         b_v = tl.load(v_ptr + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_g = tl.load(g_ptr + row).to(tl.float32)
-        b_beta = tl.load(beta_ptr + row).to(tl.float32)
         S = S * tl.exp(b_g)
-        delta = (b_v - tl.sum(S * b_k[:, None], axis=0)) * b_beta
-        S = S + b_k[:, None] * delta[None, :]
+        if DELTA:
+            b_beta = tl.load(beta_ptr + row).to(tl.float32)
+            b_v = (b_v - tl.sum(S * b_k[:, None], axis=0)) * b_beta
+        S = S + b_k[:, None] * b_v[None, :]
         b_o = tl.sum(S * b_q[:, None], axis=0)
         tl.store(o_ptr + row * V + o_v, b_o.to(o_ptr.dtype.element_ty), mask=m_v)
     tl.store(ht_ptr + state_off, S, mask=m_kv)

@@ -42,3 +42,21 @@ def aot_build(tmp_path_factory):
 def aot_engine(aot_build):
     """(model dir, compiled engine dir) of `aot_build`."""
     return aot_build[0], aot_build[1]
+
+
+@pytest.fixture(scope="session")
+def aot_build_nemotron_h(tmp_path_factory):
+    """`aot_build` for a small random Nemotron-H checkpoint (Mamba2, attention and MLP
+    layers; the byte tokenizer's vocabulary): (model dir, engine dir, model repository)."""
+    pytest.importorskip("transformers")
+    from hf_oracle import make_nemotron_h_checkpoint
+
+    from engine_build import build
+
+    root = tmp_path_factory.mktemp("aot-nemotron-h")
+    model_dir = root / "nemotron_h"
+    make_nemotron_h_checkpoint(model_dir, seed=4, vocab_size=260)
+    code = build.main(["--model", str(model_dir), "--repo", str(root / "repo"),
+                       "--backend", "aot"])
+    assert code == 0
+    return model_dir, model_dir / "aot", root / "repo"

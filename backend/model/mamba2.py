@@ -59,30 +59,44 @@ class Mamba2Mixer(nn.Module):
         if valid is not None:
             x = x * valid.unsqueeze(-1).to(x.dtype)
         conv_state, rec_state = state if state is not None else (None, None)
-        z, xbc, dt = self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+        z, xbc, dt = self.project(x)
         conv = causal_conv1d(xbc, self.conv1d.weight.squeeze(1), conv_state, lengths,
                              at=snapshot_at, bias=self.conv1d.bias)
-        xs, b, c = conv[0].split([self.inner, self.n_groups * self.d_state,
-                                  self.n_groups * self.d_state], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
-        if valid is not None:  # dt = 0: no decay and no write, the state passes padding by
-            dt = dt * valid.unsqueeze(-1)
-        xs = xs.reshape(B, T, self.num_heads, self.head_dim)
-        rep = self.num_heads // self.n_groups
-        k = b.reshape(B, T, self.n_groups, self.d_state).repeat_interleave(rep, dim=2)
-        q = c.reshape(B, T, self.n_groups, self.d_state).repeat_interleave(rep, dim=2)
-        v = xs.float() * dt.unsqueeze(-1)
-        g = dt * -self.A_log.float().exp()
+        q, k, v, g, xs = self.scan_inputs(conv[0], dt, valid)
         if T == 1 and snapshot_at is None:
             res = recurrent_ssd(q, k, v, g, initial_state=rec_state)
         else:
             res = chunk_ssd(q, k, v, g, initial_state=rec_state, output=output,
                             states_at=snapshot_at)
-        out = None
-        if output:
-            y = res[0] + xs.float() * self.D.float()[:, None]
-            y = self.norm(y.reshape(B, T, self.inner), z)
-            out = self.out_proj(y.to(x.dtype))
+        out = self.output(res[0], xs, z, x.dtype) if output else None
         if snapshot_at is None:
             return out, (conv[1], res[1])
         return out, (conv[1], res[1]), (conv[2], res[2])
+
+    # The pieces around the conv and the scan, shared with the packed graphs (`packed.py`);
+    # any leading shape ([B, T] here, [N] packed tokens there).
+    def project(self, x: torch.Tensor):
+        """x [*, D] -> the gate z [*, inner], the conv's input xBC [*, conv_dim], raw dt [*, H]."""
+        return self.in_proj(x).split([self.inner, self.conv_dim, self.num_heads], dim=-1)
+
+    def scan_inputs(self, xbc: torch.Tensor, dt: torch.Tensor, valid: torch.Tensor | None = None):
+        """The conv's output and raw dt -> the scan's q = C, k = B [*, H, N] (expanded from
+        the groups), v = dt * x [*, H, P] (fp32), g = dt * A [*, H], and x [*, H, P].
+        `valid` [*]: dt = 0 at padding (no decay and no write: the state passes it by)."""
+        xs, b, c = xbc.split([self.inner, self.n_groups * self.d_state,
+                              self.n_groups * self.d_state], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
+        if valid is not None:
+            dt = dt * valid.unsqueeze(-1)
+        lead = xs.shape[:-1]
+        xs = xs.reshape(*lead, self.num_heads, self.head_dim)
+        rep = self.num_heads // self.n_groups
+        k = b.reshape(*lead, self.n_groups, self.d_state).repeat_interleave(rep, dim=-2)
+        q = c.reshape(*lead, self.n_groups, self.d_state).repeat_interleave(rep, dim=-2)
+        return q, k, xs.float() * dt.unsqueeze(-1), dt * -self.A_log.float().exp(), xs
+
+    def output(self, y: torch.Tensor, xs: torch.Tensor, z: torch.Tensor,
+               dtype: torch.dtype) -> torch.Tensor:
+        """The scan's output y [*, H, P] -> the mixer's: D skip, gated group norm, out_proj."""
+        y = y.float() + xs.float() * self.D.float()[:, None]
+        return self.out_proj(self.norm(y.flatten(-2), z).to(dtype))

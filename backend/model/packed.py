@@ -1,5 +1,7 @@
 """The model over packed tokens, through the custom operators in `plugins/`: the form that
-`engine_build/build.py --backend aot` exports and compiles.
+`engine_build/build.py --backend aot` exports and compiles, for both families (Qwen3.5's
+Gated DeltaNet layers through `gated_delta_scan`, Nemotron-H's Mamba2 blocks through
+`ssd_scan`).
 
 Everything here is a pure function of tensors (no Python branch on data), so `torch.export`
 captures one graph with dynamic batch and token counts:
@@ -25,7 +27,9 @@ from backend.model.conv import causal_conv1d
 from backend.model.decode import fused_weights
 from backend.model.delta_rule import gated_delta_step
 from backend.model.gated_deltanet import GatedDeltaNet
-from backend.model.hybrid import DecoderLayer, HybridForCausalLM
+from backend.model.hybrid import DecoderLayer, HybridForCausalLM, NemotronHBlock
+from backend.model.mamba2 import Mamba2Mixer
+from backend.model.mamba_scan import recurrent_ssd
 from backend.model.rotary import apply_rotary
 
 
@@ -73,22 +77,66 @@ def linear_mixer_packed(mixer: GatedDeltaNet, x: torch.Tensor, cu_seqlens: torch
     else:
         out, new_rec, snap_rec = plugins.gated_delta_scan_snap(q, k, v, g, beta, cu_seqlens,
                                                                rec_state, snap_offsets)
-        # The conv state after `off` tokens: the W - 1 inputs before that point (off >= 64,
-        # so all of them are this step's; rows without a snapshot read any valid row).
-        W1 = weight.shape[1] - 1
-        rows = (cu_seqlens[:-1] + snap_offsets - W1).unsqueeze(1) + \
-            torch.arange(W1, device=x.device)
-        rows = rows.clamp(0, xin.shape[0] - 1)
-        snaps = (xin[rows].transpose(1, 2), snap_rec)  # [B, C, W - 1], [B, H, K, V]
+        snaps = (_conv_snapshot(xin, weight, cu_seqlens, snap_offsets), snap_rec)
     result = (mixer.output(out, x, z) if output else None), (new_conv, new_rec)
     return result if snaps is None else (*result, snaps)
 
 
-def linear_layer_packed(layer: DecoderLayer, x, cu_seqlens, conv_state, rec_state,
-                        decode: bool = False, output: bool = True, snap_offsets=None,
-                        fused: dict | None = None):
-    """A decoder layer with a Gated DeltaNet mixer over packed tokens; `fused`: its
-    `fused_weights` (else each projection on its own)."""
+def _conv_snapshot(xin, weight, cu_seqlens, snap_offsets):
+    """The conv state after `off` tokens of each sequence: the W - 1 inputs before that
+    point (off >= 64, so all of them are this step's; rows without a snapshot read any valid
+    row), [B, C, W - 1]."""
+    W1 = weight.shape[1] - 1
+    rows = (cu_seqlens[:-1] + snap_offsets - W1).unsqueeze(1) + \
+        torch.arange(W1, device=xin.device)
+    rows = rows.clamp(0, xin.shape[0] - 1)
+    return xin[rows].transpose(1, 2)
+
+
+def mamba_mixer_packed(mixer: Mamba2Mixer, x: torch.Tensor, cu_seqlens: torch.Tensor,
+                       conv_state: torch.Tensor | None, rec_state: torch.Tensor | None,
+                       decode: bool = False, output: bool = True,
+                       snap_offsets: torch.Tensor | None = None):
+    """Nemotron-H's Mamba2 mixer over packed tokens, with `linear_mixer_packed`'s contract
+    (decode, output, snap_offsets and the results alike)."""
+    import plugins
+
+    z, xbc, dt = mixer.project(x)
+    weight, bias = mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias
+    if decode:
+        mixed, new_conv = causal_conv1d(xbc[:, None], weight, conv_state, bias=bias)
+        mixed = mixed[:, 0]
+    else:  # the operator has no bias: added before the activation here
+        mixed, new_conv = plugins.causal_conv1d(xbc, weight, cu_seqlens, conv_state,
+                                                bias is None)
+        if bias is not None:
+            mixed = F.silu(mixed + bias.to(mixed.dtype))
+    q, k, v, g, xs = mixer.scan_inputs(mixed, dt)
+    snaps = None
+    if decode:
+        out, new_rec = recurrent_ssd(q[:, None], k[:, None], v[:, None], g[:, None],
+                                     initial_state=rec_state)
+        out = out[:, 0]
+    elif snap_offsets is None:
+        out, new_rec = plugins.ssd_scan(q, k, v, g, cu_seqlens, rec_state)
+    else:
+        out, new_rec, snap_rec = plugins.ssd_scan_snap(q, k, v, g, cu_seqlens, rec_state,
+                                                       snap_offsets)
+        snaps = (_conv_snapshot(xbc, weight, cu_seqlens, snap_offsets), snap_rec)
+    result = (mixer.output(out, xs, z, x.dtype) if output else None), (new_conv, new_rec)
+    return result if snaps is None else (*result, snaps)
+
+
+def linear_layer_packed(layer: DecoderLayer | NemotronHBlock, x, cu_seqlens, conv_state,
+                        rec_state, decode: bool = False, output: bool = True,
+                        snap_offsets=None, fused: dict | None = None):
+    """A layer with a recurrent state over packed tokens: Qwen3.5's decoder layer (Gated
+    DeltaNet, then the MLP; `fused`: its `fused_weights`, else each projection on its own)
+    or Nemotron-H's Mamba2 block."""
+    if isinstance(layer, NemotronHBlock):
+        h, *states = mamba_mixer_packed(layer.mixer, layer.norm(x), cu_seqlens, conv_state,
+                                        rec_state, decode, output, snap_offsets)
+        return (x + h if output else None), *states
     h, *states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
                                      conv_state, rec_state, decode, output, snap_offsets,
                                      fused["in"] if fused else None)
@@ -132,7 +180,8 @@ class StepGraph(nn.Module):
         self._fused_names = []
         for i, layer in enumerate(model.model.layers):
             names = {}
-            for key, w in fused_weights(layer).items():
+            fused = {} if cfg.is_nemotron_h else fused_weights(layer)
+            for key, w in fused.items():
                 self.register_buffer(f"fused_{i}_{key}", w, persistent=False)
                 names[key] = f"fused_{i}_{key}"
             self._fused_names.append(names)
@@ -148,7 +197,7 @@ class StepGraph(nn.Module):
         m = self.model
         B, T = attn_mask.shape[0], attn_mask.shape[2]
         x = m.model.embed_tokens(input_ids)
-        cos, sin = m.rotary.cos_sin(positions, x.dtype)
+        cos, sin = m.rotary.cos_sin(positions, x.dtype) if m.rotary else (None, None)
         keep = (~fresh).view(-1, 1, 1)
         for i, layer in enumerate(m.model.layers):
             if i in self.entry_to_group:
@@ -171,13 +220,16 @@ class StepGraph(nn.Module):
                                                       self.decode, fused=self._fused(i))
                 conv[li].index_copy_(0, state_slots, c1.to(conv[li].dtype))
                 rec[li].index_copy_(0, state_slots, r1)
+            elif isinstance(layer, NemotronHBlock) and not layer.is_attention:
+                x = layer.mix_stateless(x, None, None, None)  # an MLP layer
             else:
-                a = layer.self_attn.attn_index
+                attn, norm = ((layer.mixer, layer.norm) if isinstance(layer, NemotronHBlock)
+                              else (layer.self_attn, layer.input_layernorm))
                 fused = self._fused(i)
-                h = _attention_packed(layer.self_attn, layer.input_layernorm(x), cos, sin,
-                                      k_pool[a], v_pool[a], write_slots, pad_index,
+                h = _attention_packed(attn, norm(x), cos, sin, k_pool[attn.attn_index],
+                                      v_pool[attn.attn_index], write_slots, pad_index,
                                       read_slots, attn_mask, B, T, fused)
-                x = _ffn(layer, x + h, fused)
+                x = x + h if isinstance(layer, NemotronHBlock) else _ffn(layer, x + h, fused)
         last = m.model.norm(x.index_select(0, cu_seqlens[1:] - 1))
         return m.lm_head(last).float()
 
@@ -191,9 +243,12 @@ def _attention_packed(attn, x, cos, sin, k_pool, v_pool, write_slots, pad_index,
             [H * 2 * Dh, Hkv * Dh, Hkv * Dh], -1)
     else:
         qg, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-    q, gate = qg.view(N, H, 2 * Dh).chunk(2, dim=-1)
-    q = apply_rotary(attn.q_norm(q), cos, sin)
-    k = apply_rotary(attn.k_norm(k.view(N, Hkv, Dh)), cos, sin)
+    if attn.gated:  # Qwen3.5: q/k norms, rotary, an output gate
+        q, gate = qg.view(N, H, 2 * Dh).chunk(2, dim=-1)
+        q = apply_rotary(attn.q_norm(q), cos, sin)
+        k = apply_rotary(attn.k_norm(k.view(N, Hkv, Dh)), cos, sin)
+    else:  # Nemotron-H: none of them
+        q, gate, k = qg.view(N, H, Dh), None, k.view(N, Hkv, Dh)
     v = v.view(N, Hkv, Dh)
     k_pool.index_copy_(0, write_slots, k.to(k_pool.dtype))
     v_pool.index_copy_(0, write_slots, v.to(v_pool.dtype))
@@ -203,14 +258,17 @@ def _attention_packed(attn, x, cos, sin, k_pool, v_pool, write_slots, pad_index,
                                          v_ctx.transpose(1, 2), attn_mask=attn_mask,
                                          enable_gqa=True)
     out = out.transpose(1, 2).reshape(B * T, H * Dh).index_select(0, pad_index)
-    return attn.o_proj(out * torch.sigmoid(gate.reshape(N, H * Dh)))
+    if gate is not None:
+        out = out * torch.sigmoid(gate.reshape(N, H * Dh))
+    return attn.o_proj(out)
 
 
 class ReplayGraph(nn.Module):
-    """Group `group`'s linear layers from zero state over packed hidden states.
+    """Group `group`'s layers from zero state over packed hidden states.
 
     Inputs: hidden [N, D] (packed anchors), cu_seqlens [B + 1]. Returns a flat tuple
-    (conv_0, rec_0, conv_1, rec_1, ...) of final states, one pair per layer of the group.
+    (conv_0, rec_0, conv_1, rec_1, ...) of final states, one pair per state layer of the
+    group (`config.group_state_layers`; Nemotron-H's MLP layers between them run too).
     """
 
     def __init__(self, model: HybridForCausalLM, group: int) -> None:
@@ -222,9 +280,13 @@ class ReplayGraph(nn.Module):
         x = hidden.to(self.model.dtype)
         out = []
         for i, layer_id in enumerate(self.layer_ids):
+            layer = self.model.model.layers[layer_id]
+            if not layer.is_linear:  # an MLP layer (Nemotron-H)
+                x = layer.mix_stateless(x, None, None, None)
+                continue
             # The last layer's output feeds nothing: its states only.
-            x, (c, r) = linear_layer_packed(self.model.model.layers[layer_id], x, cu_seqlens,
-                                            None, None, output=i + 1 < len(self.layer_ids))
+            x, (c, r) = linear_layer_packed(layer, x, cu_seqlens, None, None,
+                                            output=i + 1 < len(self.layer_ids))
             out += [c, r]
         return tuple(out)
 

@@ -1,4 +1,5 @@
-"""The AOT-compiled engine (engine_build/aot.py + CompiledExecutor) against the eager model."""
+"""The AOT-compiled engine (engine_build/aot.py + CompiledExecutor) against the eager model,
+for both families: the default Qwen3.5 model and a small Nemotron-H checkpoint."""
 
 from __future__ import annotations
 
@@ -14,6 +15,14 @@ from backend.engine.executor import TorchExecutor
 from backend.model import SeqInput, load_model
 
 SIZES = (24, 16, 4, 4, 40)  # pages, page size, run slots, saved slots, anchor rows
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def aot_engine(request, aot_engine):
+    """(model dir, engine dir) of each family's AOT build (overrides the session fixture)."""
+    if request.param == "qwen3_5":
+        return aot_engine
+    return request.getfixturevalue("aot_build_nemotron_h")[:2]
 
 
 @pytest.fixture(scope="module")

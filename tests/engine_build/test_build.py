@@ -74,7 +74,7 @@ def test_tensorrt_plugin_ptx_is_generated_without_a_gpu():
     pytest.importorskip("triton")
     from plugins.tensorrt import compile_ptx
 
-    for op in ("gated_delta_scan", "causal_conv1d", "anchor_capture"):
+    for op in ("gated_delta_scan", "ssd_scan", "causal_conv1d", "anchor_capture"):
         kernel = compile_ptx(op, "bfloat16", arch=90, heads=4, k_dim=64, v_dim=64)
         assert f".entry {kernel.name}(" in kernel.ptx and ".target sm_90" in kernel.ptx
     with pytest.raises(ValueError, match="unknown operator"):

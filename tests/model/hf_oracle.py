@@ -150,6 +150,8 @@ def make_nemotron_h_checkpoint(path: Path, seed: int = 0, slow_decay: bool = Fal
                         else torch.empty_like(p).uniform_(0.0, 2.5))
             elif name.endswith(".D"):
                 p.copy_(torch.randn_like(p))
+            elif name.endswith("conv1d.bias"):  # initialised to zeros
+                p.copy_(0.5 * torch.randn_like(p))
             elif "conv1d" in name or "embeddings" in name:
                 p.mul_(4.0)
             elif "mixer.out_proj" in name or name == "lm_head.weight":

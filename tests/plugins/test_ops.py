@@ -149,8 +149,12 @@ def test_fake_implementations_give_output_shapes():
                                                        None, 0.25)
         y, cs = torch.ops.suffixreplay.causal_conv1d(torch.empty(12, 10), torch.empty(10, 4),
                                                      torch.empty(4, dtype=torch.int32), None, True)
+        so, ss, snap = torch.ops.suffixreplay.ssd_scan_snap(
+            q, k, v, g, torch.empty(4, dtype=torch.int32), None,
+            torch.empty(3, dtype=torch.long))
     assert tuple(o.shape) == (12, 3, 24) and tuple(s.shape) == (3, 3, 16, 24)
     assert s.dtype == torch.float32
+    assert tuple(so.shape) == (12, 3, 24) and tuple(ss.shape) == tuple(snap.shape) == (3, 3, 16, 24)
     assert tuple(y.shape) == (12, 10) and tuple(cs.shape) == (3, 10, 3)
 
 
@@ -183,3 +187,69 @@ def test_scan_snapshots_are_the_states_of_the_prefixes(with_state):
     with pytest.raises(ValueError, match="multiples of 64"):
         torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0,
                                                      torch.tensor([100, 0, 0, 0]), 0.3)
+
+
+# The Mamba2 (SSD) scan: no erase, no beta, no scale; k and q are B and C expanded to the
+# heads, v = dt * x, g = dt * A.
+def _ssd_inputs(lengths, H, N, P, seed, with_state):
+    q, k, v, g, _, cu, h0 = _scan_inputs(lengths, H, N, P, seed, with_state)
+    return q * 2, k, v, g, cu, h0
+
+
+SSD_CASES = [(lengths, hnp, with_state) for lengths in LENGTHS
+             for hnp in [(2, 16, 16), (4, 8, 24)] for with_state in (False, True)]
+
+
+@pytest.mark.parametrize("lengths,hnp,with_state", SSD_CASES)
+def test_ssd_scan_cpu_matches_reference(lengths, hnp, with_state):
+    q, k, v, g, cu, h0 = _ssd_inputs(lengths, *hnp, seed=len(lengths), with_state=with_state)
+    want_o, want_s = ref.ssd_scan_ref(q, k, v, g, cu, h0)
+    o, s = torch.ops.suffixreplay.ssd_scan(q, k, v, g, cu, h0)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
+
+
+@triton_ops
+@pytest.mark.parametrize("lengths,hnp,with_state", SSD_CASES[::3])
+def test_ssd_scan_triton_matches_reference(lengths, hnp, with_state):
+    q, k, v, g, cu, h0 = _ssd_inputs(lengths, *hnp, seed=8, with_state=with_state)
+    want_o, want_s = ref.ssd_scan_ref(q, k, v, g, cu, h0)
+    o, s = torch.ops.suffixreplay.ssd_scan_triton(q, k, v, g, cu, h0)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
+
+
+def test_ssd_scan_is_not_the_delta_rule():
+    """The reference itself: the Mamba2 update has no erase term (the two scans differ on
+    the same inputs), and a position with g = 0 and v = 0 leaves the state as it was."""
+    q, k, v, g, cu, h0 = _ssd_inputs([12], 2, 16, 16, seed=2, with_state=True)
+    _, s = ref.ssd_scan_ref(q, k, v, g, cu, h0)
+    _, s_delta = ref.gated_delta_scan_ref(q, k, v, g, torch.ones_like(g), cu, h0, 1.0)
+    assert not torch.allclose(s, s_delta, atol=1e-3)
+    z = torch.zeros(1, *v.shape[1:])
+    _, s_pad = ref.ssd_scan_ref(torch.cat([q, q[:1]]), torch.cat([k, k[:1]]),
+                                torch.cat([v, z]), torch.cat([g, torch.zeros(1, 2)]),
+                                _cu([13]), h0)
+    torch.testing.assert_close(s_pad, s)
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+def test_ssd_scan_snapshots_are_the_states_of_the_prefixes(with_state):
+    lengths, offsets = [200, 70, 130], [128, 0, 64]
+    q, k, v, g, cu, h0 = _ssd_inputs(lengths, 2, 16, 24, seed=6, with_state=with_state)
+    o, s, snap = torch.ops.suffixreplay.ssd_scan_snap(q, k, v, g, cu, h0,
+                                                      torch.tensor(offsets))
+    want_o, want_s = ref.ssd_scan_ref(q, k, v, g, cu, h0)
+    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
+    for n, (a, m) in enumerate(zip(cu[:-1].tolist(), offsets)):
+        if m == 0:
+            torch.testing.assert_close(snap[n], s[n])
+            continue
+        init = h0[n:n + 1] if with_state else None
+        _, want = ref.ssd_scan_ref(q[a:a + m], k[a:a + m], v[a:a + m], g[a:a + m], _cu([m]),
+                                   init)
+        torch.testing.assert_close(snap[n], want[0], atol=2e-5, rtol=1e-4)
+        assert not torch.allclose(snap[n], s[n])
+    with pytest.raises(ValueError, match="multiples of 64"):
+        torch.ops.suffixreplay.ssd_scan_snap(q, k, v, g, cu, h0, torch.tensor([100, 0, 0]))

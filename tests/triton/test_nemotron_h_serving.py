@@ -1,6 +1,6 @@
-"""A Nemotron-H (Mamba2) checkpoint built with engine_build/build.py and served by tritonserver:
-the ensemble returns what the in-process engine generates, and a repeated prefix hits the
-cache (suffix replay of the Mamba2 groups)."""
+"""A Nemotron-H (Mamba2) checkpoint built with engine_build/build.py (eager and AOT) and served
+by tritonserver: the ensemble returns what the in-process engine generates, and a repeated
+prefix hits the cache (suffix replay of the Mamba2 groups)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 from hf_oracle import make_nemotron_h_checkpoint
 
 from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.triton.repo import read_parameters
 from client.generate import GenerateParams, generate_http, stream_grpc
 from engine_build import build
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
@@ -24,15 +25,35 @@ def nemotron_dir(tmp_path_factory):
     return path
 
 
-def test_build_accepts_nemotron_h_for_eager_and_refuses_aot(nemotron_dir, tmp_path, capsys):
+def test_build_accepts_nemotron_h_for_eager(nemotron_dir, tmp_path, capsys):
     assert build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "repo")]) == 0
     assert "nemotron_h" in capsys.readouterr().out
     config = (tmp_path / "repo" / "hybrid_llm" / "config.pbtxt").read_text()
     assert str(nemotron_dir) in config
-    code = build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "aot"),
-                       "--backend", "aot"])
-    assert code != 0
-    assert "--backend eager" in capsys.readouterr().err
+
+
+def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, aot_build_nemotron_h):
+    """The repository `build.py --backend aot` wrote for a Nemotron-H checkpoint, served as
+    written: the compiled engine (Mamba2 through `ssd_scan`) generates what the eager engine
+    does, and a branch of a served prompt hits its pages."""
+    model_dir, _, repo = aot_build_nemotron_h
+    params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
+    assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
+    server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **params},
+                                        "preprocessing": {"tokenizer_dir": str(model_dir)},
+                                        "postprocessing": {"tokenizer_dir": str(model_dir)}})
+    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+    prompt = long_prompt("A compiled Mamba2 engine", 200)
+    for text in (prompt, prompt[:-20] + " and another ending."):
+        want = eager.tokenizer.decode(
+            eager.generate(eager.tokenizer.encode(text), sampling).new_token_ids,
+            skip_special_tokens=True)
+        request = GenerateParams(text, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+        chunks = list(stream_grpc(server.urls.grpc, request))
+        assert "".join(c.text for c in chunks) == want
+    counts = {k: v for c in chunks for k, v in c.counts.items()}
+    assert counts["cached_tokens"] >= 128
 
 
 def test_served_nemotron_h_matches_the_engine_and_hits_the_cache(triton_server, nemotron_dir):
