@@ -35,6 +35,18 @@ def test_triton_scan_on_cuda_matches_reference(hkv):
     torch.testing.assert_close(s.cpu(), want_s, atol=1e-4, rtol=1e-3)
 
 
+@pytest.mark.parametrize("hnp", [(8, 128, 64), (32, 64, 128)])
+def test_triton_ssd_scan_on_cuda_matches_reference(hnp):
+    """The Mamba2 form of the scan kernel (DELTA off; Nemotron-H-8B-like: 128 heads of 64
+    with d_state 128 would be (128, 128, 64))."""
+    (q, k, v, gate, _, cu, h0), dev = _scan_inputs([100, 1, 64, 0, 7], *hnp, "cuda")
+    want_o, want_s = ref.ssd_scan_ref(q, k, v, gate, cu, h0)
+    o, s = torch.ops.suffixreplay.ssd_scan_triton(dev[0], dev[1], dev[2], dev[3], dev[5],
+                                                  dev[6])
+    torch.testing.assert_close(o.cpu(), want_o, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(s.cpu(), want_s, atol=1e-4, rtol=1e-3)
+
+
 def test_triton_conv_and_capture_on_cuda_match_reference():
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(90, 300, generator=g), torch.randn(300, 4, generator=g)
@@ -77,18 +89,22 @@ def test_ptx_for_tensorrt_launched_with_cupy_matches_reference():
     torch.testing.assert_close(ht.cpu(), want_s, atol=1e-4, rtol=1e-3)
 
 
-def test_aot_engine_on_cuda_matches_eager(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_aot_engine_on_cuda_matches_eager(tmp_path, family):
     import sys
 
     sys.path.insert(0, "tests/model")
-    from hf_oracle import make_hf_checkpoint
+    from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
 
     from backend.engine.compiled import CompiledExecutor
     from backend.engine.executor import TorchExecutor
     from backend.model import SeqInput, load_model
     from engine_build.aot import build_aot_engine
 
-    make_hf_checkpoint(tmp_path / "ckpt", seed=3)
+    if family == "qwen3_5":
+        make_hf_checkpoint(tmp_path / "ckpt", seed=3)
+    else:
+        make_nemotron_h_checkpoint(tmp_path / "ckpt", seed=3)
     engine = build_aot_engine(tmp_path / "ckpt", tmp_path / "aot", device="cuda", progress=False)
     model = load_model(tmp_path / "ckpt", device="cuda")
     sizes = (16, 16, 4, 4, 32)
