@@ -1,4 +1,5 @@
-"""The CPU fast path for decode steps: one new token per sequence, fused weights, few calls.
+"""The CPU fast path for decode steps: one new token per sequence, fused weights, few calls
+(both families: Qwen3.5's decoder layers, Nemotron-H's Mamba2 / attention / MLP blocks).
 
 A decode step of a small model on the CPU is bound by the number of operator calls, not by
 arithmetic: the general layer code (`hybrid.py`, written for any number of tokens and for
@@ -9,6 +10,7 @@ sequence adds exactly one token this module runs each layer as one straight func
 - the projections that read the same input fused into one oneDNN-packed product: a Gated
   DeltaNet layer's qkv, z, b and a; an attention layer's q (with its gate), k and v; the
   MLP's gate and up (a snapshot of the weights concatenated, like `linear.py`'s packing);
+  a Mamba2 mixer's in_proj is one product already;
 - constants computed once: each RMSNorm's (1 + w), the decay's -exp(A_log), the conv taps;
 - the conv step as one multiply-add over the [B, C, W] window, q and k normalised and
   expanded together, rotary applied to q and k heads in one pass.
@@ -80,13 +82,24 @@ def _mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-class _FusedLayer:
-    """What every decoder layer has: the two norms and the MLP; the parameters the fused
-    copies were made from (with their versions, to notice replacement or in-place edits)."""
+class _Fused:
+    """The parameters a layer's fused copies were made from, with their versions (to notice
+    replacement or in-place edits)."""
 
-    def __init__(self, layer: nn.Module, fused: dict[str, torch.Tensor]) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         self.sources = [(mod._parameters, name, p, p._version) for mod in layer.modules()
                         for name, p in mod._parameters.items() if p is not None]
+
+    def current(self) -> bool:
+        """The parameters are the ones copied, unedited."""
+        return all(params[name] is p and p._version == v for params, name, p, v in self.sources)
+
+
+class _FusedLayer(_Fused):
+    """What every Qwen3.5 decoder layer has: the two norms and the MLP."""
+
+    def __init__(self, layer: nn.Module, fused: dict[str, torch.Tensor]) -> None:
+        super().__init__(layer)
         self.eps = layer.input_layernorm.eps
         self.n_in = (1.0 + layer.input_layernorm.weight).detach()
         self.n_post = (1.0 + layer.post_attention_layernorm.weight).detach()
@@ -94,10 +107,6 @@ class _FusedLayer:
         self.w_gate_up = _pack(fused["gate_up"])
         self.ffn_dim = mlp.gate_proj.out_features
         self.w_down = _packed_of(mlp.down_proj)
-
-    def current(self) -> bool:
-        """The parameters are the ones copied, unedited."""
-        return all(params[name] is p and p._version == v for params, name, p, v in self.sources)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = _mm(F.rms_norm(x, (x.shape[-1],), self.n_post, self.eps),
@@ -158,12 +167,10 @@ class _AttentionLayer(_FusedLayer):
         fused = fused_weights(layer)
         super().__init__(layer, fused)
         at = self.attn = layer.self_attn
-        self.index = at.attn_index
         self.h, self.hkv, self.dh = at.num_heads, at.num_kv_heads, at.head_dim
         self.qkv_sizes = [self.h * 2 * self.dh, self.hkv * self.dh, self.hkv * self.dh]
         self.w_qkv, self.b_qkv = _pack(fused["qkv"]), fused.get("qkv_bias")
-        self.w_o = _packed_of(at.o_proj)
-        self.b_o = None if at.o_proj.bias is None else at.o_proj.bias.detach()
+        self.w_o, self.b_o = _packed_of(at.o_proj), _bias(at.o_proj)
         # q heads then k heads, each kind with its own (1 + w): one norm call for both
         self.qk_norm = torch.cat([(1.0 + at.q_norm.weight).detach().expand(self.h, -1),
                                   (1.0 + at.k_norm.weight).detach().expand(self.hkv, -1)])
@@ -179,19 +186,117 @@ class _AttentionLayer(_FusedLayer):
         qk = torch.cat((qg[..., :dh], k.view(B, hkv, dh)), 1)  # [B, H + Hkv, Dh]
         qk = F.rms_norm(qk, (dh,), None, self.qk_eps) * self.qk_norm
         qk = apply_rotary(qk, cos.view(B, -1), sin.view(B, -1))  # the rows as its tokens
-        kv, a = batch.kv, self.index
-        slots = batch.write_slots
-        kv.k[a].index_copy_(0, slots, qk[:, h:])
-        kv.v[a].index_copy_(0, slots, v.view(B, hkv, dh))
-        if batch.layer_hooks is not None:
-            batch.layer_hooks.after_write(a)
-            batch.layer_hooks.before_read(a)
-        k_ctx, v_ctx = self.attn._context(kv, batch)  # [B, Ctx, Hkv, Dh]
-        out = F.scaled_dot_product_attention(
-            qk[:, :h].unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-            attn_mask=None if B == 1 else batch.attn_mask, enable_gqa=True)  # [B, H, 1, Dh]
-        out = out.view(B, h * dh) * torch.sigmoid(qg[..., dh:].reshape(B, h * dh))
+        out = _attend(self.attn, batch, qk[:, :h], qk[:, h:], v.view(B, hkv, dh))
+        out = out * torch.sigmoid(qg[..., dh:].reshape(B, h * dh))
         return self.ffn(x + _mm(out, self.w_o, self.b_o))
+
+
+def _attend(attn: nn.Module, batch, q: torch.Tensor, k: torch.Tensor,
+            v: torch.Tensor) -> torch.Tensor:
+    """Writes the step's k, v [B, Hkv, Dh] into the paged KV (with the tiered store's layer
+    hooks) and attends q [B, H, Dh] over each row's context -> [B, H * Dh]."""
+    kv, a = batch.kv, attn.attn_index
+    slots = batch.write_slots
+    kv.k[a].index_copy_(0, slots, k)
+    kv.v[a].index_copy_(0, slots, v)
+    if batch.layer_hooks is not None:
+        batch.layer_hooks.after_write(a)
+        batch.layer_hooks.before_read(a)
+    k_ctx, v_ctx = attn._context(kv, batch)  # [B, Ctx, Hkv, Dh]
+    B = q.shape[0]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+        attn_mask=None if B == 1 else batch.attn_mask, enable_gqa=True)  # [B, H, 1, Dh]
+    return out.reshape(B, -1)
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+class _MambaBlock(_Fused):
+    """A Nemotron-H block with a Mamba2 mixer: norm, in_proj, the conv step, the SSD step
+    (S <- S exp(dt A) + B (dt x)^T, y = S^T C + D x), the gated group norm, out_proj."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        m = layer.mixer
+        self.state_index = layer.state_index
+        self.norm_w, self.eps = layer.norm.weight.detach(), layer.norm.eps
+        self.w_in, self.b_in = _packed_of(m.in_proj), _bias(m.in_proj)
+        self.in_sizes = [m.inner, m.conv_dim, m.num_heads]
+        self.taps = m.conv1d.weight.detach().squeeze(1)  # [C, W]
+        self.conv_bias = None if m.conv1d.bias is None else m.conv1d.bias.detach()
+        self.h, self.p, self.g, self.n = m.num_heads, m.head_dim, m.n_groups, m.d_state
+        self.xbc_sizes = [m.inner, m.n_groups * m.d_state, m.n_groups * m.d_state]
+        self.neg_a = -m.A_log.detach().float().exp()
+        self.dt_bias, self.dt_min = m.dt_bias.detach(), m.dt_min
+        self.skip = m.D.detach().float().unsqueeze(-1)  # [H, 1]
+        self.g_norm, self.g_eps, self.g_size = m.norm.weight.detach(), m.norm.eps, m.norm.group_size
+        self.w_out, self.b_out = _packed_of(m.out_proj), _bias(m.out_proj)
+
+    def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor):
+        """x [B, D]; conv_state [B, C, W - 1]; rec [B, H, N, P] (updated in place: the
+        caller's gathered copy) -> (x, conv, rec)."""
+        B, D = x.shape
+        H, P, G, N = self.h, self.p, self.g, self.n
+        z, xbc, dt = _mm(F.rms_norm(x, (D,), self.norm_w, self.eps), self.w_in,
+                         self.b_in).split(self.in_sizes, -1)
+        window = torch.cat((conv_state.to(x.dtype), xbc.unsqueeze(-1)), -1)  # [B, C, W]
+        mixed = (window * self.taps).sum(-1)
+        if self.conv_bias is not None:
+            mixed = mixed + self.conv_bias
+        xs, b, c = F.silu(mixed).split(self.xbc_sizes, -1)
+        dt = F.softplus(dt + self.dt_bias).clamp(min=self.dt_min)  # [B, H]
+        bc = torch.stack((b, c), 1).view(B, 2, G, 1, N).expand(B, 2, G, H // G, N)
+        bc = bc.reshape(B, 2, H, N)  # each group's B and C serve H / G heads
+        xs = xs.view(B, H, P)
+        S = rec.mul_((dt * self.neg_a).exp().view(B, H, 1, 1))  # rec: this step's copy
+        S.add_(bc[:, 0].unsqueeze(-1) * (xs * dt.unsqueeze(-1)).unsqueeze(-2))
+        y = torch.matmul(bc[:, 1].unsqueeze(-2), S).squeeze(-2) + xs * self.skip  # [B, H, P]
+        y = (y.view(B, H * P) * F.silu(z)).view(B, -1, self.g_size)
+        y = F.rms_norm(y, (self.g_size,), None, self.g_eps).view(B, H * P) * self.g_norm
+        return x + _mm(y, self.w_out, self.b_out), window[:, :, 1:], S
+
+
+class _PlainAttentionBlock(_Fused):
+    """A Nemotron-H attention block: norm, one q/k/v product, attention without positional
+    encoding, o_proj."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        at = self.attn = layer.mixer
+        self.norm_w, self.eps = layer.norm.weight.detach(), layer.norm.eps
+        self.h, self.hkv, self.dh = at.num_heads, at.num_kv_heads, at.head_dim
+        self.sizes = [self.h * self.dh, self.hkv * self.dh, self.hkv * self.dh]
+        self.w_qkv = _pack(torch.cat([at.q_proj.weight.detach(), at.k_proj.weight.detach(),
+                                      at.v_proj.weight.detach()]))
+        self.b_qkv = (None if at.q_proj.bias is None else
+                      torch.cat([_bias(at.q_proj), _bias(at.k_proj), _bias(at.v_proj)]))
+        self.w_o, self.b_o = _packed_of(at.o_proj), _bias(at.o_proj)
+
+    def __call__(self, x: torch.Tensor, cos, sin, batch) -> torch.Tensor:
+        B, D = x.shape
+        q, k, v = _mm(F.rms_norm(x, (D,), self.norm_w, self.eps), self.w_qkv,
+                      self.b_qkv).split(self.sizes, -1)
+        out = _attend(self.attn, batch, q.view(B, self.h, self.dh),
+                      k.view(B, self.hkv, self.dh), v.view(B, self.hkv, self.dh))
+        return x + _mm(out, self.w_o, self.b_o)
+
+
+class _MlpBlock(_Fused):
+    """A Nemotron-H MLP block: norm, up, squared ReLU, down."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        mlp = layer.mixer
+        self.norm_w, self.eps = layer.norm.weight.detach(), layer.norm.eps
+        self.w_up, self.b_up = _packed_of(mlp.up_proj), _bias(mlp.up_proj)
+        self.w_down, self.b_down = _packed_of(mlp.down_proj), _bias(mlp.down_proj)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = _mm(F.rms_norm(x, (x.shape[-1],), self.norm_w, self.eps), self.w_up, self.b_up)
+        return x + _mm(F.relu(h).square(), self.w_down, self.b_down)
 
 
 class FastDecode:
@@ -202,10 +307,16 @@ class FastDecode:
         self.layers = [self._fuse(layer) for layer in model.model.layers]
         self.entry_to_group = {e: g for g, e in enumerate(model.config.group_entry_layers)}
         self.final_norm = model.model.norm
-        self._final = None  # (weight, its version, 1 + weight)
+        # Qwen3.5's norms scale by (1 + w), Nemotron-H's by w.
+        self._norm_offset = 0.0 if model.config.is_nemotron_h else 1.0
+        self._final = None  # (weight, its version, offset + weight)
 
     @staticmethod
-    def _fuse(layer: nn.Module) -> _FusedLayer:
+    def _fuse(layer: nn.Module) -> _Fused:
+        if hasattr(layer, "mixer"):  # Nemotron-H
+            if layer.is_linear:
+                return _MambaBlock(layer)
+            return _PlainAttentionBlock(layer) if layer.is_attention else _MlpBlock(layer)
         return _LinearLayer(layer) if layer.is_linear else _AttentionLayer(layer)
 
     @classmethod
@@ -227,21 +338,24 @@ class FastDecode:
         """The final-normed hidden states [B, D] of the step's tokens."""
         model = self.model
         x = model.model.embed_tokens(batch.input_ids[:, 0])
-        cos, sin = model.rotary.cos_sin(batch.positions, x.dtype)  # [B, 1, R]
+        cos, sin = ((None, None) if model.rotary is None  # [B, 1, R]
+                    else model.rotary.cos_sin(batch.positions, x.dtype))
         slots, states, capture = batch.state_slots, batch.states, batch.capture
         for i, fused in enumerate(self.layers):
             if not fused.current():
                 fused = self.layers[i] = self._fuse(model.model.layers[i])
             if capture is not None and i in self.entry_to_group:
                 capture.write(self.entry_to_group[i], x)
-            if isinstance(fused, _LinearLayer):
+            if isinstance(fused, (_LinearLayer, _MambaBlock)):
                 j = fused.state_index
                 x, conv, rec = fused(x, states.conv[j].index_select(0, slots),
                                      states.rec[j].index_select(0, slots))
                 states.scatter(j, slots, conv, rec)
+            elif isinstance(fused, _MlpBlock):
+                x = fused(x)
             else:
                 x = fused(x, cos, sin, batch)
         w = self.final_norm.weight
         if self._final is None or self._final[0] is not w or self._final[1] != w._version:
-            self._final = (w, w._version, (1.0 + w).detach())
+            self._final = (w, w._version, (self._norm_offset + w).detach())
         return F.rms_norm(x, (x.shape[-1],), self._final[2], self.final_norm.eps)

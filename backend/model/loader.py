@@ -114,7 +114,7 @@ def load_model(
         model.rotary = model.rotary.__class__(cfg.rotary_dim, cfg.rope_theta).to(device)
     if pack:
         pack_linears(model)
-        if not cfg.is_nemotron_h and FastDecode.available(model):
+        if FastDecode.available(model):
             model.fast_decode = FastDecode(model)
     return model.eval()
 

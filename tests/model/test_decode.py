@@ -30,8 +30,35 @@ def _config(hidden: int, layers: int, **overrides):
     return dataclasses.replace(cfg, **overrides)
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+NEMOTRON_H = {
+    # transformers' Nemotron-H layout of the oracle tests (conv bias, no other biases)
+    "nemotron_h": {},
+    # the MLP's and the Mamba2 projections' biases on (transformers' Nemotron-H attention
+    # has none), one B/C group, more heads per group
+    "nemotron_h_biases": dict(mlp_bias=True, use_bias=True, n_groups=1, mamba_num_heads=4,
+                              mamba_head_dim=16),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS) + list(NEMOTRON_H))
 def model(request, tmp_path_factory):
+    if request.param in NEMOTRON_H:
+        pytest.importorskip("transformers")
+        from hf_oracle import make_nemotron_h_checkpoint
+
+        path = tmp_path_factory.mktemp(request.param)
+        make_nemotron_h_checkpoint(path, seed=3, vocab_size=260, **NEMOTRON_H[request.param])
+        if NEMOTRON_H[request.param]:  # biases start at zero: move them
+            from safetensors.torch import load_file, save_file
+
+            weights = load_file(path / "model.safetensors")
+            for name, w in weights.items():
+                if name.endswith("bias") and "conv1d" not in name:
+                    weights[name] = w + 0.2 * torch.randn_like(w)
+            save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+        loaded = load_model(path)
+        assert loaded.fast_decode is not None
+        return loaded
     model = HybridForCausalLM(_config(**CONFIGS[request.param]))
     init_weights(model, seed=3, dt_init="log-uniform", qk_gain=2.0)
     with torch.no_grad():  # norms and biases away from their initial values
@@ -91,16 +118,26 @@ def test_fast_decode_takes_only_decode_steps(model, monkeypatch):
 
 def test_weights_edited_after_loading_are_seen(model):
     """An in-place edit (and a replaced parameter) reaches both paths: no stale copy."""
-    layer0 = model.model.layers[0]
-    attn = next(layer for layer in model.model.layers if not layer.is_linear)
+    layers = model.model.layers
+    linear = next(layer for layer in layers if layer.is_linear)
+    attn = next(layer for layer in layers if not layer.is_linear and
+                getattr(layer, "is_attention", True))
     keep = {n: p.detach().clone() for n, p in model.named_parameters()}
     old_norm = model.model.norm.weight
     try:
         with torch.no_grad():
-            layer0.linear_attn.in_proj_z.weight.mul_(-1.5)
-            layer0.linear_attn.A_log.add_(0.5)
-            attn.self_attn.k_proj.weight.mul_(0.5)
-            attn.mlp.up_proj.weight.add_(0.01)
+            if model.config.is_nemotron_h:
+                mlp = next(layer for layer in layers if not layer.is_linear and
+                           not layer.is_attention)
+                linear.mixer.in_proj.weight.mul_(-1.5)
+                linear.mixer.A_log.add_(0.5)
+                attn.mixer.k_proj.weight.mul_(0.5)
+                mlp.mixer.up_proj.weight.add_(0.01)
+            else:
+                linear.linear_attn.in_proj_z.weight.mul_(-1.5)
+                linear.linear_attn.A_log.add_(0.5)
+                attn.self_attn.k_proj.weight.mul_(0.5)
+                attn.mlp.up_proj.weight.add_(0.01)
         model.model.norm.weight = torch.nn.Parameter(old_norm.detach() + 0.3)
         ref, _ = _run(model, None, 2, 5)
         out, _ = _run(model, model.fast_decode, 2, 5)
