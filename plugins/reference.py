@@ -23,6 +23,26 @@ def anchor_capture_ref(hidden: torch.Tensor, src: torch.Tensor, dst: torch.Tenso
         pool[d] = hidden[s].to(pool.dtype)
 
 
+def _per_sequence(rule, inputs, cu_seqlens, initial_state):
+    """Runs the recurrent `rule(*inputs[a:b] with a batch dim, h0)` on each packed sequence:
+    (outputs shaped like v = inputs[2], final states fp32; an empty sequence keeps h0)."""
+    q, k, v = inputs[:3]
+    N = cu_seqlens.numel() - 1
+    out = torch.zeros_like(v)
+    finals = torch.zeros(N, q.shape[1], k.shape[2], v.shape[2], dtype=torch.float32,
+                         device=q.device)
+    bounds = cu_seqlens.tolist()
+    for n in range(N):
+        a, b = bounds[n], bounds[n + 1]
+        h0 = None if initial_state is None else initial_state[n : n + 1]
+        if b == a:
+            finals[n] = 0 if h0 is None else h0[0].float()
+            continue
+        o, s = rule(*(t[None, a:b] for t in inputs), h0)
+        out[a:b], finals[n] = o[0], s[0]
+    return out, finals
+
+
 def gated_delta_scan_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     cu_seqlens: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
@@ -31,21 +51,9 @@ def gated_delta_scan_ref(
 
     Returns the outputs [T, H, V] (dtype of v) and the final states [N, H, K, V] (fp32).
     """
-    N = cu_seqlens.numel() - 1
-    H, K, V = q.shape[1], q.shape[2], v.shape[2]
-    out = torch.zeros_like(v)
-    finals = torch.zeros(N, H, K, V, dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for n in range(N):
-        a, b = bounds[n], bounds[n + 1]
-        h0 = None if initial_state is None else initial_state[n : n + 1]
-        if b == a:
-            finals[n] = 0 if h0 is None else h0[0].float()
-            continue
-        o, s = recurrent_gated_delta_rule(q[None, a:b], k[None, a:b], v[None, a:b],
-                                          g[None, a:b], beta[None, a:b], h0, scale)
-        out[a:b], finals[n] = o[0], s[0]
-    return out, finals
+    return _per_sequence(
+        lambda q, k, v, g, beta, h0: recurrent_gated_delta_rule(q, k, v, g, beta, h0, scale),
+        (q, k, v, g, beta), cu_seqlens, initial_state)
 
 
 def ssd_scan_ref(
@@ -56,19 +64,7 @@ def ssd_scan_ref(
     o_t = S^T q_t, no scale) over packed sequences. q, k [T, H, N]; v [T, H, P]; g [T, H];
     initial_state [S, H, N, P] or None. Returns outputs [T, H, P] (dtype of v) and the final
     states [S, H, N, P] (fp32)."""
-    S, H, N, P = cu_seqlens.numel() - 1, q.shape[1], q.shape[2], v.shape[2]
-    out = torch.zeros_like(v)
-    finals = torch.zeros(S, H, N, P, dtype=torch.float32, device=q.device)
-    bounds = cu_seqlens.tolist()
-    for n in range(S):
-        a, b = bounds[n], bounds[n + 1]
-        h0 = None if initial_state is None else initial_state[n : n + 1]
-        if b == a:
-            finals[n] = 0 if h0 is None else h0[0].float()
-            continue
-        o, s = recurrent_ssd(q[None, a:b], k[None, a:b], v[None, a:b], g[None, a:b], h0)
-        out[a:b], finals[n] = o[0], s[0]
-    return out, finals
+    return _per_sequence(recurrent_ssd, (q, k, v, g), cu_seqlens, initial_state)
 
 
 def causal_conv1d_ref(

@@ -158,37 +158,6 @@ def test_fake_implementations_give_output_shapes():
     assert tuple(y.shape) == (12, 10) and tuple(cs.shape) == (3, 10, 3)
 
 
-@pytest.mark.parametrize("with_state", [False, True])
-def test_scan_snapshots_are_the_states_of_the_prefixes(with_state):
-    """gated_delta_scan_snap: outputs and final states as gated_delta_scan; the snapshot of
-    a sequence is the final state of scanning its first `offset` tokens alone (offset 0:
-    its final state)."""
-    lengths, offsets = [200, 70, 130, 64], [128, 0, 64, 64]
-    q, k, v, g, beta, cu, h0 = _scan_inputs(lengths, 2, 16, 24, seed=5, with_state=with_state)
-    off = torch.tensor(offsets)
-    o, s, snap = torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0, off,
-                                                              0.3)
-    want_o, want_s = ref.gated_delta_scan_ref(q, k, v, g, beta, cu, h0, 0.3)
-    torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
-    for n, (a, m) in enumerate(zip(cu[:-1].tolist(), offsets)):
-        if m == 0:
-            torch.testing.assert_close(snap[n], s[n])
-            continue
-        init = h0[n:n + 1] if with_state else None
-        _, want = ref.gated_delta_scan_ref(q[a:a + m], k[a:a + m], v[a:a + m], g[a:a + m],
-                                           beta[a:a + m], _cu([m]), init, 0.3)
-        torch.testing.assert_close(snap[n], want[0], atol=2e-5, rtol=1e-4)
-        if m < lengths[n]:  # a state of its own, not the final one
-            assert not torch.allclose(snap[n], s[n])
-    with pytest.raises(ValueError, match="within their sequences"):
-        torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0,
-                                                     torch.tensor([0, 128, 0, 0]), 0.3)
-    with pytest.raises(ValueError, match="multiples of 64"):
-        torch.ops.suffixreplay.gated_delta_scan_snap(q, k, v, g, beta, cu, h0,
-                                                     torch.tensor([100, 0, 0, 0]), 0.3)
-
-
 # The Mamba2 (SSD) scan: no erase, no beta, no scale; k and q are B and C expanded to the
 # heads, v = dt * x, g = dt * A.
 def _ssd_inputs(lengths, H, N, P, seed, with_state):
@@ -233,13 +202,27 @@ def test_ssd_scan_is_not_the_delta_rule():
     torch.testing.assert_close(s_pad, s)
 
 
+SNAP_SCANS = {  # (the scan with snapshots, its reference), as functions of the inputs
+    "gated_delta": (
+        lambda t, cu, h0, off: torch.ops.suffixreplay.gated_delta_scan_snap(*t, cu, h0, off, 0.3),
+        lambda t, cu, h0: ref.gated_delta_scan_ref(*t, cu, h0, 0.3)),
+    "ssd": (lambda t, cu, h0, off: torch.ops.suffixreplay.ssd_scan_snap(*t, cu, h0, off),
+            lambda t, cu, h0: ref.ssd_scan_ref(*t, cu, h0)),
+}
+
+
+@pytest.mark.parametrize("scan", list(SNAP_SCANS))
 @pytest.mark.parametrize("with_state", [False, True])
-def test_ssd_scan_snapshots_are_the_states_of_the_prefixes(with_state):
-    lengths, offsets = [200, 70, 130], [128, 0, 64]
-    q, k, v, g, cu, h0 = _ssd_inputs(lengths, 2, 16, 24, seed=6, with_state=with_state)
-    o, s, snap = torch.ops.suffixreplay.ssd_scan_snap(q, k, v, g, cu, h0,
-                                                      torch.tensor(offsets))
-    want_o, want_s = ref.ssd_scan_ref(q, k, v, g, cu, h0)
+def test_scan_snapshots_are_the_states_of_the_prefixes(scan, with_state):
+    """gated_delta_scan_snap / ssd_scan_snap: outputs and final states as the plain scans;
+    the snapshot of a sequence is the final state of scanning its first `offset` tokens
+    alone (offset 0: its final state)."""
+    lengths, offsets = [200, 70, 130, 64], [128, 0, 64, 64]
+    q, k, v, g, beta, cu, h0 = _scan_inputs(lengths, 2, 16, 24, seed=5, with_state=with_state)
+    inputs = (q, k, v, g, beta) if scan == "gated_delta" else (q * 2, k, v, g)
+    snap_scan, ref_scan = SNAP_SCANS[scan]
+    o, s, snap = snap_scan(inputs, cu, h0, torch.tensor(offsets))
+    want_o, want_s = ref_scan(inputs, cu, h0)
     torch.testing.assert_close(o, want_o, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(s, want_s, atol=2e-5, rtol=1e-4)
     for n, (a, m) in enumerate(zip(cu[:-1].tolist(), offsets)):
@@ -247,9 +230,11 @@ def test_ssd_scan_snapshots_are_the_states_of_the_prefixes(with_state):
             torch.testing.assert_close(snap[n], s[n])
             continue
         init = h0[n:n + 1] if with_state else None
-        _, want = ref.ssd_scan_ref(q[a:a + m], k[a:a + m], v[a:a + m], g[a:a + m], _cu([m]),
-                                   init)
+        _, want = ref_scan(tuple(t[a:a + m] for t in inputs), _cu([m]), init)
         torch.testing.assert_close(snap[n], want[0], atol=2e-5, rtol=1e-4)
-        assert not torch.allclose(snap[n], s[n])
+        if m < lengths[n]:  # a state of its own, not the final one
+            assert not torch.allclose(snap[n], s[n])
+    with pytest.raises(ValueError, match="within their sequences"):
+        snap_scan(inputs, cu, h0, torch.tensor([0, 128, 0, 0]))
     with pytest.raises(ValueError, match="multiples of 64"):
-        torch.ops.suffixreplay.ssd_scan_snap(q, k, v, g, cu, h0, torch.tensor([100, 0, 0]))
+        snap_scan(inputs, cu, h0, torch.tensor([100, 0, 0, 0]))
