@@ -55,7 +55,7 @@ model-nemotron-h: $(STAMP)
 	  --work-dir runs/nh_stage1_work $(STAGE1)
 	$(TRAIN) --init-from runs/nh_stage1 --out $(NH_DIR) --work-dir runs/nh_stage2_work $(STAGE2)
 	$(PY) -m engine_build.evaluate --model $(NH_DIR)
-	$(PY) -m engine_build.calibrate --model $(NH_DIR)
+	$(PY) -m engine_build.calibrate --model $(NH_DIR) --anchors-per-page 4 16
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -7,7 +7,8 @@
 Every backend first validates the checkpoint (config, tensor names and shapes, a short forward
 with finite logits, a tokenizer) and writes a complete repository: ensemble, preprocessing,
 hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at the checkpoint.
-- `--calibrate` runs engine_build/calibrate.py on the checkpoint and serves `k_max: auto`.
+- `--calibrate` runs engine_build/calibrate.py on the checkpoint (4 anchors a page, 16 where 4
+  fall short of the target) and serves `k_max: auto` and `anchor_density: auto`.
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
   (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`
   (Qwen3.5 checkpoints; Nemotron-H is served by the eager executor).
@@ -98,8 +99,10 @@ def build(args: argparse.Namespace) -> Path:
         elif step == "calibrate":
             from engine_build import calibrate
 
-            calibrate.main(["--model", str(model_dir), "--quick"])
-            params["k_max"] = "auto"
+            # Gated DeltaNet models meet the target at 4 anchors a page; long-memory Mamba2
+            # models may need 16 (tried only when 4 falls short).
+            calibrate.main(["--model", str(model_dir), "--quick", "--anchors-per-page", "4", "16"])
+            params.update(k_max="auto", anchor_density="auto")
         elif step == "compile" and args.backend == "aot":
             from engine_build.aot import build_aot_engine
 
@@ -111,6 +114,9 @@ def build(args: argparse.Namespace) -> Path:
 
             build_tensorrt_engine(model_dir, model_dir / "tensorrt", dtype=args.dtype)
         elif step == "repository":
+            if (model_dir / "calibration.json").exists():
+                # k_max: auto is the template's; serve the density it was calibrated at too
+                params.setdefault("anchor_density", "auto")
             write_repository(model_dir, repo, params, args.force)
     return repo
 
@@ -123,7 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="aot: cpu or cuda")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--engine-dir", default="aot", help="aot: engine folder inside --model")
-    p.add_argument("--calibrate", action="store_true", help="calibrate k_max and serve 'auto'")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate k_max and the anchor density, and serve 'auto'")
     p.add_argument("--force", action="store_true", help="replace an existing repository")
     return p.parse_args(argv)
 

@@ -1,13 +1,18 @@
-"""Picks the replay budget cap k_max for a model automatically.
+"""Picks the replay budget cap k_max (and, when asked, the anchor density) for a model.
 
 For calibration sequences cut at several page boundaries, the linear states are rebuilt by
 replaying the last k dense-tail anchors (k swept over powers of two), and compared with a full
 prefill: per group, the relative error of the recurrent states; over a continuation of the
 text, the next-token KL divergence and top-1 agreement. k_max is the smallest k whose top-1
-agreement meets the target. Writes <model>/calibration.json (read by the engine when the
-serving configuration says `k_max: auto`) and <model>/calibration.png.
+agreement meets the target. With several `--anchors-per-page` values the densities are tried
+cheapest first, stopping at the first that meets the target; where none does, the density and
+k with the best agreement are chosen and `target_met` is false (models with long memories,
+such as Mamba2 with slow decays, need denser anchors than Qwen3.5's Gated DeltaNet). Writes
+<model>/calibration.json (read by the engine when the serving configuration says
+`k_max: auto` / `anchor_density: auto`) and <model>/calibration.png.
 
     python -m engine_build.calibrate --model model_repo/hybrid_llm/1/tiny_qwen3_5 [--quick]
+    python -m engine_build.calibrate --model DIR --anchors-per-page 4 16
 """
 
 from __future__ import annotations
@@ -82,13 +87,31 @@ def sweep(model: HybridForCausalLM, seqs: list[list[int]], boundaries: list[int]
 
 
 def choose_k_max(results: dict[int, dict], target: float) -> int:
+    """The smallest k meeting the target; else the k with the best agreement (the
+    smallest of equals)."""
     for k in sorted(results):
         if results[k]["top1_agreement"] >= target:
             return k
-    return max(results)
+    return max(sorted(results), key=lambda k: results[k]["top1_agreement"])
 
 
-def plot(results: dict[int, dict], k_max: int, path: Path) -> None:
+def choose(by_density: dict[int, dict[int, dict]], target: float) -> tuple[int, int, bool]:
+    """(anchors per page, k_max, target met) over sweeps at several densities: the fewest
+    anchors per page with a k meeting the target, else the best agreement anywhere (the
+    cheaper density of equals)."""
+    for apc in sorted(by_density):
+        k = choose_k_max(by_density[apc], target)
+        if by_density[apc][k]["top1_agreement"] >= target:
+            return apc, k, True
+    best = max(sorted(by_density), key=lambda a: max(
+        r["top1_agreement"] for r in by_density[a].values()))
+    return best, choose_k_max(by_density[best], target), False
+
+
+def plot(results: dict[int, dict], k_max: int, path: Path,
+         by_density: dict[int, dict[int, dict]] | None = None) -> None:
+    """State error per group (the chosen density) and top-1 agreement / KL against k (each
+    density tried: one line each)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +126,11 @@ def plot(results: dict[int, dict], k_max: int, path: Path) -> None:
     a.set(xscale="log", yscale="log", xlabel="replayed anchors k",
           ylabel="relative recurrent-state error", title="state error per group")
     a.legend()
-    b.plot(ks, [results[k]["top1_agreement"] for k in ks], marker="o", label="top-1 agreement")
+    for apc, r in sorted((by_density or {None: results}).items(), key=lambda x: x[0] or 0):
+        rk = sorted(r)
+        b.plot(rk, [r[k]["top1_agreement"] for k in rk], marker="o",
+               label="top-1 agreement" + (f", {apc} anchors/page" if apc else ""))
+    b.legend(loc="lower right", fontsize=8)
     b.set(xscale="log", xlabel="replayed anchors k", ylabel="top-1 agreement",
           title=f"next-token agreement (k_max = {k_max})")
     b.axvline(k_max, color="gray", ls="--")
@@ -121,26 +148,43 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--target", type=float, default=0.99, help="top-1 agreement to reach")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--anchors-per-page", type=int, default=4)
+    p.add_argument("--anchors-per-page", type=int, nargs="+", default=[4],
+                   help="one or more densities to try, cheapest first (default 4 of 64)")
     args = p.parse_args(argv)
+    if any(not 0 < a <= args.page_size for a in args.anchors_per_page):
+        p.error(f"--anchors-per-page must lie in 1..{args.page_size}")
     torch.set_num_threads(2)
     model = load_model(args.model)
-    layout = AnchorLayout(args.page_size, args.anchors_per_page)
     num, length = (4, 1152) if args.quick else (12, 2112)
     boundaries = [512, 1024] if args.quick else [512, 1024, 1536, 2048]
-    results = sweep(model, calibration_sequences(num, length), boundaries, 64, layout)
-    k_max = choose_k_max(results, args.target)
-    out = {"k_max": k_max, "target_top1_agreement": args.target,
-           "page_size": args.page_size, "anchors_per_page": args.anchors_per_page,
-           "sampling": "dense_tail", "sweep": {str(k): v for k, v in results.items()}}
+    seqs = calibration_sequences(num, length)
+    by_density: dict[int, dict[int, dict]] = {}
+    for apc in sorted(set(args.anchors_per_page)):
+        by_density[apc] = sweep(model, seqs, boundaries, 64, AnchorLayout(args.page_size, apc))
+        if choose(by_density, args.target)[2]:
+            break  # denser anchors cost more storage and would not be chosen
+    apc, k_max, met = choose(by_density, args.target)
+    results = by_density[apc]
+    out = {"k_max": k_max, "target_top1_agreement": args.target, "target_met": met,
+           "top1_agreement": results[k_max]["top1_agreement"],
+           "page_size": args.page_size, "anchors_per_page": apc,
+           "sampling": "dense_tail", "sweep": {str(k): v for k, v in results.items()},
+           "sweeps_by_anchors_per_page": {str(a): {str(k): v for k, v in r.items()}
+                                          for a, r in by_density.items()}}
     model_dir = Path(args.model)
     (model_dir / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(results, k_max, model_dir / "calibration.png")
-    for k, v in sorted(results.items()):
-        print(f"k={k:4d}  top1={v['top1_agreement']:.4f}  KL={v['kl']:.2e}  "
-              "state err=" + ", ".join(f"{e:.3f}" for e in v["state_error_by_group"]))
-    print(f"k_max = {k_max} (target top-1 agreement {args.target}); wrote "
-          f"{model_dir / 'calibration.json'}")
+    plot(results, k_max, model_dir / "calibration.png", by_density)
+    for a, r in by_density.items():
+        for k, v in sorted(r.items()):
+            print(f"{a:3d}/page k={k:4d}  top1={v['top1_agreement']:.4f}  KL={v['kl']:.2e}  "
+                  "state err=" + ", ".join(f"{e:.3f}" for e in v["state_error_by_group"]))
+    print(f"k_max = {k_max}, {apc} anchors per {args.page_size}-token page (target top-1 "
+          f"agreement {args.target}); wrote {model_dir / 'calibration.json'}")
+    if not met:
+        print(f"warning: no k up to {max(results)} at {sorted(by_density)} anchors per page "
+              f"reaches the target; the best is {results[k_max]['top1_agreement']:.4f} "
+              f"(k = {k_max}, {apc} a page). Denser anchors (--anchors-per-page), a lower "
+              "target or exact paths (live states, checkpoints) are the options.")
     return out
 
 

@@ -78,8 +78,8 @@ class EngineConfig:
         for key, raw in params.items():
             if raw.strip() == "":
                 continue  # an empty string parameter means "use the default"
-            if key == "k_max" and raw.strip().lower() == "auto":
-                replay["k_max_auto"] = True
+            if key in ("k_max", "anchor_density") and raw.strip().lower() == "auto":
+                replay[f"{key}_auto"] = True
                 continue
             if key in ("anchor_density",):
                 cache[key] = replay[key] = _parse(key, raw, float)

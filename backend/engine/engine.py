@@ -31,16 +31,40 @@ from backend.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def calibrated_k_max(model_dir: str | Path, config: EngineConfig) -> int | None:
-    """k_max from `engine_build/calibrate.py`'s calibration.json, else the configured one."""
+def apply_calibration(model_dir: str | Path, config: EngineConfig) -> EngineConfig:
+    """`k_max: auto` / `anchor_density: auto`: the values of `engine_build/calibrate.py`'s
+    calibration.json (the configured ones, with a warning, where it is missing). Warns when
+    the calibration missed its target, or was measured at another anchor density than the
+    one served (its k_max was chosen for that density)."""
+    replay = config.replay
+    if not (replay.k_max_auto or replay.anchor_density_auto):
+        return config
     path = Path(model_dir) / "calibration.json"
     if not path.exists():
-        log.warning("k_max: auto but %s is missing; using k_max=%s", path, config.replay.k_max)
-        return config.replay.k_max
+        log.warning("k_max / anchor_density: auto but %s is missing; using k_max=%s, "
+                    "anchor_density=%s", path, replay.k_max, replay.anchor_density)
+        return config
     try:
-        return int(json.loads(path.read_text())["k_max"])
-    except (OSError, ValueError, KeyError) as e:
+        calib = json.loads(path.read_text())
+        k_max = int(calib["k_max"])
+        density = int(calib.get("anchors_per_page", 4)) / int(calib.get("page_size", 64))
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: unreadable calibration ({e})") from e
+    if calib.get("target_met") is False:
+        log.warning("%s: the calibration did not reach its target top-1 agreement %s (best "
+                    "%s at k=%s); replayed states are coarser for this model", path,
+                    calib.get("target_top1_agreement"), calib.get("top1_agreement"), k_max)
+    cache = config.cache
+    if replay.anchor_density_auto:
+        replay, cache = replace(replay, anchor_density=density), replace(cache,
+                                                                        anchor_density=density)
+    elif abs(replay.anchor_density - density) > 1e-12:
+        log.warning("%s was measured with anchor density %s, this engine stores %s: its "
+                    "k_max=%s may not hold (set anchor_density: auto, or recalibrate)",
+                    path, density, replay.anchor_density, k_max)
+    if replay.k_max_auto:
+        replay = replace(replay, k_max=k_max)
+    return replace(config, replay=replay, cache=cache)
 
 
 class Engine:
@@ -95,9 +119,7 @@ class Engine:
     @classmethod
     def from_model_dir(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
         config = config or EngineConfig()
-        if config.replay.k_max_auto:
-            config = replace(config, replay=replace(config.replay,
-                                                    k_max=calibrated_k_max(path, config)))
+        config = apply_calibration(path, config)
         if config.tiers is not None and config.tiers.model_fingerprint in (
                 "", FINGERPRINT_FROM_MODEL_DIR):
             fingerprint = fingerprint_model_dir(path, config.dtype)

@@ -33,9 +33,11 @@ class ReplayConfig:
     replay_fixed_tokens: float = 38.0
     replay_anchor_tokens: float = 0.65
     recompute_context_tokens: float = 10_400.0
-    # k_max comes from the model's calibration.json when the engine is built from a model
-    # directory (`k_max: auto` in the serving configuration).
+    # k_max / the anchor density come from the model's calibration.json when the engine is
+    # built from a model directory (`k_max: auto` / `anchor_density: auto` in the serving
+    # configuration).
     k_max_auto: bool = False
+    anchor_density_auto: bool = False
 
     def __post_init__(self) -> None:
         if self.sampling not in SAMPLINGS:

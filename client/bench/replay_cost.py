@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from backend.cache.config import CacheConfig
 from backend.engine import Engine, EngineConfig, SamplingParams
-from backend.engine.engine import calibrated_k_max
+from backend.engine.engine import apply_calibration
 from backend.model import load_model
 from backend.replay.budget import ReplayConfig
 from client.bench.common import model_parser, write_summary
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = model_parser(__doc__).parse_args(argv)
     torch.set_num_threads(2)
     model = load_model(args.model)
-    k_max = calibrated_k_max(args.model, EngineConfig())
+    k_max = apply_calibration(args.model, EngineConfig.from_params({"k_max": "auto"})).replay.k_max
     base, suffix_len, repeats = (1024, 64, 3) if args.quick else (2048, 64, 5)
     doc = to_ids(load_split(held_out=True, max_bytes=4 * base))[: base + INTERVAL + 64].tolist()
     cuts = [base + d for d in range(0, INTERVAL + 1, PAGE)]
