@@ -8,8 +8,7 @@ eager model; with --compiled also `compiled_prefill_speedup_vs_hf` /
 `compiled_decode_speedup_vs_hf` of the AOT-compiled engine of each model. The sides take
 turns within every repeat and each keeps its fastest time, so slow minutes on this shared
 host land on all of them. `--family nemotron_h` times the Nemotron-H-architecture models of the
-same sizes against transformers' NemotronHForCausalLM (results/model_speed_nemotron_h/; no
-compiled engine for that family).
+same sizes against transformers' NemotronHForCausalLM (results/model_speed_nemotron_h/).
 """
 
 from __future__ import annotations
@@ -147,8 +146,6 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also time the AOT-compiled engine (engine_build/aot.py) of each model")
     p.add_argument("--family", choices=FAMILIES, default="qwen3_5")
     args = p.parse_args(argv)
-    if args.compiled and args.family != "qwen3_5":
-        p.error("--compiled: AOT engines are built for the Qwen3.5 family only")
     torch.set_num_threads(2)
     prompt_len, decode_steps, repeats = (256, 16, 4) if args.quick else (512, 32, 5)
     cases = []
