@@ -39,13 +39,14 @@ PAGE = 64
 KS = (16, 32, 64, 128, 256)
 
 
-def variants(k_cal: int) -> dict[str, tuple[str, str, object]]:
-    """name -> (sampling, anchor dtype, k or 'default')."""
-    out = {f"k{k}": ("dense_tail", "model", k) for k in KS}
-    out["calibrated"] = ("dense_tail", "model", k_cal)
-    out["default"] = ("dense_tail", "model", "default")
-    out["default_uniform"] = ("uniform", "model", "default")
-    out["default_int8"] = ("dense_tail", "int8", "default")
+def variants(k_cal: int, apc_cal: int = 4) -> dict[str, tuple[str, str, object, int]]:
+    """name -> (sampling, anchor dtype, k or 'default', anchors per page): 4 a page (the
+    serving default) but for the calibrated variant, at its calibration's density."""
+    out = {f"k{k}": ("dense_tail", "model", k, 4) for k in KS}
+    out["calibrated"] = ("dense_tail", "model", k_cal, apc_cal)
+    out["default"] = ("dense_tail", "model", "default", 4)
+    out["default_uniform"] = ("uniform", "model", "default", 4)
+    out["default_int8"] = ("dense_tail", "int8", "default", 4)
     return out
 
 
@@ -56,15 +57,17 @@ def budget(k, boundary: int, k_max: int) -> int:
 class Case:
     """One prompt cut at a page boundary, with everything the variants share."""
 
-    def __init__(self, model, prompt: list[int], target: list[int]) -> None:
+    def __init__(self, model, prompt: list[int], target: list[int],
+                 densities: tuple[int, ...] = (4,)) -> None:
         self.target = target
         self.boundary = (len(prompt) - 1) // PAGE * PAGE
         self.suffix = prompt[self.boundary:] + target[:-1]
         self.session, self.exact = exact_run(model, prompt + target, self.boundary, PAGE)
         ids = torch.tensor([prompt[:self.boundary]])
-        self.hidden = {s: model.capture_hidden(ids, anchor_positions(
-            AnchorLayout(PAGE, 4, s), self.boundary).unsqueeze(0))[:, 0]
-            for s in ("dense_tail", "uniform")}
+        layouts = {("uniform", 4)} | {("dense_tail", a) for a in densities}
+        self.hidden = {(s, a): model.capture_hidden(ids, anchor_positions(
+            AnchorLayout(PAGE, a, s), self.boundary).unsqueeze(0))[:, 0]
+            for s, a in layouts}
         self.full = continuation_logits(self.session, self.exact, self.suffix)
 
     def scores(self, logits: torch.Tensor) -> dict[str, float]:
@@ -77,13 +80,16 @@ class Case:
                 "top1": float((logits.argmax(-1) == self.full.argmax(-1)).float().mean())}
 
 
-def run_cases(model, cases: list[Case], k_cal: int, k_max: int) -> dict[str, dict]:
+def run_cases(model, cases: list[Case], k_cal: int, k_max: int,
+              apc_cal: int = 4) -> dict[str, dict]:
     results = {"full": [c.scores(c.full) for c in cases]}
-    for name, (sampling, dtype, k) in tqdm(variants(k_cal).items(), desc="variants"):
+    for name, (sampling, dtype, k, apc) in tqdm(variants(k_cal, apc_cal).items(),
+                                                desc="variants"):
         rows = []
         for c in cases:
-            kk = min(budget(k, c.boundary, k_max), c.hidden[sampling].shape[1])
-            states = replayed_states(model, c.hidden[sampling], kk, int8=dtype == "int8")
+            hidden = c.hidden[sampling, apc]
+            kk = min(budget(k, c.boundary, k_max), hidden.shape[1])
+            states = replayed_states(model, hidden, kk, int8=dtype == "int8")
             rows.append(c.scores(continuation_logits(c.session, states, c.suffix)))
         results[name] = rows
     return results
@@ -97,23 +103,24 @@ def summarize(rows: list[dict]) -> dict[str, float]:
             "top1_agreement": sum(r["top1"] for r in rows) / n}
 
 
-def task_cases(model, contexts, n) -> list[Case]:
+def task_cases(model, contexts, n, densities=(4,)) -> list[Case]:
     cases = []
     for kind in TASKS:
         for ctx in contexts:
             for ex in task_examples(kind, ctx, n, seed=99):
-                cases.append(Case(model, list(ex.prompt.encode()), list(ex.answer.encode())))
+                cases.append(Case(model, list(ex.prompt.encode()), list(ex.answer.encode()),
+                                  densities))
     return cases
 
 
-def text_cases(model, num: int, length: int) -> list[Case]:
+def text_cases(model, num: int, length: int, densities=(4,)) -> list[Case]:
     text = to_ids(load_split(held_out=True, max_bytes=num * length * 2))
     step = len(text) // num
     cases = []
     for i in range(num):
         seq = text[i * step:i * step + length].tolist()
         cut = length - 256
-        cases.append(Case(model, seq[:cut + 1], seq[cut + 1:]))
+        cases.append(Case(model, seq[:cut + 1], seq[cut + 1:], densities))
     return cases
 
 
@@ -126,13 +133,18 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(2)
     model = load_model(args.model)
     cal_file = Path(args.model) / "calibration.json"
-    k_cal = json.loads(cal_file.read_text())["k_max"] if cal_file.exists() else 512
+    calibration = json.loads(cal_file.read_text()) if cal_file.exists() else {}
+    k_cal = calibration.get("k_max", 512)
+    apc_cal = calibration.get("anchors_per_page", 4) * PAGE // calibration.get("page_size", PAGE)
+    densities = tuple(sorted({4, apc_cal}))
     contexts, n, n_text = ((1024,), 6, 6) if args.quick else ((1024, 2048), 16, 16)
     t0 = time.time()
-    cases = task_cases(model, contexts, n)
-    text = text_cases(model, n_text, 1024 + 256)
-    retrieval = {k: summarize(v) for k, v in run_cases(model, cases, k_cal, k_cal).items()}
-    heldout = {k: summarize(v) for k, v in run_cases(model, text, k_cal, k_cal).items()}
+    cases = task_cases(model, contexts, n, densities)
+    text = text_cases(model, n_text, 1024 + 256, densities)
+    retrieval = {k: summarize(v) for k, v in
+                 run_cases(model, cases, k_cal, k_cal, apc_cal).items()}
+    heldout = {k: summarize(v) for k, v in run_cases(model, text, k_cal, k_cal, apc_cal).items()}
+    args.calibrated_anchors_per_page = apc_cal
     args.cached_lens = [c.boundary for c in cases]
     summary = build_summary(model, retrieval, heldout, k_cal, contexts, n, args)
     summary["seconds"] = round(time.time() - t0, 1)
@@ -142,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def workload_storage(cfg, cached_lens: list[int], interval: int = 256) -> dict:
+def workload_storage(cfg, cached_lens: list[int], interval: int = 256,
+                     calibrated_apc: int = 4) -> dict:
     """Bytes each policy stores to make these cached prompts reusable: anchors for every page
     (suffix replay) against checkpoints every `interval` tokens plus one at each prompt end
     (the checkpoint baseline's own configuration)."""
@@ -156,12 +169,14 @@ def workload_storage(cfg, cached_lens: list[int], interval: int = 256) -> dict:
     checkpoints = sum(n // interval + (n % interval > 0) for n in cached_lens)
     anchors = pages * layout.anchor_bytes_per_page(PAGE, 4 / PAGE, fmt)
     anchors8 = pages * layout.anchor_bytes_per_page(PAGE, 4 / PAGE, int8)
+    anchors_cal = pages * layout.anchor_bytes_per_page(PAGE, calibrated_apc / PAGE, fmt)
     ckpt = checkpoints * layout.checkpoint_bytes()
     per_page_ckpt = pages * layout.checkpoint_bytes()
     return {"num_prompts": len(cached_lens), "cached_pages": pages,
             "checkpoints_at_interval": checkpoints, "interval": interval,
             "anchor_bytes": anchors, "anchor_bytes_int8": anchors8, "checkpoint_bytes": ckpt,
             "ratio_vs_checkpoint": anchors / ckpt, "ratio_vs_checkpoint_int8": anchors8 / ckpt,
+            "ratio_vs_checkpoint_calibrated_density": anchors_cal / ckpt,
             "ratio_vs_checkpoint_every_page": anchors / per_page_ckpt}
 
 
@@ -174,10 +189,12 @@ def retention(variant: dict, full: dict) -> float:
 
 def build_summary(model, retrieval, heldout, k_cal, contexts, n, args) -> dict:
     full = retrieval["full"]
-    storage = workload_storage(model.config, args.cached_lens)
+    storage = workload_storage(model.config, args.cached_lens,
+                               calibrated_apc=args.calibrated_anchors_per_page)
     return {
         "model": str(args.model), "quick": args.quick, "contexts": list(contexts),
         "examples_per_task_and_context": n, "calibrated_k_max": k_cal,
+        "calibrated_anchors_per_page": args.calibrated_anchors_per_page,
         "retention_default": retention(retrieval["default"], full),
         "retention_k16": retention(retrieval["k16"], full),
         "retention_calibrated": retention(retrieval["calibrated"], full),
@@ -188,6 +205,7 @@ def build_summary(model, retrieval, heldout, k_cal, contexts, n, args) -> dict:
         "heldout_top1_agreement_default": heldout["default"]["top1_agreement"],
         "storage_ratio_vs_checkpoint": storage["ratio_vs_checkpoint"],
         "storage_ratio_vs_checkpoint_int8": storage["ratio_vs_checkpoint_int8"],
+        "storage_ratio_vs_checkpoint_calibrated": storage["ratio_vs_checkpoint_calibrated_density"],
         "storage": storage, "retrieval": retrieval, "heldout": heldout,
         "date": time.strftime("%Y-%m-%d"), "machine": "2-core CPU (no GPU)",
     }
