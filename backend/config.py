@@ -10,11 +10,11 @@ from typing import Any
 LINEAR = "linear_attention"
 FULL = "full_attention"
 MLP = "mlp"  # Nemotron-H: a layer that is only an MLP (no token mixer)
+MOE = "moe"  # Nemotron-H: a mixture-of-experts MLP layer (routed + shared experts)
 QWEN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
 NEMOTRON_H = "nemotron_h"
-# Nemotron-H's `hybrid_override_pattern` letters -> layer types (E, mixture of experts, is read
-# only to be refused) and back.
-NEMOTRON_H_CODES = {"M": LINEAR, "*": FULL, "-": MLP, "E": "moe"}
+# Nemotron-H's `hybrid_override_pattern` letters -> layer types, and back.
+NEMOTRON_H_CODES = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
 NEMOTRON_H_LETTERS = {t: c for c, t in NEMOTRON_H_CODES.items()}
 SUPPORTED_MODEL_TYPES = (*QWEN_MODEL_TYPES, NEMOTRON_H)
 
@@ -66,7 +66,7 @@ class ModelConfig:
                 f"layer_types has {len(self.layer_types)} entries, "
                 f"num_hidden_layers is {self.num_hidden_layers}"
             )
-        kinds = (LINEAR, FULL, MLP) if self.is_nemotron_h else (LINEAR, FULL)
+        kinds = (LINEAR, FULL, MLP, MOE) if self.is_nemotron_h else (LINEAR, FULL)
         bad = sorted({t for t in self.layer_types if t not in kinds})
         if bad:
             raise ValueError(f"unknown layer types {bad}; expected one of {kinds}")
@@ -126,7 +126,7 @@ class ModelConfig:
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
         """The layers (decoder layer indices) of each group: a maximal run of layers without
-        attention, from its first linear layer to its last (Nemotron-H's MLP-only layers in
+        attention, from its first linear layer to its last (Nemotron-H's MLP and MoE layers in
         between belong to it; those before or after carry no state and need no replay)."""
         runs: list[list[int]] = [[]]
         for i, t in enumerate(self.layer_types):
@@ -210,7 +210,7 @@ class ModelConfig:
     @classmethod
     def _from_nemotron_h(cls, raw: dict[str, Any]) -> ModelConfig:
         """Nemotron-H: layers from `layers_block_type` (transformers 5) or the checkpoints'
-        `hybrid_override_pattern` (M Mamba2, * attention, - MLP; E, MoE, is not supported)."""
+        `hybrid_override_pattern` (M Mamba2, * attention, - MLP, E mixture of experts)."""
         types = raw.get("layers_block_type") or raw.get("layer_types")
         if types is None:
             pattern = str(raw["hybrid_override_pattern"])
@@ -219,9 +219,6 @@ class ModelConfig:
                 raise ValueError(f"hybrid_override_pattern has unknown layer codes {bad}")
             types = [NEMOTRON_H_CODES[c] for c in pattern]
         types = [str(t) for t in types]
-        if "moe" in types:
-            raise ValueError("Nemotron-H mixture-of-experts layers ('moe' / 'E') are not "
-                             "supported; dense Nemotron-H checkpoints are")
         eos = raw.get("eos_token_id")
         heads = int(raw["num_attention_heads"])
 
@@ -263,6 +260,7 @@ class ModelConfig:
                 # transformers' prefill clamps dt to [time_step_min, inf); we clamp in
                 # every form, decode included, so a cached state equals a prefilled one.
                 "dt_min": float(pick("time_step_min", "mamba_dt_min", default=0.001)),
+                **({"moe": _moe_config(raw, pick)} if MOE in types else {}),
             },
         )
 
@@ -279,3 +277,33 @@ class ModelConfig:
             return cls.from_hf_dict(raw)
         except KeyError as e:
             raise ValueError(f"model config {path} lacks required field {e}") from e
+
+
+def _moe_config(raw: dict[str, Any], pick) -> dict[str, Any]:
+    """Nemotron-H's mixture-of-experts fields (transformers' names): routed experts of
+    `moe_intermediate_size` (through a latent projection when `moe_latent_size` is set), a
+    shared expert, a sigmoid router choosing `num_experts_per_tok` experts among the
+    `topk_group` best of `n_group` groups."""
+    out = {
+        "num_experts": int(pick("n_routed_experts", "num_local_experts")),
+        "top_k": int(raw["num_experts_per_tok"]),
+        "intermediate_size": int(raw["moe_intermediate_size"]),
+        "shared_intermediate_size": int(pick("moe_shared_expert_intermediate_size",
+                                             "moe_intermediate_size")),
+        "latent_size": None if raw.get("moe_latent_size") is None
+        else int(raw["moe_latent_size"]),
+        "n_group": int(pick("n_group", default=1)),
+        "topk_group": int(pick("topk_group", default=1)),
+        "norm_topk_prob": bool(pick("norm_topk_prob", default=True)),
+        "routed_scaling_factor": float(pick("routed_scaling_factor", default=1.0)),
+    }
+    if int(raw.get("n_shared_experts", 1)) != 1:
+        raise ValueError(f"n_shared_experts={raw['n_shared_experts']}: Nemotron-H MoE layers "
+                         "have one shared expert")
+    if out["num_experts"] % out["n_group"] or not 0 < out["topk_group"] <= out["n_group"]:
+        raise ValueError(f"n_routed_experts={out['num_experts']} with n_group={out['n_group']},"
+                         f" topk_group={out['topk_group']}: the groups must divide the experts")
+    if not 0 < out["top_k"] <= out["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={out['top_k']} must be in "
+                         f"1..{out['num_experts']}")
+    return out

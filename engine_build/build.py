@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from backend.config import MOE
 from backend.model import load_model
 from backend.model.loader import CheckpointError
 from backend.triton.repo import MODEL_REPO, set_parameters
@@ -55,7 +56,7 @@ def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32) -> 
                          "preprocessing and postprocessing models need it)")
     params = sum(p.numel() for p in model.parameters())
     return {"parameters": params, "layers": cfg.num_hidden_layers, "groups": cfg.num_groups,
-            "model_type": cfg.model_type}
+            "model_type": cfg.model_type, "moe": MOE in cfg.layer_types}
 
 
 def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool) -> Path:
@@ -96,6 +97,10 @@ def build(args: argparse.Namespace) -> Path:
             if args.backend == "tensorrt" and info["model_type"] == "nemotron_h":
                 raise BuildError("--backend tensorrt registers Qwen3.5's operators only; "
                                  "build Nemotron-H checkpoints with --backend aot or eager")
+            if args.backend == "aot" and info["moe"]:
+                raise BuildError("--backend aot does not compile mixture-of-experts layers "
+                                 "(per-token routing); build this checkpoint with --backend "
+                                 "eager")
         elif step == "calibrate":
             from engine_build import calibrate
 

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.linear import packing_available
+from backend.model.mlp import NemotronMoE
 from backend.model.rotary import apply_rotary
 
 
@@ -299,6 +300,18 @@ class _MlpBlock(_Fused):
         return x + _mm(F.relu(h).square(), self.w_down, self.b_down)
 
 
+class _MoEBlock(_Fused):
+    """A Nemotron-H mixture-of-experts block: its general code over the [B, D] rows (the
+    routing decides per token which products run; nothing to fuse)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__(layer)
+        self.layer = layer
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.layer.mixer(self.layer.norm(x))
+
+
 class FastDecode:
     """Fused copies of a model's layers for one-token steps (see the module doc)."""
 
@@ -316,7 +329,9 @@ class FastDecode:
         if hasattr(layer, "mixer"):  # Nemotron-H
             if layer.is_linear:
                 return _MambaBlock(layer)
-            return _PlainAttentionBlock(layer) if layer.is_attention else _MlpBlock(layer)
+            if layer.is_attention:
+                return _PlainAttentionBlock(layer)
+            return _MoEBlock(layer) if isinstance(layer.mixer, NemotronMoE) else _MlpBlock(layer)
         return _LinearLayer(layer) if layer.is_linear else _AttentionLayer(layer)
 
     @classmethod
@@ -351,7 +366,7 @@ class FastDecode:
                 x, conv, rec = fused(x, states.conv[j].index_select(0, slots),
                                      states.rec[j].index_select(0, slots))
                 states.scatter(j, slots, conv, rec)
-            elif isinstance(fused, _MlpBlock):
+            elif isinstance(fused, (_MlpBlock, _MoEBlock)):
                 x = fused(x)
             else:
                 x = fused(x, cos, sin, batch)

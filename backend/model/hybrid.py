@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.config import FULL, LINEAR, ModelConfig
+from backend.config import FULL, LINEAR, MOE, ModelConfig
 from backend.model.attention import Attention
 from backend.model.batch import Capture, ForwardBatch, SeqInput, Snapshots
 from backend.model.gated_deltanet import GatedDeltaNet, LinearState
 from backend.model.linear import Linear
 from backend.model.mamba2 import Mamba2Mixer
-from backend.model.mlp import ReluSquaredMLP, SwiGLU
+from backend.model.mlp import NemotronMoE, ReluSquaredMLP, SwiGLU
 from backend.model.norm import PlainRMSNorm, RMSNorm
 from backend.model.rotary import Rotary
 
@@ -67,8 +67,8 @@ class HybridTextModel(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """One Nemotron-H layer: x + mixer(norm(x)), the mixer a Mamba2 mixer, plain attention
-    or a squared-ReLU MLP."""
+    """One Nemotron-H layer: x + mixer(norm(x)), the mixer a Mamba2 mixer, plain attention,
+    a squared-ReLU MLP or a mixture of such experts."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
@@ -81,6 +81,9 @@ class NemotronHBlock(nn.Module):
             self.state_index = cfg.linear_layer_ids.index(layer_id)
         elif self.is_attention:
             self.mixer = Attention(cfg, cfg.attention_layer_ids.index(layer_id))
+        elif kind == MOE:
+            self.mixer = NemotronMoE(cfg.hidden_size, cfg.extra["moe"],
+                                     bias=bool(cfg.extra.get("mlp_bias", False)))
         else:
             self.mixer = ReluSquaredMLP(cfg.hidden_size, cfg.intermediate_size,
                                         bias=bool(cfg.extra.get("mlp_bias", False)))

@@ -1,4 +1,5 @@
-"""Feed-forward blocks: SwiGLU (Qwen3.5) and squared ReLU (Nemotron-H)."""
+"""Feed-forward blocks: SwiGLU (Qwen3.5), squared ReLU and the mixture of squared-ReLU experts
+(Nemotron-H)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,72 @@ class ReluSquaredMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class MoERouter(nn.Module):
+    """Nemotron-H's router (DeepSeek-V3 style, as transformers computes it): sigmoid scores
+    over the experts (fp32), a bias that only steers the choice, the `topk_group` groups with
+    the best two-expert sums, the top-k experts among them; weights are the chosen scores,
+    normalised to sum 1 (`norm_topk_prob`) and scaled."""
+
+    def __init__(self, hidden_size: int, moe: dict) -> None:
+        super().__init__()
+        E = moe["num_experts"]
+        self.top_k, self.n_group, self.topk_group = moe["top_k"], moe["n_group"], moe["topk_group"]
+        self.norm_topk_prob, self.scale = moe["norm_topk_prob"], moe["routed_scaling_factor"]
+        self.weight = nn.Parameter(torch.zeros(E, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32),
+                                                    requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (weights [N, top_k] fp32, expert indices [N, top_k])."""
+        E = self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(-1, self.n_group, E // self.n_group).topk(2, dim=-1)[0].sum(-1)
+        keep = torch.zeros_like(groups).scatter_(
+            1, groups.topk(self.topk_group, dim=-1, sorted=False)[1], 1.0)
+        keep = keep.unsqueeze(-1).expand(-1, self.n_group, E // self.n_group).reshape(-1, E)
+        index = choice.masked_fill(keep == 0, float("-inf")).topk(
+            self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, index)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, index
+
+
+class NemotronMoE(nn.Module):
+    """Nemotron-H's mixture-of-experts layer: routed squared-ReLU experts (without biases,
+    through a latent projection where the checkpoint has one) plus a shared expert.
+
+    Parameter names follow the checkpoints: `gate.weight`, `gate.e_score_correction_bias`,
+    `experts.<i>.up_proj.weight` / `down_proj.weight`, `shared_experts.*`,
+    `fc1_latent_proj` / `fc2_latent_proj`. Each expert runs over the tokens routed to it
+    (a Python loop over the experts that got tokens: eager only; AOT engines refuse MoE).
+    """
+
+    def __init__(self, hidden_size: int, moe: dict, bias: bool = False) -> None:
+        super().__init__()
+        latent = moe["latent_size"]
+        width = latent or hidden_size
+        self.gate = MoERouter(hidden_size, moe)
+        self.experts = nn.ModuleList(ReluSquaredMLP(width, moe["intermediate_size"])
+                                     for _ in range(moe["num_experts"]))
+        self.shared_experts = ReluSquaredMLP(hidden_size, moe["shared_intermediate_size"], bias)
+        self.fc1_latent_proj = Linear(hidden_size, latent, bias=bias) if latent else None
+        self.fc2_latent_proj = Linear(latent, hidden_size, bias=bias) if latent else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, index = self.gate(flat)
+        h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
+        routed = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        for e in index.unique().tolist():
+            token, slot = (index == e).nonzero(as_tuple=True)
+            out = self.experts[e](h.index_select(0, token)) * weights[token, slot, None]
+            routed.index_add_(0, token, out.float())
+        routed = routed.to(x.dtype)
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        return routed.view(shape) + self.shared_experts(x)

@@ -98,6 +98,15 @@ NEMOTRON_H_CONFIGS = {
         "n_groups": 1,
         "use_conv_bias": False,
     },
+    # mixture-of-experts layers inside the groups and at the end, through a latent projection
+    # (Nemotron 3's layout): 8 experts in 2 groups, 2 chosen from the better group
+    "moe-latent": {
+        "layers_block_type": ["linear_attention", "moe", "linear_attention", "full_attention",
+                              "moe", "linear_attention", "mlp", "linear_attention", "moe"],
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1,
+        "moe_intermediate_size": 32, "moe_shared_expert_intermediate_size": 48,
+        "moe_latent_size": 32, "routed_scaling_factor": 2.5,
+    },
 }
 
 
@@ -156,6 +165,13 @@ def make_nemotron_h_checkpoint(path: Path, seed: int = 0, slow_decay: bool = Fal
                 p.mul_(4.0)
             elif "mixer.out_proj" in name or name == "lm_head.weight":
                 p.mul_(4.0)  # logits of order 1, in which the mixers' states weigh
+            elif name.endswith("gate.weight"):  # the router starts at zero: all ties
+                p.normal_(0.0, 0.5)
+            elif ".experts." in name:
+                p.mul_(4.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         if (MODEL_REPO / DEFAULT_MODEL / f).exists():

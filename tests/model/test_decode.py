@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from hf_oracle import NEMOTRON_H_CONFIGS, make_nemotron_h_checkpoint
 
 from backend.model import load_model
 from backend.model.batch import Capture, ForwardBatch, SeqInput
@@ -13,6 +14,7 @@ from backend.model.decode import FastDecode
 from backend.model.generate import PagedSession
 from backend.model.hybrid import HybridForCausalLM
 from backend.model.linear import unpack_linears
+from backend.model.mlp import ReluSquaredMLP
 from engine_build.hf_export import save_hf_directory
 from engine_build.train_tiny import init_weights, tiny_config
 
@@ -37,6 +39,8 @@ NEMOTRON_H = {
     # has none), one B/C group, more heads per group
     "nemotron_h_biases": dict(mlp_bias=True, use_bias=True, n_groups=1, mamba_num_heads=4,
                               mamba_head_dim=16),
+    # mixture-of-experts layers (their general code inside the fused step)
+    "nemotron_h_moe": NEMOTRON_H_CONFIGS["moe-latent"],
 }
 
 
@@ -44,7 +48,6 @@ NEMOTRON_H = {
 def model(request, tmp_path_factory):
     if request.param in NEMOTRON_H:
         pytest.importorskip("transformers")
-        from hf_oracle import make_nemotron_h_checkpoint
 
         path = tmp_path_factory.mktemp(request.param)
         make_nemotron_h_checkpoint(path, seed=3, vocab_size=260, **NEMOTRON_H[request.param])
@@ -127,8 +130,8 @@ def test_weights_edited_after_loading_are_seen(model):
     try:
         with torch.no_grad():
             if model.config.is_nemotron_h:
-                mlp = next(layer for layer in layers if not layer.is_linear and
-                           not layer.is_attention)
+                mlp = next(layer for layer in layers
+                           if isinstance(layer.mixer, ReluSquaredMLP))
                 linear.mixer.in_proj.weight.mul_(-1.5)
                 linear.mixer.A_log.add_(0.5)
                 attn.mixer.k_proj.weight.mul_(0.5)

@@ -1,4 +1,4 @@
-"""Nemotron-H (Mamba2 + attention + MLP layers): configuration, groups and exact group replay
+"""Nemotron-H (Mamba2 + attention + MLP / MoE layers): configuration, groups and exact group replay
 (parity of logits, decode and generation with transformers: tests/model/test_oracle.py)."""
 
 from __future__ import annotations
@@ -36,8 +36,18 @@ def test_config_groups_span_mamba_runs_between_attention():
     raw["hybrid_override_pattern"] = "-M-M*-M-M*-"
     del raw["layers_block_type"]
     assert ModelConfig.from_hf_dict(raw).layer_types == cfg.layer_types
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        ModelConfig.from_hf_dict({**raw, "hybrid_override_pattern": "-M-E*-M-M*-"})
+    # E: a mixture-of-experts layer, inside its run's group like an MLP layer
+    moe = {**raw, "hybrid_override_pattern": "-MEM*-M-M*E", "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_group": 2, "topk_group": 1}
+    cfg = ModelConfig.from_hf_dict(moe)
+    assert cfg.groups == ((1, 2, 3), (6, 7, 8)) and cfg.layer_types[2] == "moe"
+    assert cfg.extra["moe"]["num_experts"] == 8 and cfg.extra["moe"]["latent_size"] is None
+    with pytest.raises(ValueError, match="groups must divide"):
+        ModelConfig.from_hf_dict({**moe, "n_group": 3})
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        ModelConfig.from_hf_dict({**moe, "num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="one shared expert"):
+        ModelConfig.from_hf_dict({**moe, "n_shared_experts": 2})
 
 
 @pytest.mark.parametrize("j", [1, 5, 64, 130])

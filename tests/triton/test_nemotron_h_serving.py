@@ -5,7 +5,7 @@ prefix hits the cache (suffix replay of the Mamba2 groups)."""
 from __future__ import annotations
 
 import pytest
-from hf_oracle import make_nemotron_h_checkpoint
+from hf_oracle import NEMOTRON_H_CONFIGS, make_nemotron_h_checkpoint
 
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.triton.repo import read_parameters
@@ -18,10 +18,12 @@ pytest.importorskip("transformers")
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def nemotron_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("nemotron-h")
-    make_nemotron_h_checkpoint(path, seed=4, vocab_size=260)  # the byte tokenizer's ids
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def nemotron_dir(request, tmp_path_factory):
+    """A dense Nemotron-H checkpoint, and one with mixture-of-experts layers."""
+    path = tmp_path_factory.mktemp(f"nemotron-h-{request.param}")
+    layout = NEMOTRON_H_CONFIGS["moe-latent"] if request.param == "moe" else {}
+    make_nemotron_h_checkpoint(path, seed=4, vocab_size=260, **layout)  # the byte tokenizer
     return path
 
 
@@ -30,6 +32,10 @@ def test_build_accepts_nemotron_h_for_eager(nemotron_dir, tmp_path, capsys):
     assert "nemotron_h" in capsys.readouterr().out
     config = (tmp_path / "repo" / "hybrid_llm" / "config.pbtxt").read_text()
     assert str(nemotron_dir) in config
+    if "moe" in nemotron_dir.name:  # AOT graphs cannot route per token: refused, clearly
+        assert build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "aot"),
+                           "--backend", "aot"]) != 0
+        assert "mixture-of-experts" in capsys.readouterr().err
 
 
 def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, aot_build_nemotron_h):
