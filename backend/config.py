@@ -11,7 +11,8 @@ LINEAR = "linear_attention"
 FULL = "full_attention"
 MLP = "mlp"  # Nemotron-H: a layer that is only an MLP (no token mixer)
 MOE = "moe"  # Nemotron-H: a mixture-of-experts MLP layer (routed + shared experts)
-QWEN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
+QWEN3_NEXT = "qwen3_next"  # Qwen3.5's layers; its projections packed (qkvz, ba); MoE MLPs
+QWEN_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", QWEN3_NEXT)
 NEMOTRON_H = "nemotron_h"
 # Nemotron-H's `hybrid_override_pattern` letters -> layer types, and back.
 NEMOTRON_H_CODES = {"M": LINEAR, "*": FULL, "-": MLP, "E": MOE}
@@ -100,6 +101,11 @@ class ModelConfig:
         return self.model_type == NEMOTRON_H
 
     @property
+    def has_moe(self) -> bool:
+        """Mixture-of-experts MLPs (Nemotron-H's `moe` layers, Qwen3-Next's sparse MLPs)."""
+        return "moe" in self.extra
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -159,8 +165,8 @@ class ModelConfig:
     # Construction ---------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Builds the config from an HF config.json dict (`qwen3_5`, `qwen3_5_text` or
-        `nemotron_h`)."""
+        """Builds the config from an HF config.json dict (`qwen3_5`, `qwen3_5_text`,
+        `qwen3_next` or `nemotron_h`)."""
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -204,7 +210,9 @@ class ModelConfig:
             hidden_act=str(text.get("hidden_act", "silu")),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             model_type=model_type,
-            extra={"rope_type": rope.get("rope_type", "default")},
+            extra={"rope_type": rope.get("rope_type", "default"),
+                   **({"moe": _qwen3_next_moe(text, num_layers)}
+                      if model_type == QWEN3_NEXT and int(text.get("num_experts", 0)) else {})},
         )
 
     @classmethod
@@ -303,6 +311,28 @@ def _moe_config(raw: dict[str, Any], pick) -> dict[str, Any]:
     if out["num_experts"] % out["n_group"] or not 0 < out["topk_group"] <= out["n_group"]:
         raise ValueError(f"n_routed_experts={out['num_experts']} with n_group={out['n_group']},"
                          f" topk_group={out['topk_group']}: the groups must divide the experts")
+    if not 0 < out["top_k"] <= out["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={out['top_k']} must be in "
+                         f"1..{out['num_experts']}")
+    return out
+
+
+def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Qwen3-Next's sparse MLPs: layers (i + 1) % decoder_sparse_step == 0 outside
+    `mlp_only_layers` have `num_experts` SwiGLU experts (softmax router, top
+    `num_experts_per_tok`) and a shared expert behind a sigmoid gate."""
+    step = int(raw.get("decoder_sparse_step", 1))
+    dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
+    out = {
+        "num_experts": int(raw["num_experts"]),
+        "top_k": int(raw["num_experts_per_tok"]),
+        "intermediate_size": int(raw["moe_intermediate_size"]),
+        "shared_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+        "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
+        "layers": tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    }
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     if not 0 < out["top_k"] <= out["num_experts"]:
         raise ValueError(f"num_experts_per_tok={out['top_k']} must be in "
                          f"1..{out['num_experts']}")

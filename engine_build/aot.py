@@ -24,7 +24,6 @@ import torch
 from torch.export import Dim
 from tqdm import tqdm
 
-from backend.config import MOE
 from backend.engine.compiled import ENGINE_FORMAT
 from backend.engine.config import DTYPES
 from backend.model import load_model
@@ -134,10 +133,10 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but CUDA is not available here")
     model = load_model(model_dir, dtype=DTYPES[dtype], device=device)
-    if MOE in model.config.layer_types:
-        raise ValueError("AOT engines do not compile Nemotron-H's mixture-of-experts layers "
-                         "(their routing picks the products per token); serve this checkpoint "
-                         "with --backend eager")
+    if model.config.has_moe:
+        raise ValueError("AOT engines do not compile mixture-of-experts layers (their "
+                         "routing picks the products per token); serve this checkpoint with "
+                         "--backend eager")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Mid-step snapshots through the CPU scan operator (CUDA engines end a step instead).

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.config import MOE
 from backend.model import load_model
 from backend.model.loader import CheckpointError
 from backend.triton.repo import MODEL_REPO, set_parameters
@@ -56,7 +55,7 @@ def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32) -> 
                          "preprocessing and postprocessing models need it)")
     params = sum(p.numel() for p in model.parameters())
     return {"parameters": params, "layers": cfg.num_hidden_layers, "groups": cfg.num_groups,
-            "model_type": cfg.model_type, "moe": MOE in cfg.layer_types}
+            "model_type": cfg.model_type, "moe": cfg.has_moe}
 
 
 def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool) -> Path:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backend.model.linear import packing_available
-from backend.model.mlp import NemotronMoE
+from backend.model.mlp import NemotronMoE, SparseMoE
 from backend.model.rotary import apply_rotary
 
 
@@ -46,7 +46,9 @@ def fused_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
     def cat(*ts):
         return torch.cat([t.detach() for t in ts])
 
-    out = {"gate_up": cat(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)}
+    out = {}
+    if not isinstance(layer.mlp, SparseMoE):  # a routed MLP has nothing to fuse
+        out["gate_up"] = cat(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight)
     if layer.is_linear:
         m = layer.linear_attn
         out["in"] = cat(m.in_proj_qkv.weight, m.in_proj_z.weight, m.in_proj_b.weight,
@@ -105,13 +107,17 @@ class _FusedLayer(_Fused):
         self.n_in = (1.0 + layer.input_layernorm.weight).detach()
         self.n_post = (1.0 + layer.post_attention_layernorm.weight).detach()
         mlp = layer.mlp
-        self.w_gate_up = _pack(fused["gate_up"])
-        self.ffn_dim = mlp.gate_proj.out_features
-        self.w_down = _packed_of(mlp.down_proj)
+        self.moe = mlp if isinstance(mlp, SparseMoE) else None  # Qwen3-Next: its own code
+        if self.moe is None:
+            self.w_gate_up = _pack(fused["gate_up"])
+            self.ffn_dim = mlp.gate_proj.out_features
+            self.w_down = _packed_of(mlp.down_proj)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _mm(F.rms_norm(x, (x.shape[-1],), self.n_post, self.eps),
-                       self.w_gate_up).split(self.ffn_dim, -1)
+        h = F.rms_norm(x, (x.shape[-1],), self.n_post, self.eps)
+        if self.moe is not None:
+            return x + self.moe(h)
+        gate, up = _mm(h, self.w_gate_up).split(self.ffn_dim, -1)
         return x + _mm(F.silu(gate) * up, self.w_down)
 
 

@@ -16,7 +16,7 @@ from backend.model.batch import Capture, ForwardBatch, SeqInput, Snapshots
 from backend.model.gated_deltanet import GatedDeltaNet, LinearState
 from backend.model.linear import Linear
 from backend.model.mamba2 import Mamba2Mixer
-from backend.model.mlp import NemotronMoE, ReluSquaredMLP, SwiGLU
+from backend.model.mlp import NemotronMoE, ReluSquaredMLP, SparseMoE, SwiGLU
 from backend.model.norm import PlainRMSNorm, RMSNorm
 from backend.model.rotary import Rotary
 
@@ -30,7 +30,9 @@ class DecoderLayer(nn.Module):
             self.state_index = cfg.linear_layer_ids.index(layer_id)
         else:
             self.self_attn = Attention(cfg, cfg.attention_layer_ids.index(layer_id))
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        moe = cfg.extra.get("moe")
+        self.mlp = (SparseMoE(cfg.hidden_size, moe) if moe and layer_id in moe["layers"]
+                    else SwiGLU(cfg.hidden_size, cfg.intermediate_size))
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 

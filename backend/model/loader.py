@@ -1,5 +1,5 @@
-"""Hugging Face-format checkpoint directory (Qwen3.5 or Nemotron-H) -> HybridForCausalLM
-(memory-mapped safetensors)."""
+"""Hugging Face-format checkpoint directory (Qwen3.5, Qwen3-Next or Nemotron-H) ->
+HybridForCausalLM (memory-mapped safetensors)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from backend.config import ModelConfig
+from backend.config import QWEN3_NEXT, ModelConfig
 from backend.model.decode import FastDecode
 from backend.model.hybrid import HybridForCausalLM
 from backend.model.linear import pack_linears
@@ -93,14 +93,18 @@ def load_model(
     found = _read_tensors(_weight_files(path))
     if cfg.tie_word_embeddings:
         found.pop("lm_head.weight", None)
+    derived = _qwen3_next_projections(cfg, found) if cfg.model_type == QWEN3_NEXT else {}
     _check_names(path, expected, found)
     state = {}
     handles: dict[Path, object] = {}
+
     for name, param in expected.items():
         f, key = found[name]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
         tensor = handles[f].get_tensor(key)
+        if name in derived:  # a part of a packed tensor (Qwen3-Next)
+            tensor = derived[name](tensor)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{f}: tensor {key!r} has shape {tuple(tensor.shape)}, "
@@ -117,6 +121,41 @@ def load_model(
         if FastDecode.available(model):
             model.fast_decode = FastDecode(model)
     return model.eval()
+
+
+def _qwen3_next_projections(cfg: ModelConfig, found: dict) -> dict:
+    """Qwen3-Next packs a Gated DeltaNet's input projections per key head: `in_proj_qkvz`
+    rows [q_h, k_h, v_h (r heads), z_h (r heads)] for each key head h (r = value heads per
+    key head), `in_proj_ba` rows [b_h (r), a_h (r)]. Our layer has Qwen3.5's four
+    projections (q of all heads, then k, then v; z; b; a). Points each of those names at its
+    packed tensor in `found` and returns name -> function cutting it out of that tensor."""
+    Hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    r, dv = cfg.linear_num_value_heads // Hk, cfg.linear_value_head_dim
+
+    def qkv(w):
+        q, k, v, _ = w.view(Hk, 2 * dk + 2 * r * dv, -1).split([dk, dk, r * dv, r * dv], 1)
+        return torch.cat([t.reshape(-1, w.shape[-1]) for t in (q, k, v)])
+
+    def z(w):
+        return w.view(Hk, 2 * dk + 2 * r * dv, -1)[:, 2 * dk + r * dv:].reshape(-1, w.shape[-1])
+
+    def b(w):
+        return w.view(Hk, 2, r, -1)[:, 0].reshape(Hk * r, -1)
+
+    def a(w):
+        return w.view(Hk, 2, r, -1)[:, 1].reshape(Hk * r, -1)
+
+    derived = {}
+    for packed, parts in (("in_proj_qkvz", (("in_proj_qkv", qkv), ("in_proj_z", z))),
+                          ("in_proj_ba", (("in_proj_b", b), ("in_proj_a", a)))):
+        suffix = f"linear_attn.{packed}.weight"
+        for name in [n for n in found if n.endswith(suffix)]:
+            base = name[: -len(f"{packed}.weight")]
+            for part, cut in parts:
+                found[f"{base}{part}.weight"] = found[name]
+                derived[f"{base}{part}.weight"] = cut
+            del found[name]
+    return derived
 
 
 def _check_names(path: Path, expected: dict, found: dict) -> None:

@@ -1,5 +1,5 @@
-"""Feed-forward blocks: SwiGLU (Qwen3.5), squared ReLU and the mixture of squared-ReLU experts
-(Nemotron-H)."""
+"""Feed-forward blocks: SwiGLU (Qwen3.5) and Qwen3-Next's mixture of SwiGLU experts; squared
+ReLU and the mixture of squared-ReLU experts (Nemotron-H)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,46 @@ class ReluSquaredMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+def run_experts(experts: nn.ModuleList, h: torch.Tensor, weights: torch.Tensor,
+                index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weights[:, j] * experts[index[:, j]](h), each expert over the tokens routed to
+    it (h [N, D]; weights, index [N, top_k]), accumulated in `dtype`."""
+    out = torch.zeros(h.shape[0], experts[0].down_proj.out_features, dtype=dtype,
+                      device=h.device)
+    for e in index.unique().tolist():
+        token, slot = (index == e).nonzero(as_tuple=True)
+        y = experts[e](h.index_select(0, token)) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(dtype))
+    return out
+
+
+class SparseMoE(nn.Module):
+    """Qwen3-Next's sparse MLP: a softmax router choosing `top_k` SwiGLU experts (weights
+    renormalised to sum 1 with `norm_topk_prob`), plus a shared SwiGLU expert scaled by a
+    sigmoid gate. Names as the checkpoints': `gate.weight`, `experts.<i>.{gate,up,down}_proj`,
+    `shared_expert.*`, `shared_expert_gate.weight`."""
+
+    def __init__(self, hidden_size: int, moe: dict) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = moe["top_k"], moe["norm_topk_prob"]
+        self.gate = Linear(hidden_size, moe["num_experts"], bias=False)
+        self.experts = nn.ModuleList(SwiGLU(hidden_size, moe["intermediate_size"])
+                                     for _ in range(moe["num_experts"]))
+        self.shared_expert = SwiGLU(hidden_size, moe["shared_intermediate_size"])
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        logits = self.gate(flat)
+        weights, index = logits.softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        routed = run_experts(self.experts, flat, weights.to(logits.dtype), index, x.dtype)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return (routed + shared).view(shape)
 
 
 class MoERouter(nn.Module):
@@ -91,12 +131,7 @@ class NemotronMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, index = self.gate(flat)
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        for e in index.unique().tolist():
-            token, slot = (index == e).nonzero(as_tuple=True)
-            out = self.experts[e](h.index_select(0, token)) * weights[token, slot, None]
-            routed.index_add_(0, token, out.float())
-        routed = routed.to(x.dtype)
+        routed = run_experts(self.experts, h, weights, index, torch.float32).to(x.dtype)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed.view(shape) + self.shared_experts(x)

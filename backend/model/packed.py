@@ -144,7 +144,7 @@ def linear_layer_packed(layer: DecoderLayer | NemotronHBlock, x, cu_seqlens, con
 
 
 def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tensor:
-    if not fused:
+    if not fused or "gate_up" not in fused:
         return layer._ffn(x)
     gate, up = F.linear(layer.post_attention_layernorm(x), fused["gate_up"]).split(
         layer.mlp.gate_proj.out_features, -1)

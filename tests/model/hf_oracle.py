@@ -59,20 +59,30 @@ def hf_config_dict(**overrides) -> dict:
     return cfg
 
 
-def make_hf_checkpoint(path: Path, seed: int = 0, slow_decay: bool = False, **overrides):
-    """Saves a randomly initialised HF Qwen3.5 model (with non-trivial norms) to `path`.
+def make_hf_checkpoint(path: Path, seed: int = 0, slow_decay: bool = False,
+                       family: str = "qwen3_5", **overrides):
+    """Saves a randomly initialised HF Qwen3.5 model (with non-trivial norms) to `path`;
+    family "qwen3_next": transformers' Qwen3-Next of the same shapes (its packed projections;
+    sparse MLPs where the overrides give experts), routers perturbed off their zero init.
 
     slow_decay: linear layers forget slowly (small A, negative dt bias), so truncating the
     history (suffix replay) visibly changes their states.
     """
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import (
+        Qwen3_5ForCausalLM,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
 
     torch.manual_seed(seed)
     raw = hf_config_dict(**overrides)
     raw.pop("model_type")
     raw.pop("architectures")
-    config = Qwen3_5TextConfig(**raw)
-    model = Qwen3_5ForCausalLM(config).eval()
+    if family == "qwen3_next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(**raw)).eval()
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**raw)).eval()
     with torch.no_grad():
         # Default init leaves norms at identity and A_log / dt_bias constant: perturb them
         # so that every parameter's role is visible in the logits.
@@ -85,8 +95,20 @@ def make_hf_checkpoint(path: Path, seed: int = 0, slow_decay: bool = False, **ov
                 p.fill_(-3.0)
             if slow_decay and "dt_bias" in name:
                 p.fill_(-2.0)
+            if name.endswith("mlp.gate.weight") or name.endswith("shared_expert_gate.weight"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(path)
     return model
+
+
+QWEN3_NEXT_CONFIGS = {
+    # id: overrides of hf_config_dict's base, for transformers' Qwen3NextForCausalLM
+    "dense": {"num_experts": 0},
+    # sparse MLPs on every layer but one (mlp_only_layers), 8 experts, 2 a token
+    "moe": {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1,
+            "mlp_only_layers": [3]},
+}
 
 
 NEMOTRON_H_CONFIGS = {

@@ -1,5 +1,5 @@
-"""Parity with transformers' Qwen3_5ForCausalLM and NemotronHForCausalLM on the same
-safetensors."""
+"""Parity with transformers' Qwen3_5ForCausalLM, Qwen3NextForCausalLM and NemotronHForCausalLM
+on the same safetensors."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 from hf_oracle import (
     NEMOTRON_H_CONFIGS,
+    QWEN3_NEXT_CONFIGS,
     TINY_CONFIGS,
     make_hf_checkpoint,
     make_nemotron_h_checkpoint,
@@ -19,6 +20,8 @@ pytest.importorskip("transformers")
 
 
 CONFIGS = {**{k: (make_hf_checkpoint, v) for k, v in TINY_CONFIGS.items()},
+           **{f"qwen3_next-{k}": (make_hf_checkpoint, {"family": "qwen3_next", **v})
+              for k, v in QWEN3_NEXT_CONFIGS.items()},
            **{f"nemotron_h-{k}": (make_nemotron_h_checkpoint, v)
               for k, v in NEMOTRON_H_CONFIGS.items()}}
 

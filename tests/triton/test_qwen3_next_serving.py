@@ -1,0 +1,59 @@
+"""A Qwen3-Next checkpoint (packed Gated DeltaNet projections, sparse MoE MLPs) built with
+engine_build/build.py and served by tritonserver: the ensemble returns what the in-process
+engine generates, a branch of a served prompt hits the cache with its states replayed, and
+`--backend aot` refuses the MoE layers with a message."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
+from client.generate import GenerateParams, stream_grpc
+from engine_build import build
+from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
+from tests.triton.llm_helpers import long_prompt
+
+pytest.importorskip("transformers")
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen3-next") / "ckpt"
+    make_hf_checkpoint(path, seed=6, family="qwen3_next", vocab_size=260,
+                       **QWEN3_NEXT_CONFIGS["moe"])
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(MODEL_REPO / DEFAULT_MODEL / name, path / name)
+    return path
+
+
+def test_build_accepts_qwen3_next_for_eager_only(qwen3_next_dir, tmp_path, capsys):
+    assert build.main(["--model", str(qwen3_next_dir), "--repo", str(tmp_path / "repo")]) == 0
+    assert "qwen3_next" in capsys.readouterr().out
+    assert build.main(["--model", str(qwen3_next_dir), "--repo", str(tmp_path / "aot"),
+                       "--backend", "aot"]) != 0
+    assert "mixture-of-experts" in capsys.readouterr().err
+
+
+def test_served_qwen3_next_matches_the_engine_and_hits_the_cache(triton_server, qwen3_next_dir):
+    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "model_path": str(qwen3_next_dir)},
+              "preprocessing": {"tokenizer_dir": str(qwen3_next_dir)},
+              "postprocessing": {"tokenizer_dir": str(qwen3_next_dir)}}
+    server = triton_server(LLM_MODELS, params)
+    engine = Engine.from_model_dir(qwen3_next_dir,
+                                   EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+    prompt = long_prompt("Sparse experts route each token", 200)
+    for text in (prompt, prompt[:-20] + " and a different end."):
+        want = engine.tokenizer.decode(
+            engine.generate(engine.tokenizer.encode(text), sampling).new_token_ids,
+            skip_special_tokens=True)
+        request = GenerateParams(text, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
+        chunks = list(stream_grpc(server.urls.grpc, request))
+        assert "".join(c.text for c in chunks) == want
+    counts = {k: v for c in chunks for k, v in c.counts.items()}
+    assert counts["cached_tokens"] >= 128 and counts["replayed_anchors"] > 0
