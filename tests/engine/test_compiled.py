@@ -225,3 +225,19 @@ def test_compiled_snapshot_beside_rows_shorter_than_the_conv(model, aot_engine):
     for a, b in zip(eager.saved_states.conv + eager.saved_states.rec,
                     compiled.saved_states.conv + compiled.saved_states.rec):
         _close(b[3], a[3])
+
+
+def test_qwen3_next_dense_runs_the_qwen3_5_graphs(tmp_path):
+    """A dense Qwen3-Next checkpoint loads into Qwen3.5's layers (its packed projections cut
+    at load time), so the packed graphs AOT engines compile run it like the eager model."""
+    pytest.importorskip("transformers")
+    from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint
+
+    make_hf_checkpoint(tmp_path, seed=4, family="qwen3_next", vocab_size=260,
+                       **QWEN3_NEXT_CONFIGS["dense"])
+    model = load_model(tmp_path)
+    assert model.config.model_type == "qwen3_next" and not model.config.has_moe
+    eager = TorchExecutor(model, *SIZES)
+    graphs = CompiledExecutor.from_graphs(model, *SIZES)
+    for seqs, src, dst in _steps(model):
+        _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
