@@ -53,3 +53,24 @@ def long_prompt(seed: str, num_chars: int = 200) -> str:
     while len(text) < num_chars:
         text += f" {seed} {len(text)}"
     return text[:num_chars]
+
+
+def assert_prompt_and_branch_served_as_generated(server: ServerHandle, engine,
+                                                 seed_text: str, max_tokens: int) -> dict:
+    """A prompt grown from `seed_text` (`long_prompt`), then the same with another ending, each
+    streamed over gRPC (greedy) and compared with what the in-process `engine` generates;
+    returns the branch's counts (cached tokens, replayed anchors, ...)."""
+    from backend.engine import SamplingParams
+    from client.generate import GenerateParams, stream_grpc
+
+    sampling = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, top_k=1)
+    prompt = long_prompt(seed_text, 200)
+    chunks = []
+    for text in (prompt, prompt[:-20] + " and another ending."):
+        want = engine.tokenizer.decode(
+            engine.generate(engine.tokenizer.encode(text), sampling).new_token_ids,
+            skip_special_tokens=True)
+        request = GenerateParams(text, max_tokens=max_tokens, min_tokens=max_tokens, top_k=1)
+        chunks = list(stream_grpc(server.urls.grpc, request))
+        assert "".join(c.text for c in chunks) == want
+    return {k: v for c in chunks for k, v in c.counts.items()}

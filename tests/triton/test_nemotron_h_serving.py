@@ -12,7 +12,7 @@ from backend.triton.repo import read_parameters
 from client.generate import GenerateParams, generate_http, stream_grpc
 from engine_build import build
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import long_prompt
+from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated, long_prompt
 
 pytest.importorskip("transformers")
 MAX_TOKENS = 8
@@ -49,16 +49,8 @@ def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, aot_
                                         "preprocessing": {"tokenizer_dir": str(model_dir)},
                                         "postprocessing": {"tokenizer_dir": str(model_dir)}})
     eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
-    prompt = long_prompt("A compiled Mamba2 engine", 200)
-    for text in (prompt, prompt[:-20] + " and another ending."):
-        want = eager.tokenizer.decode(
-            eager.generate(eager.tokenizer.encode(text), sampling).new_token_ids,
-            skip_special_tokens=True)
-        request = GenerateParams(text, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
-        chunks = list(stream_grpc(server.urls.grpc, request))
-        assert "".join(c.text for c in chunks) == want
-    counts = {k: v for c in chunks for k, v in c.counts.items()}
+    counts = assert_prompt_and_branch_served_as_generated(server, eager,
+                                                          "A compiled Mamba2 engine", MAX_TOKENS)
     assert counts["cached_tokens"] >= 128
 
 

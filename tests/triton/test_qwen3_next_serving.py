@@ -10,12 +10,11 @@ import shutil
 import pytest
 from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint
 
-from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine import Engine, EngineConfig
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
-from client.generate import GenerateParams, stream_grpc
 from engine_build import build
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import long_prompt
+from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated
 
 pytest.importorskip("transformers")
 MAX_TOKENS = 8
@@ -46,14 +45,6 @@ def test_served_qwen3_next_matches_the_engine_and_hits_the_cache(triton_server, 
     server = triton_server(LLM_MODELS, params)
     engine = Engine.from_model_dir(qwen3_next_dir,
                                    EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
-    sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
-    prompt = long_prompt("Sparse experts route each token", 200)
-    for text in (prompt, prompt[:-20] + " and a different end."):
-        want = engine.tokenizer.decode(
-            engine.generate(engine.tokenizer.encode(text), sampling).new_token_ids,
-            skip_special_tokens=True)
-        request = GenerateParams(text, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
-        chunks = list(stream_grpc(server.urls.grpc, request))
-        assert "".join(c.text for c in chunks) == want
-    counts = {k: v for c in chunks for k, v in c.counts.items()}
+    counts = assert_prompt_and_branch_served_as_generated(
+        server, engine, "Sparse experts route each token", MAX_TOKENS)
     assert counts["cached_tokens"] >= 128 and counts["replayed_anchors"] > 0
