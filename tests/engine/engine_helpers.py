@@ -10,6 +10,26 @@ from backend.replay.budget import ReplayConfig
 
 GREEDY = SamplingParams(max_tokens=12, top_k=1)
 PAGE = 16
+# The engine suites run on each: Gated DeltaNet and Mamba2 hybrids, and both with MoE MLPs.
+FAMILIES = ("qwen3_5", "nemotron_h", "qwen3_next_moe", "nemotron_h_moe")
+
+
+def family_checkpoint(path, family: str, seed: int, slow_decay: bool = False):
+    """A small random transformers checkpoint of `family` (one of FAMILIES) at `path`."""
+    from hf_oracle import (
+        NEMOTRON_H_CONFIGS,
+        QWEN3_NEXT_CONFIGS,
+        make_hf_checkpoint,
+        make_nemotron_h_checkpoint,
+    )
+
+    if family == "qwen3_5":
+        return make_hf_checkpoint(path, seed=seed, slow_decay=slow_decay)
+    if family == "qwen3_next_moe":
+        return make_hf_checkpoint(path, seed=seed, slow_decay=slow_decay, family="qwen3_next",
+                                  **QWEN3_NEXT_CONFIGS["moe"])
+    layout = NEMOTRON_H_CONFIGS["moe-latent"] if family == "nemotron_h_moe" else {}
+    return make_nemotron_h_checkpoint(path, seed=seed, slow_decay=slow_decay, **layout)
 
 
 def make_engine(model, policy="suffixreplay", replay=None, num_kv_pages=256, interval=64,

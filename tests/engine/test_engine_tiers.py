@@ -6,8 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from engine_helpers import GREEDY, assert_no_leak, make_engine, random_prompt
-from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
+from engine_helpers import (
+    FAMILIES,
+    GREEDY,
+    assert_no_leak,
+    family_checkpoint,
+    make_engine,
+    random_prompt,
+)
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine
@@ -15,12 +21,11 @@ from backend.model import load_model
 from backend.model.generate import greedy_generate
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory):
-    """Both families: Gated DeltaNet and Mamba2 states, anchors and KV through the tiers."""
+    """Every family: Gated DeltaNet and Mamba2 states, anchors and KV through the tiers."""
     path = tmp_path_factory.mktemp(f"tier-model-{request.param}")
-    make = make_hf_checkpoint if request.param == "qwen3_5" else make_nemotron_h_checkpoint
-    make(path, seed=5)
+    family_checkpoint(path, request.param, seed=5)
     return load_model(path)
 
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import GREEDY, PAGE, assert_no_leak, make_engine, random_prompt
-from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
+from engine_helpers import (
+    FAMILIES,
+    GREEDY,
+    PAGE,
+    assert_no_leak,
+    family_checkpoint,
+    make_engine,
+    random_prompt,
+)
 
 from backend.engine.executor import TorchExecutor
 from backend.model import SeqInput, load_model
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"snapshot-model-{request.param}")
-    make = make_hf_checkpoint if request.param == "qwen3_5" else make_nemotron_h_checkpoint
-    make(path, seed=23)
+    family_checkpoint(path, request.param, seed=23)
     return load_model(path)
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import GREEDY, PAGE, assert_no_leak, make_engine, random_prompt
-from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint, make_nemotron_h_checkpoint
+from engine_helpers import (
+    FAMILIES,
+    GREEDY,
+    PAGE,
+    assert_no_leak,
+    family_checkpoint,
+    make_engine,
+    random_prompt,
+)
 
 from backend.model import load_model
 from backend.model.generate import PagedSession, greedy_generate
@@ -14,18 +21,11 @@ from backend.replay.anchors import AnchorLayout
 from backend.replay.budget import ReplayConfig
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h", "qwen3_next_moe"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def model(request, tmp_path_factory):
-    """Each test runs on every family: Gated DeltaNet and Mamba2 hybrids, and Qwen3-Next's
-    Gated DeltaNet with sparse MoE MLPs."""
+    """Each test runs on every family (`engine_helpers.FAMILIES`)."""
     path = tmp_path_factory.mktemp(f"engine-model-{request.param}")
-    if request.param == "qwen3_next_moe":
-        make_hf_checkpoint(path, seed=21, slow_decay=True, family="qwen3_next",
-                           **QWEN3_NEXT_CONFIGS["moe"])
-    elif request.param == "qwen3_5":
-        make_hf_checkpoint(path, seed=21, slow_decay=True)
-    else:
-        make_nemotron_h_checkpoint(path, seed=21, slow_decay=True)
+    family_checkpoint(path, request.param, seed=21, slow_decay=True)
     return load_model(path)
 
 
