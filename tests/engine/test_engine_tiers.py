@@ -7,26 +7,23 @@ from dataclasses import replace
 
 import pytest
 from engine_helpers import (
-    FAMILIES,
     GREEDY,
     assert_no_leak,
-    family_checkpoint,
     make_engine,
     random_prompt,
 )
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine
-from backend.model import load_model
 from backend.model.generate import greedy_generate
 
+CHECKPOINT = (5, False)  # seed, slow decay (conftest.family_model)
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def model(request, tmp_path_factory):
-    """Every family: Gated DeltaNet and Mamba2 states, anchors and KV through the tiers."""
-    path = tmp_path_factory.mktemp(f"tier-model-{request.param}")
-    family_checkpoint(path, request.param, seed=5)
-    return load_model(path)
+
+@pytest.fixture(scope="module")
+def model(family_model):
+    """Every family of `engine_helpers.FAMILIES`."""
+    return family_model
 
 
 def tiered(model, tiers: TierConfig, num_kv_pages=24) -> Engine:

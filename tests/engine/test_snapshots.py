@@ -6,24 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import (
-    FAMILIES,
     GREEDY,
     PAGE,
     assert_no_leak,
-    family_checkpoint,
     make_engine,
     random_prompt,
 )
 
 from backend.engine.executor import TorchExecutor
-from backend.model import SeqInput, load_model
+from backend.model import SeqInput
+
+CHECKPOINT = (23, False)  # seed, slow decay (conftest.family_model)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def model(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp(f"snapshot-model-{request.param}")
-    family_checkpoint(path, request.param, seed=23)
-    return load_model(path)
+@pytest.fixture(scope="module")
+def model(family_model):
+    """Every family of `engine_helpers.FAMILIES`."""
+    return family_model
 
 
 def _executor(model):

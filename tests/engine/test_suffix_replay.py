@@ -1,32 +1,29 @@
 """SuffixReplay through the engine: exact mode, budgeted replay against a slow reference,
-packed replay, live state, branches between checkpoints; on a Qwen3.5 and a Nemotron-H model."""
+packed replay, live state, branches between checkpoints; on every family (conftest.family_model)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from engine_helpers import (
-    FAMILIES,
     GREEDY,
     PAGE,
     assert_no_leak,
-    family_checkpoint,
     make_engine,
     random_prompt,
 )
 
-from backend.model import load_model
 from backend.model.generate import PagedSession, greedy_generate
 from backend.replay.anchors import AnchorLayout
 from backend.replay.budget import ReplayConfig
 
+CHECKPOINT = (21, True)  # seed, slow decay (conftest.family_model)
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def model(request, tmp_path_factory):
-    """Each test runs on every family (`engine_helpers.FAMILIES`)."""
-    path = tmp_path_factory.mktemp(f"engine-model-{request.param}")
-    family_checkpoint(path, request.param, seed=21, slow_decay=True)
-    return load_model(path)
+
+@pytest.fixture(scope="module")
+def model(family_model):
+    """Every family of `engine_helpers.FAMILIES`."""
+    return family_model
 
 
 @pytest.fixture(scope="module")
