@@ -311,10 +311,14 @@ def _moe_config(raw: dict[str, Any], pick) -> dict[str, Any]:
     if out["num_experts"] % out["n_group"] or not 0 < out["topk_group"] <= out["n_group"]:
         raise ValueError(f"n_routed_experts={out['num_experts']} with n_group={out['n_group']},"
                          f" topk_group={out['topk_group']}: the groups must divide the experts")
-    if not 0 < out["top_k"] <= out["num_experts"]:
-        raise ValueError(f"num_experts_per_tok={out['top_k']} must be in "
-                         f"1..{out['num_experts']}")
-    return out
+    return _checked_top_k(out)
+
+
+def _checked_top_k(moe: dict[str, Any]) -> dict[str, Any]:
+    if not 0 < moe["top_k"] <= moe["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={moe['top_k']} must be in "
+                         f"1..{moe['num_experts']}")
+    return moe
 
 
 def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
@@ -322,18 +326,14 @@ def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     `mlp_only_layers` have `num_experts` SwiGLU experts (softmax router, top
     `num_experts_per_tok`) and a shared expert behind a sigmoid gate."""
     step = int(raw.get("decoder_sparse_step", 1))
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
-    out = {
+    return _checked_top_k({
         "num_experts": int(raw["num_experts"]),
         "top_k": int(raw["num_experts_per_tok"]),
         "intermediate_size": int(raw["moe_intermediate_size"]),
         "shared_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
         "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
         "layers": tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
-    }
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    if not 0 < out["top_k"] <= out["num_experts"]:
-        raise ValueError(f"num_experts_per_tok={out['top_k']} must be in "
-                         f"1..{out['num_experts']}")
-    return out
+    })

@@ -11,7 +11,7 @@ hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at th
   fall short of the target) and serves `k_max: auto` and `anchor_density: auto`.
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
   (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`
-  (Qwen3.5 checkpoints; Nemotron-H is served by the eager executor).
+  (every family; checkpoints with mixture-of-experts layers are refused: eager only).
 - `--backend tensorrt` needs the `tensorrt` package (NVIDIA's index; unavailable in this
   project's environment): it registers the Triton kernels as TensorRT plugins with AOT PTX
   (plugins/tensorrt.py). Without TensorRT it says so and exits with status 2.
@@ -106,7 +106,7 @@ def build(args: argparse.Namespace) -> Path:
             # Gated DeltaNet models meet the target at 4 anchors a page; long-memory Mamba2
             # models may need 16 (tried only when 4 falls short).
             calibrate.main(["--model", str(model_dir), "--quick", "--anchors-per-page", "4", "16"])
-            params.update(k_max="auto", anchor_density="auto")
+            params["k_max"] = "auto"  # and anchor_density: auto (the repository step)
         elif step == "compile" and args.backend == "aot":
             from engine_build.aot import build_aot_engine
 
@@ -119,7 +119,7 @@ def build(args: argparse.Namespace) -> Path:
             build_tensorrt_engine(model_dir, model_dir / "tensorrt", dtype=args.dtype)
         elif step == "repository":
             if (model_dir / "calibration.json").exists():
-                # k_max: auto is the template's; serve the density it was calibrated at too
+                # k_max: auto (the template's) reads it: serve the density it was measured at
                 params.setdefault("anchor_density", "auto")
             write_repository(model_dir, repo, params, args.force)
     return repo

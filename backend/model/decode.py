@@ -1,5 +1,6 @@
 """The CPU fast path for decode steps: one new token per sequence, fused weights, few calls
-(both families: Qwen3.5's decoder layers, Nemotron-H's Mamba2 / attention / MLP blocks).
+(every family: Qwen3.5 / Qwen3-Next decoder layers, Nemotron-H's Mamba2 / attention / MLP
+blocks; mixture-of-experts MLPs run their own code inside the step).
 
 A decode step of a small model on the CPU is bound by the number of operator calls, not by
 arithmetic: the general layer code (`hybrid.py`, written for any number of tokens and for

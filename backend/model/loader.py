@@ -97,7 +97,6 @@ def load_model(
     _check_names(path, expected, found)
     state = {}
     handles: dict[Path, object] = {}
-
     for name, param in expected.items():
         f, key = found[name]
         if f not in handles:

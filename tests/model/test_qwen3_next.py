@@ -42,3 +42,5 @@ def test_qwen3_next_80b_layout_and_parameter_count():
     assert isinstance(mixed.model.layers[5].mlp, SparseMoE)
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         ModelConfig.from_hf_dict({**raw, "num_experts_per_tok": 513})
+    with pytest.raises(ValueError, match="decoder_sparse_step"):
+        ModelConfig.from_hf_dict({**raw, "decoder_sparse_step": 0})
