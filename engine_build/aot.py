@@ -133,10 +133,6 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("--device cuda was asked for but CUDA is not available here")
     model = load_model(model_dir, dtype=DTYPES[dtype], device=device)
-    if model.config.has_moe:
-        raise ValueError("AOT engines do not compile mixture-of-experts layers (their "
-                         "routing picks the products per token); serve this checkpoint with "
-                         "--backend eager")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Mid-step snapshots through the CPU scan operator (CUDA engines end a step instead).

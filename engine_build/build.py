@@ -11,7 +11,7 @@ hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at th
   fall short of the target) and serves `k_max: auto` and `anchor_density: auto`.
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
   (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`
-  (every family; checkpoints with mixture-of-experts layers are refused: eager only).
+  (every family; mixture-of-experts layers route through the `moe_experts` operator).
 - `--backend tensorrt` needs the `tensorrt` package (NVIDIA's index; unavailable in this
   project's environment): it registers the Triton kernels as TensorRT plugins with AOT PTX
   (plugins/tensorrt.py). Without TensorRT it says so and exits with status 2.
@@ -93,13 +93,6 @@ def build(args: argparse.Namespace) -> Path:
             tqdm.write(f"checkpoint ok ({info['model_type']}): {info['parameters']:,} "
                        f"parameters, {info['layers']} layers, {info['groups']} "
                        "linear-attention groups")
-            if args.backend == "tensorrt" and info["model_type"] == "nemotron_h":
-                raise BuildError("--backend tensorrt registers Qwen3.5's operators only; "
-                                 "build Nemotron-H checkpoints with --backend aot or eager")
-            if args.backend == "aot" and info["moe"]:
-                raise BuildError("--backend aot does not compile mixture-of-experts layers "
-                                 "(per-token routing); build this checkpoint with --backend "
-                                 "eager")
         elif step == "calibrate":
             from engine_build import calibrate
 
@@ -139,10 +132,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def tensorrt_refusal(model_dir: Path) -> str | None:
+    """Why `--backend tensorrt` cannot build this checkpoint (from its config.json), if so:
+    its plugins are Qwen3.5's operators, with no expert routing."""
+    from backend.config import ModelConfig
+
+    try:
+        cfg = ModelConfig.from_file(model_dir / "config.json")
+    except (OSError, ValueError, KeyError) as e:
+        return f"checkpoint {model_dir} is not usable: {e}"
+    if cfg.is_nemotron_h:
+        return ("--backend tensorrt registers Qwen3.5's operators only; build Nemotron-H "
+                "checkpoints with --backend aot or eager")
+    if cfg.has_moe:
+        return ("--backend tensorrt has no plugin for mixture-of-experts layers; build this "
+                "checkpoint with --backend aot or eager")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.backend == "tensorrt":
         from plugins.tensorrt import tensorrt_available
+
+        refusal = tensorrt_refusal(Path(args.model))
+        if refusal:
+            print(f"error: {refusal}", file=sys.stderr)
+            return 1
 
         ok, why = tensorrt_available()
         if not ok:

@@ -12,6 +12,8 @@ import torch
 from backend.model.conv import causal_conv1d
 from backend.model.delta_rule import chunk_gated_delta_rule, gated_delta_step
 from backend.model.mamba_scan import chunk_ssd, recurrent_ssd
+from backend.model.mlp import combine_experts
+from plugins.reference import expert_ffn
 
 
 def _padding_plan(cu_seqlens: torch.Tensor, total: int):
@@ -106,3 +108,11 @@ def causal_conv1d_cpu(x, weight, cu_seqlens, initial_state, silu):
 
 def anchor_capture_cpu(hidden, src, dst, pool) -> None:
     pool.index_copy_(0, dst.long(), hidden.index_select(0, src.long()).to(pool.dtype))
+
+
+def moe_experts_cpu(h, weights, index, w_in, w_down, activation):
+    """Each expert once over the tokens routed to it (the model's `combine_experts`), fp32
+    sums."""
+    return combine_experts(lambda e, rows: expert_ffn(rows, w_in[e], w_down[e], activation),
+                           w_in.shape[0], w_down.shape[1], h, weights, index.long(),
+                           torch.float32)

@@ -9,7 +9,8 @@ Two registrations per operator:
   Registered only where the `triton` package imports.
 
 Callers use the Python entry points below (`gated_delta_scan`, `ssd_scan` (Mamba2),
-`causal_conv1d`, `anchor_capture`), which pick the Triton form for CUDA tensors when it exists.
+`causal_conv1d`, `anchor_capture`), which pick the Triton form for CUDA tensors when it exists;
+`moe_experts` (the routed experts of mixture-of-experts layers) has the opaque form only.
 `gated_delta_scan_snap` / `ssd_scan_snap` (the scans plus states at given offsets, for
 mid-step snapshots in compiled CPU engines) have the opaque form only.
 """
@@ -103,6 +104,17 @@ def _anchor_capture(hidden: Tensor, src: Tensor, dst: Tensor, pool: Tensor) -> N
 @_anchor_capture.register_fake
 def _(hidden, src, dst, pool):
     return None
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_experts", mutates_args=())
+def _moe_experts(h: Tensor, weights: Tensor, index: Tensor, w_in: Tensor, w_down: Tensor,
+                 activation: str) -> Tensor:
+    return cpu.moe_experts_cpu(h, weights, index, w_in, w_down, activation)
+
+
+@_moe_experts.register_fake
+def _(h, weights, index, w_in, w_down, activation):
+    return h.new_empty(h.shape[0], w_down.shape[1], dtype=torch.float32)
 
 
 # Triton operators (CUDA engines) ------------------------------------------------------------
@@ -223,3 +235,13 @@ def anchor_capture(hidden, src, dst, pool) -> None:
     op = (torch.ops.suffixreplay.anchor_capture_triton if _use_triton(hidden)
           else torch.ops.suffixreplay.anchor_capture)
     op(hidden, src, dst, pool)
+
+
+def moe_experts(h, weights, index, w_in, w_down, activation):
+    """The routed sum of a mixture-of-experts layer over stacked expert weights (see
+    `plugins/reference.py`, `moe_experts_ref`; `activation` "swiglu" or "relu2"), fp32.
+    One form for every device: each expert that got tokens runs one product over them (the
+    routing decides which products run, so the operator is opaque to the compiler)."""
+    if activation not in ("swiglu", "relu2"):
+        raise ValueError(f"activation must be 'swiglu' or 'relu2', got {activation!r}")
+    return torch.ops.suffixreplay.moe_experts(h, weights, index, w_in, w_down, activation)

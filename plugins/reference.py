@@ -89,3 +89,32 @@ def causal_conv1d_ref(
             y[a + t] = (ext[:, t : t + W] * weight).sum(-1)
         finals[n] = ext[:, ext.shape[1] - (W - 1):]
     return (F.silu(y) if silu else y), finals
+
+
+def expert_ffn(x: torch.Tensor, w_in: torch.Tensor, w_down: torch.Tensor,
+               activation: str) -> torch.Tensor:
+    """One expert over rows x [M, D]: "swiglu" (w_in [2 I, D], gate rows then up rows:
+    down(silu(gate x) * up x)) or "relu2" (w_in [I, D]: down(relu(up x)^2))."""
+    h = F.linear(x, w_in)
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    elif activation == "relu2":
+        h = F.relu(h).square()
+    else:
+        raise ValueError(f"activation must be 'swiglu' or 'relu2', got {activation!r}")
+    return F.linear(h, w_down)
+
+
+def moe_experts_ref(h: torch.Tensor, weights: torch.Tensor, index: torch.Tensor,
+                    w_in: torch.Tensor, w_down: torch.Tensor, activation: str) -> torch.Tensor:
+    """The routed sum of a mixture-of-experts layer, token by token: out[n] = sum_j
+    weights[n, j] * expert_{index[n, j]}(h[n]) (h [N, D]; weights, index [N, top_k];
+    w_in [E, I or 2 I, D], w_down [E, D_out, I]). Returns [N, D_out] fp32."""
+    out = torch.zeros(h.shape[0], w_down.shape[1], dtype=torch.float32, device=h.device)
+    for n in range(h.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[n, j])
+            y = expert_ffn(h[n : n + 1], w_in[e], w_down[e], activation)[0]
+            out[n] += (y * weights[n, j]).float()
+    return out

@@ -33,17 +33,37 @@ class ReluSquaredMLP(nn.Module):
         return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
-def run_experts(experts: nn.ModuleList, h: torch.Tensor, weights: torch.Tensor,
-                index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_j weights[:, j] * experts[index[:, j]](h), each expert over the tokens routed to
-    it (h [N, D]; weights, index [N, top_k]), accumulated in `dtype`."""
-    out = torch.zeros(h.shape[0], experts[0].down_proj.out_features, dtype=dtype,
-                      device=h.device)
-    for e in index.unique().tolist():
-        token, slot = (index == e).nonzero(as_tuple=True)
-        y = experts[e](h.index_select(0, token)) * weights[token, slot, None]
+def expert_groups(index: torch.Tensor, num_experts: int):
+    """(expert, token rows, top-k slots) for every expert some token chose, from the chosen
+    experts index [N, top_k]: one sort of the choices, not one scan per expert."""
+    flat = index.reshape(-1)
+    order = flat.argsort(stable=True)
+    token, slot = order // index.shape[1], order % index.shape[1]
+    start = 0
+    for e, count in enumerate(torch.bincount(flat, minlength=num_experts).tolist()):
+        if count:
+            yield e, token[start:start + count], slot[start:start + count]
+            start += count
+
+
+def combine_experts(run, num_experts: int, out_features: int, h: torch.Tensor,
+                    weights: torch.Tensor, index: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """sum_j weights[:, j] * expert_{index[:, j]}(h) (h [N, D]; weights, index [N, top_k]),
+    each expert run once over the tokens routed to it (`run(e, rows)` -> [rows, out]),
+    accumulated in `dtype`."""
+    out = torch.zeros(h.shape[0], out_features, dtype=dtype, device=h.device)
+    for e, token, slot in expert_groups(index, num_experts):
+        y = run(e, h.index_select(0, token)) * weights[token, slot, None]
         out.index_add_(0, token, y.to(dtype))
     return out
+
+
+def run_experts(experts: nn.ModuleList, h: torch.Tensor, weights: torch.Tensor,
+                index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`combine_experts` over a module list."""
+    return combine_experts(lambda e, rows: experts[e](rows), len(experts),
+                           experts[0].down_proj.out_features, h, weights, index, dtype)
 
 
 class SparseMoE(nn.Module):
@@ -61,16 +81,28 @@ class SparseMoE(nn.Module):
         self.shared_expert = SwiGLU(hidden_size, moe["shared_intermediate_size"])
         self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    activation = "swiglu"
+
+    def forward(self, x: torch.Tensor, experts=None) -> torch.Tensor:
+        """experts: a function (h, weights, index) -> the routed sum (`plugins.moe_experts`
+        over `stacked_weights()`, in the packed graphs); default the loop over the modules."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         logits = self.gate(flat)
         weights, index = logits.softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        routed = run_experts(self.experts, flat, weights.to(logits.dtype), index, x.dtype)
+        weights = weights.to(logits.dtype)
+        routed = (run_experts(self.experts, flat, weights, index, x.dtype) if experts is None
+                  else experts(flat, weights, index).to(x.dtype))
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return (routed + shared).view(shape)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_in [E, 2 I, D]: each expert's gate then up rows, w_down [E, D, I])."""
+        return (torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight])
+                             for e in self.experts]).detach(),
+                torch.stack([e.down_proj.weight for e in self.experts]).detach())
 
 
 class MoERouter(nn.Module):
@@ -112,7 +144,8 @@ class NemotronMoE(nn.Module):
     Parameter names follow the checkpoints: `gate.weight`, `gate.e_score_correction_bias`,
     `experts.<i>.up_proj.weight` / `down_proj.weight`, `shared_experts.*`,
     `fc1_latent_proj` / `fc2_latent_proj`. Each expert runs over the tokens routed to it
-    (a Python loop over the experts that got tokens: eager only; AOT engines refuse MoE).
+    (a Python loop over the experts that got tokens; the packed graphs AOT engines compile
+    call `plugins.moe_experts` over `stacked_weights()` instead).
     """
 
     def __init__(self, hidden_size: int, moe: dict, bias: bool = False) -> None:
@@ -126,12 +159,21 @@ class NemotronMoE(nn.Module):
         self.fc1_latent_proj = Linear(hidden_size, latent, bias=bias) if latent else None
         self.fc2_latent_proj = Linear(latent, hidden_size, bias=bias) if latent else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    activation = "relu2"
+
+    def forward(self, x: torch.Tensor, experts=None) -> torch.Tensor:
+        """experts: as `SparseMoE.forward`'s."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, index = self.gate(flat)
         h = flat if self.fc1_latent_proj is None else self.fc1_latent_proj(flat)
-        routed = run_experts(self.experts, h, weights, index, torch.float32).to(x.dtype)
+        routed = (run_experts(self.experts, h, weights, index, torch.float32) if experts is None
+                  else experts(h, weights, index)).to(x.dtype)
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         return routed.view(shape) + self.shared_experts(x)
+
+    def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_in [E, I, D]: each expert's up rows, w_down [E, D, I])."""
+        return (torch.stack([e.up_proj.weight for e in self.experts]).detach(),
+                torch.stack([e.down_proj.weight for e in self.experts]).detach())

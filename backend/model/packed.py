@@ -1,7 +1,8 @@
 """The model over packed tokens, through the custom operators in `plugins/`: the form that
-`engine_build/build.py --backend aot` exports and compiles, for both families (Qwen3.5's
+`engine_build/build.py --backend aot` exports and compiles, for every family (Qwen3.5's
 Gated DeltaNet layers through `gated_delta_scan`, Nemotron-H's Mamba2 blocks through
-`ssd_scan`).
+`ssd_scan`; the routed experts of MoE layers through `moe_experts`, their routers in the
+graph).
 
 Everything here is a pure function of tensors (no Python branch on data), so `torch.export`
 captures one graph with dynamic batch and token counts:
@@ -30,6 +31,7 @@ from backend.model.gated_deltanet import GatedDeltaNet
 from backend.model.hybrid import DecoderLayer, HybridForCausalLM, NemotronHBlock
 from backend.model.mamba2 import Mamba2Mixer
 from backend.model.mamba_scan import recurrent_ssd
+from backend.model.mlp import NemotronMoE, SparseMoE
 from backend.model.rotary import apply_rotary
 
 
@@ -139,11 +141,13 @@ def linear_layer_packed(layer: DecoderLayer | NemotronHBlock, x, cu_seqlens, con
         return (x + h if output else None), *states
     h, *states = linear_mixer_packed(layer.linear_attn, layer.input_layernorm(x), cu_seqlens,
                                      conv_state, rec_state, decode, output, snap_offsets,
-                                     fused["in"] if fused else None)
+                                     fused.get("in") if fused else None)
     return (_ffn(layer, x + h, fused) if output else None), *states
 
 
 def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tensor:
+    if isinstance(layer.mlp, SparseMoE):
+        return x + layer.mlp(layer.post_attention_layernorm(x), experts=_experts_op(fused))
     if not fused or "gate_up" not in fused:
         return layer._ffn(x)
     gate, up = F.linear(layer.post_attention_layernorm(x), fused["gate_up"]).split(
@@ -151,7 +155,61 @@ def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tens
     return x + layer.mlp.down_proj(F.silu(gate) * up)
 
 
-class StepGraph(nn.Module):
+def _experts_op(weights: dict | None):
+    """The routed experts of a MoE layer through `plugins.moe_experts` over its stacked
+    weights (`layer_weights`): the loop over expert modules is not a graph."""
+    import plugins
+
+    if not weights or "experts_in" not in weights:
+        raise ValueError("a mixture-of-experts layer in a packed graph needs its stacked "
+                         "expert weights (layer_weights)")
+    return lambda h, w, index: plugins.moe_experts(h, w, index, weights["experts_in"],
+                                                   weights["experts_down"],
+                                                   weights["activation"])
+
+
+def _mlp_block(layer: NemotronHBlock, x: torch.Tensor, weights: dict | None) -> torch.Tensor:
+    """A Nemotron-H MLP or MoE layer over packed tokens."""
+    if isinstance(layer.mixer, NemotronMoE):
+        return x + layer.mixer(layer.norm(x), experts=_experts_op(weights))
+    return layer.mix_stateless(x, None, None, None)
+
+
+def layer_weights(layer: nn.Module, fuse: bool) -> dict:
+    """What a packed graph keeps per layer besides the model's parameters: the projections
+    that read one input concatenated (`fused_weights`, Qwen3.5's layers, `fuse`), and a MoE
+    layer's experts stacked (`experts_in`, `experts_down`; `activation` is a string)."""
+    out = dict(fused_weights(layer)) if fuse and isinstance(layer, DecoderLayer) else {}
+    mlp = layer.mlp if isinstance(layer, DecoderLayer) else layer.mixer
+    if isinstance(mlp, (SparseMoE, NemotronMoE)):
+        out["experts_in"], out["experts_down"] = mlp.stacked_weights()
+        out["activation"] = mlp.activation
+    return out
+
+
+class _LayerWeights(nn.Module):
+    """Registers `layer_weights` of the model's layers as buffers, so that export keeps
+    them as constants (a snapshot of the weights, as the exported graph is anyway)."""
+
+    def _register_layer_weights(self, model: HybridForCausalLM, layer_ids, fuse: bool):
+        self._weight_names: dict[int, dict[str, str]] = {}
+        self._constants: dict[int, dict[str, str]] = {}
+        for i in layer_ids:
+            names, constants = {}, {}
+            for key, w in layer_weights(model.model.layers[i], fuse).items():
+                if isinstance(w, str):
+                    constants[key] = w
+                    continue
+                self.register_buffer(f"w_{i}_{key}", w, persistent=False)
+                names[key] = f"w_{i}_{key}"
+            self._weight_names[i], self._constants[i] = names, constants
+
+    def _weights(self, i: int) -> dict:
+        return {**{k: getattr(self, n) for k, n in self._weight_names.get(i, {}).items()},
+                **self._constants.get(i, {})}
+
+
+class StepGraph(_LayerWeights):
     """One engine step over packed tokens; see the module docstring for the contract.
 
     Inputs: input_ids, positions [N] (packed); cu_seqlens [B + 1]; state_slots [B]; fresh [B]
@@ -175,19 +233,8 @@ class StepGraph(nn.Module):
         self.snapshots = snapshots
         cfg = model.config
         self.entry_to_group = {e: g for g, e in enumerate(cfg.group_entry_layers)}
-        # One product per input (`fused_weights`), buffers so that export keeps them as
-        # constants (a snapshot of the weights, as the exported graph is anyway).
-        self._fused_names = []
-        for i, layer in enumerate(model.model.layers):
-            names = {}
-            fused = {} if cfg.is_nemotron_h else fused_weights(layer)
-            for key, w in fused.items():
-                self.register_buffer(f"fused_{i}_{key}", w, persistent=False)
-                names[key] = f"fused_{i}_{key}"
-            self._fused_names.append(names)
-
-    def _fused(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, n) for k, n in self._fused_names[i].items()}
+        # One product per input (`fused_weights`) and MoE layers' stacked experts.
+        self._register_layer_weights(model, range(cfg.num_hidden_layers), fuse=True)
 
     def forward(self, input_ids, positions, cu_seqlens, state_slots, fresh, write_slots,
                 pad_index, read_slots, attn_mask, capture_src, capture_dst,
@@ -212,20 +259,20 @@ class StepGraph(nn.Module):
                 if self.snapshots:
                     x, (c1, r1), (sc, sr) = linear_layer_packed(
                         layer, x, cu_seqlens, c0, r0, snap_offsets=snap_offsets,
-                        fused=self._fused(i))
+                        fused=self._weights(i))
                     saved_conv[li].index_copy_(0, snap_slots, sc.to(saved_conv[li].dtype))
                     saved_rec[li].index_copy_(0, snap_slots, sr)
                 else:
                     x, (c1, r1) = linear_layer_packed(layer, x, cu_seqlens, c0, r0,
-                                                      self.decode, fused=self._fused(i))
+                                                      self.decode, fused=self._weights(i))
                 conv[li].index_copy_(0, state_slots, c1.to(conv[li].dtype))
                 rec[li].index_copy_(0, state_slots, r1)
             elif isinstance(layer, NemotronHBlock) and not layer.is_attention:
-                x = layer.mix_stateless(x, None, None, None)  # an MLP layer
+                x = _mlp_block(layer, x, self._weights(i))  # an MLP or MoE layer
             else:
                 attn, norm = ((layer.mixer, layer.norm) if isinstance(layer, NemotronHBlock)
                               else (layer.self_attn, layer.input_layernorm))
-                fused = self._fused(i)
+                fused = self._weights(i)
                 h = _attention_packed(attn, norm(x), cos, sin, k_pool[attn.attn_index],
                                       v_pool[attn.attn_index], write_slots, pad_index,
                                       read_slots, attn_mask, B, T, fused)
@@ -238,7 +285,7 @@ def _attention_packed(attn, x, cos, sin, k_pool, v_pool, write_slots, pad_index,
                       attn_mask, B, T, fused: dict | None = None):
     N = x.shape[0]
     H, Hkv, Dh = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    if fused:
+    if fused and "qkv" in fused:
         qg, k, v = F.linear(x, fused["qkv"], fused.get("qkv_bias")).split(
             [H * 2 * Dh, Hkv * Dh, Hkv * Dh], -1)
     else:
@@ -263,7 +310,7 @@ def _attention_packed(attn, x, cos, sin, k_pool, v_pool, write_slots, pad_index,
     return attn.o_proj(out)
 
 
-class ReplayGraph(nn.Module):
+class ReplayGraph(_LayerWeights):
     """Group `group`'s layers from zero state over packed hidden states.
 
     Inputs: hidden [N, D] (packed anchors), cu_seqlens [B + 1]. Returns a flat tuple
@@ -275,18 +322,20 @@ class ReplayGraph(nn.Module):
         super().__init__()
         self.model = model
         self.layer_ids = list(model.config.groups[group])
+        self._register_layer_weights(model, self.layer_ids, fuse=False)  # MoE experts only
 
     def forward(self, hidden, cu_seqlens):
         x = hidden.to(self.model.dtype)
         out = []
         for i, layer_id in enumerate(self.layer_ids):
             layer = self.model.model.layers[layer_id]
-            if not layer.is_linear:  # an MLP layer (Nemotron-H)
-                x = layer.mix_stateless(x, None, None, None)
+            if not layer.is_linear:  # an MLP or MoE layer (Nemotron-H)
+                x = _mlp_block(layer, x, self._weights(layer_id))
                 continue
             # The last layer's output feeds nothing: its states only.
             x, (c, r) = linear_layer_packed(layer, x, cu_seqlens, None, None,
-                                            output=i + 1 < len(self.layer_ids))
+                                            output=i + 1 < len(self.layer_ids),
+                                            fused=self._weights(layer_id) or None)
             out += [c, r]
         return tuple(out)
 

@@ -14,8 +14,9 @@ PAGE = 16
 FAMILIES = ("qwen3_5", "nemotron_h", "qwen3_next_moe", "nemotron_h_moe")
 
 
-def family_checkpoint(path, family: str, seed: int, slow_decay: bool = False):
-    """A small random transformers checkpoint of `family` (one of FAMILIES) at `path`."""
+def family_checkpoint(path, family: str, seed: int, slow_decay: bool = False, **config):
+    """A small random transformers checkpoint of `family` (one of FAMILIES) at `path`;
+    `config`: fields to override (vocab_size, ...)."""
     from hf_oracle import (
         NEMOTRON_H_CONFIGS,
         QWEN3_NEXT_CONFIGS,
@@ -24,12 +25,13 @@ def family_checkpoint(path, family: str, seed: int, slow_decay: bool = False):
     )
 
     if family == "qwen3_5":
-        return make_hf_checkpoint(path, seed=seed, slow_decay=slow_decay)
+        return make_hf_checkpoint(path, seed=seed, slow_decay=slow_decay, **config)
     if family == "qwen3_next_moe":
         return make_hf_checkpoint(path, seed=seed, slow_decay=slow_decay, family="qwen3_next",
-                                  **QWEN3_NEXT_CONFIGS["moe"])
+                                  **QWEN3_NEXT_CONFIGS["moe"], **config)
     layout = NEMOTRON_H_CONFIGS["moe-latent"] if family == "nemotron_h_moe" else {}
-    return make_nemotron_h_checkpoint(path, seed=seed, slow_decay=slow_decay, **layout)
+    return make_nemotron_h_checkpoint(path, seed=seed, slow_decay=slow_decay, **layout,
+                                      **config)
 
 
 def make_engine(model, policy="suffixreplay", replay=None, num_kv_pages=256, interval=64,

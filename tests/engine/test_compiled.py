@@ -1,5 +1,6 @@
 """The AOT-compiled engine (engine_build/aot.py + CompiledExecutor) against the eager model,
-for both families: the default Qwen3.5 model and a small Nemotron-H checkpoint."""
+for the default Qwen3.5 model and small Nemotron-H, Nemotron-H MoE and Qwen3-Next MoE
+checkpoints (MoE layers through the `moe_experts` operator)."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from backend.model import SeqInput, load_model
 SIZES = (24, 16, 4, 4, 40)  # pages, page size, run slots, saved slots, anchor rows
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+@pytest.fixture(scope="module",
+                params=["qwen3_5", "nemotron_h", "nemotron_h_moe", "qwen3_next_moe"])
 def aot_engine(request, aot_engine):
     """(model dir, engine dir) of each family's AOT build (overrides the session fixture)."""
     if request.param == "qwen3_5":
         return aot_engine
-    return request.getfixturevalue("aot_build_nemotron_h")[:2]
+    return request.getfixturevalue(f"aot_build_{request.param}")[:2]
 
 
 @pytest.fixture(scope="module")

@@ -89,22 +89,20 @@ def test_ptx_for_tensorrt_launched_with_cupy_matches_reference():
     torch.testing.assert_close(ht.cpu(), want_s, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "nemotron_h_moe", "qwen3_next_moe"])
 def test_aot_engine_on_cuda_matches_eager(tmp_path, family):
+    """MoE families: the `moe_experts` operator's one form (PyTorch ops) on CUDA tensors."""
     import sys
 
-    sys.path.insert(0, "tests/model")
-    from hf_oracle import make_hf_checkpoint, make_nemotron_h_checkpoint
+    sys.path[:0] = ["tests/model", "tests/engine"]
+    from engine_helpers import family_checkpoint
 
     from backend.engine.compiled import CompiledExecutor
     from backend.engine.executor import TorchExecutor
     from backend.model import SeqInput, load_model
     from engine_build.aot import build_aot_engine
 
-    if family == "qwen3_5":
-        make_hf_checkpoint(tmp_path / "ckpt", seed=3)
-    else:
-        make_nemotron_h_checkpoint(tmp_path / "ckpt", seed=3)
+    family_checkpoint(tmp_path / "ckpt", family, seed=3)
     engine = build_aot_engine(tmp_path / "ckpt", tmp_path / "aot", device="cuda", progress=False)
     model = load_model(tmp_path / "ckpt", device="cuda")
     sizes = (16, 16, 4, 4, 32)

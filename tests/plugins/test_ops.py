@@ -156,6 +156,11 @@ def test_fake_implementations_give_output_shapes():
     assert s.dtype == torch.float32
     assert tuple(so.shape) == (12, 3, 24) and tuple(ss.shape) == tuple(snap.shape) == (3, 3, 16, 24)
     assert tuple(y.shape) == (12, 10) and tuple(cs.shape) == (3, 10, 3)
+    with FakeTensorMode():
+        m = torch.ops.suffixreplay.moe_experts(
+            torch.empty(5, 8), torch.empty(5, 2), torch.empty(5, 2, dtype=torch.long),
+            torch.empty(4, 6, 8), torch.empty(4, 7, 6), "relu2")
+    assert tuple(m.shape) == (5, 7) and m.dtype == torch.float32
 
 
 # The Mamba2 (SSD) scan: no erase, no beta, no scale; k and q are B and C expanded to the
@@ -238,3 +243,67 @@ def test_scan_snapshots_are_the_states_of_the_prefixes(scan, with_state):
         snap_scan(inputs, cu, h0, torch.tensor([0, 128, 0, 0]))
     with pytest.raises(ValueError, match="multiples of 64"):
         snap_scan(inputs, cu, h0, torch.tensor([100, 0, 0, 0]))
+
+
+# Mixture-of-experts routed sum ---------------------------------------------------------------
+def _moe_inputs(N, E, top_k, D, F_, activation, seed, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, D, generator=gen).to(dtype)
+    # Experts E - 1 and E - 2 are never chosen: some experts get no tokens.
+    index = torch.stack([torch.randperm(E - 2, generator=gen)[:top_k] for _ in range(N)]) \
+        if N else torch.zeros(0, top_k, dtype=torch.long)
+    weights = torch.rand(N, top_k, generator=gen)
+    rows = 2 * F_ if activation == "swiglu" else F_
+    w_in = (torch.randn(E, rows, D, generator=gen) / D ** 0.5).to(dtype)
+    w_down = (torch.randn(E, D + 3, F_, generator=gen) / F_ ** 0.5).to(dtype)
+    return h, weights, index, w_in, w_down
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+@pytest.mark.parametrize("N,top_k", [(0, 2), (1, 1), (7, 2), (40, 3)])
+def test_moe_experts_cpu_matches_reference(activation, N, top_k):
+    inputs = _moe_inputs(N, 8, top_k, 16, 12, activation, seed=N + top_k)
+    got = plugins.moe_experts(*inputs, activation)
+    want = ref.moe_experts_ref(*inputs, activation)
+    assert got.dtype == torch.float32 and got.shape == (N, 19)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    if N:
+        assert want.abs().sum() > 0
+
+
+def test_moe_experts_activations_differ_and_bad_ones_are_refused():
+    h, weights, index, w_in, w_down = _moe_inputs(5, 6, 2, 8, 4, "swiglu", seed=3)
+    swiglu = plugins.moe_experts(h, weights, index, w_in, w_down, "swiglu")
+    relu2 = plugins.moe_experts(h, weights, index, w_in[:, :4], w_down, "relu2")
+    assert (swiglu - relu2).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="activation"):
+        plugins.moe_experts(h, weights, index, w_in, w_down, "gelu")
+
+
+def test_moe_experts_bfloat16_inputs():
+    inputs = _moe_inputs(9, 6, 2, 16, 8, "relu2", seed=5, dtype=torch.bfloat16)
+    got = plugins.moe_experts(*inputs, "relu2")
+    want = ref.moe_experts_ref(*(t.float() if t.is_floating_point() else t for t in inputs),
+                               "relu2")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_moe_experts_over_stacked_weights_is_the_layer(family):
+    """A MoE layer with the operator over its `stacked_weights()` (what the packed graphs
+    run) gives its own output (the loop over its expert modules)."""
+    from backend.model.mlp import NemotronMoE, SparseMoE
+
+    torch.manual_seed(0)
+    moe = {"num_experts": 8, "top_k": 2, "norm_topk_prob": True, "intermediate_size": 12,
+           "shared_intermediate_size": 20, "n_group": 2, "topk_group": 1,
+           "routed_scaling_factor": 2.5, "latent_size": 10}
+    layer = SparseMoE(16, moe) if family == "qwen3_next" else NemotronMoE(16, moe)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    w_in, w_down = layer.stacked_weights()
+    x = torch.randn(2, 9, 16)
+    got = layer(x, experts=lambda h, w, i: plugins.moe_experts(h, w, i, w_in, w_down,
+                                                               layer.activation))
+    torch.testing.assert_close(got, layer(x), atol=1e-5, rtol=1e-5)

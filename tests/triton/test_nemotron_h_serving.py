@@ -1,6 +1,7 @@
-"""A Nemotron-H (Mamba2) checkpoint built with engine_build/build.py (eager and AOT) and served
-by tritonserver: the ensemble returns what the in-process engine generates, and a repeated
-prefix hits the cache (suffix replay of the Mamba2 groups)."""
+"""A Nemotron-H (Mamba2) checkpoint, dense and with MoE layers, built with
+engine_build/build.py (eager and AOT) and served by tritonserver: the ensemble returns what
+the in-process engine generates, and a repeated prefix hits the cache (suffix replay of the
+Mamba2 groups)."""
 
 from __future__ import annotations
 
@@ -32,17 +33,20 @@ def test_build_accepts_nemotron_h_for_eager(nemotron_dir, tmp_path, capsys):
     assert "nemotron_h" in capsys.readouterr().out
     config = (tmp_path / "repo" / "hybrid_llm" / "config.pbtxt").read_text()
     assert str(nemotron_dir) in config
-    if "moe" in nemotron_dir.name:  # AOT graphs cannot route per token: refused, clearly
-        assert build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "aot"),
-                           "--backend", "aot"]) != 0
-        assert "mixture-of-experts" in capsys.readouterr().err
+    # TensorRT registers Qwen3.5's operators only: refused before TensorRT is looked for.
+    assert build.main(["--model", str(nemotron_dir), "--repo", str(tmp_path / "trt"),
+                       "--backend", "tensorrt"]) != 0
+    assert "--backend aot or eager" in capsys.readouterr().err
 
 
-def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, aot_build_nemotron_h):
-    """The repository `build.py --backend aot` wrote for a Nemotron-H checkpoint, served as
-    written: the compiled engine (Mamba2 through `ssd_scan`) generates what the eager engine
-    does, and a branch of a served prompt hits its pages."""
-    model_dir, _, repo = aot_build_nemotron_h
+@pytest.mark.parametrize("build_fixture", ["aot_build_nemotron_h", "aot_build_nemotron_h_moe"])
+def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, request,
+                                                             build_fixture):
+    """The repository `build.py --backend aot` wrote for a Nemotron-H checkpoint (dense, and
+    with MoE layers), served as written: the compiled engine (Mamba2 through `ssd_scan`,
+    experts through `moe_experts`) generates what the eager engine does, and a branch of a
+    served prompt hits its pages."""
+    model_dir, _, repo = request.getfixturevalue(build_fixture)
     params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
     assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
     server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **params},

@@ -1,7 +1,7 @@
 """A Qwen3-Next checkpoint (packed Gated DeltaNet projections, sparse MoE MLPs) built with
 engine_build/build.py and served by tritonserver: the ensemble returns what the in-process
-engine generates, a branch of a served prompt hits the cache with its states replayed, and
-`--backend aot` refuses the MoE layers with a message."""
+engine generates, a branch of a served prompt hits the cache with its states replayed; the
+same through the AOT engine `--backend aot` compiles (experts through `moe_experts`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint
 
 from backend.engine import Engine, EngineConfig
-from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
+from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO, read_parameters
 from engine_build import build
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
 from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated
@@ -30,12 +30,29 @@ def qwen3_next_dir(tmp_path_factory):
     return path
 
 
-def test_build_accepts_qwen3_next_for_eager_only(qwen3_next_dir, tmp_path, capsys):
+def test_build_accepts_qwen3_next(qwen3_next_dir, tmp_path, capsys):
     assert build.main(["--model", str(qwen3_next_dir), "--repo", str(tmp_path / "repo")]) == 0
     assert "qwen3_next" in capsys.readouterr().out
-    assert build.main(["--model", str(qwen3_next_dir), "--repo", str(tmp_path / "aot"),
-                       "--backend", "aot"]) != 0
+    # No TensorRT plugin routes experts: refused before TensorRT is looked for.
+    assert build.main(["--model", str(qwen3_next_dir), "--repo", str(tmp_path / "trt"),
+                       "--backend", "tensorrt"]) != 0
     assert "mixture-of-experts" in capsys.readouterr().err
+
+
+def test_served_compiled_qwen3_next_matches_the_eager_engine(triton_server,
+                                                             aot_build_qwen3_next_moe):
+    """The repository `build.py --backend aot` wrote for a Qwen3-Next MoE checkpoint, served
+    as written: the compiled engine generates what the eager engine does, a branch hits."""
+    model_dir, _, repo = aot_build_qwen3_next_moe
+    params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
+    assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
+    server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **params},
+                                        "preprocessing": {"tokenizer_dir": str(model_dir)},
+                                        "postprocessing": {"tokenizer_dir": str(model_dir)}})
+    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    counts = assert_prompt_and_branch_served_as_generated(
+        server, eager, "Compiled experts route each token", MAX_TOKENS)
+    assert counts["cached_tokens"] >= 128
 
 
 def test_served_qwen3_next_matches_the_engine_and_hits_the_cache(triton_server, qwen3_next_dir):
