@@ -97,13 +97,17 @@ def load_model(
     _check_names(path, expected, found)
     state = {}
     handles: dict[Path, object] = {}
+    packed = (None, None)  # the last packed tensor read: its parts are consecutive names
     for name, param in expected.items():
         f, key = found[name]
         if f not in handles:
             handles[f] = safe_open(str(f), framework="pt")
-        tensor = handles[f].get_tensor(key)
-        if name in derived:  # a part of a packed tensor (Qwen3-Next)
-            tensor = derived[name](tensor)
+        if name in derived:  # a part of a packed tensor (Qwen3-Next), read once for all
+            if packed[0] != (f, key):
+                packed = ((f, key), handles[f].get_tensor(key))
+            tensor = derived[name](packed[1])
+        else:
+            tensor = handles[f].get_tensor(key)
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{f}: tensor {key!r} has shape {tuple(tensor.shape)}, "
