@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.cache.page_io import ALIGN, PageLayout
+from backend.cache.page_io import ALIGN, AnchorBlock, PageLayout
 from backend.cache.pools import PagePool
 
 
@@ -57,11 +57,17 @@ class HostPool:
         raw = self.kv[slot, : lay.kv_bytes]
         return raw.view(getattr(torch, lay.kv_dtype)).view(lay.kv_shape)
 
-    def anchor_view(self, slot: int) -> torch.Tensor:
-        """Typed view `[G, a, D]` of a slot's anchor block."""
+    def anchor_view(self, slot: int) -> AnchorBlock:
+        """Typed views of a slot's anchor block: rows `[G, a, D]` (and their scales `[G, a]`
+        before them, for int8 anchors)."""
         lay = self.layout
-        raw = self.anchors[slot, : lay.anchor_bytes]
-        return raw.view(getattr(torch, lay.anchor_dtype)).view(lay.anchor_shape)
+        head = lay.anchor_scale_bytes
+        rows = self.anchors[slot, head : lay.anchor_bytes]
+        rows = rows.view(getattr(torch, lay.anchor_dtype)).view(lay.anchor_shape)
+        if not lay.anchor_scales:
+            return AnchorBlock(rows)
+        scales = self.anchors[slot, :head].view(torch.float32).view(lay.anchor_shape[:2])
+        return AnchorBlock(rows, scales)
 
     def io_buffers(self, slot: int) -> list[memoryview]:
         """The slot's padded sections as aligned byte buffers, in chunk-file order."""

@@ -38,6 +38,7 @@ class PageLayout(NamedTuple):
     anchors_per_page: int = 0
     hidden_size: int = 0
     anchor_dtype: str = "float32"
+    anchor_scales: bool = False  # int8 anchors: one fp32 scale per row, before the rows
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -56,8 +57,14 @@ class PageLayout(NamedTuple):
         return self.kv_bytes // self.num_layers
 
     @property
+    def anchor_scale_bytes(self) -> int:
+        return self.num_groups * self.anchors_per_page * 4 if self.anchor_scales else 0
+
+    @property
     def anchor_bytes(self) -> int:
-        return _numel(self.anchor_shape) * _itemsize(self.anchor_dtype)
+        """An anchor block: its scales (int8 anchors; first, so both views are aligned),
+        then its rows."""
+        return self.anchor_scale_bytes + _numel(self.anchor_shape) * _itemsize(self.anchor_dtype)
 
     @property
     def kv_stride(self) -> int:
@@ -72,8 +79,20 @@ class PageLayout(NamedTuple):
         return self.anchor_bytes > 0
 
     def describe(self) -> str:
-        """Canonical text of the layout, stored in every SSD chunk header."""
-        return json.dumps(self._asdict(), sort_keys=True, separators=(",", ":"))
+        """Canonical text of the layout, stored in every SSD chunk header (`anchor_scales`
+        only where set, so layouts without it read as they were written before it)."""
+        fields = self._asdict()
+        if not fields["anchor_scales"]:
+            del fields["anchor_scales"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":"))
+
+
+class AnchorBlock(NamedTuple):
+    """Typed views of one anchor block: rows [G, a, D] and, for int8 anchors, their scales
+    [G, a] (fp32)."""
+
+    rows: torch.Tensor
+    scales: torch.Tensor | None = None
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -114,7 +133,7 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 class DeviceBuffers:
     """Reads and writes one page's KV (all layers) and one anchor block in the engine's
     buffers. k, v: per attention layer `[P * page_size, Hkv, Dh]`; anchors: `[G, B * a, D]`
-    or None (no SuffixReplay anchors)."""
+    or None (no SuffixReplay anchors); anchor_scales: `[G, B * a]` fp32 for int8 anchors."""
 
     def __init__(
         self,
@@ -124,6 +143,7 @@ class DeviceBuffers:
         anchors: torch.Tensor | None = None,
         anchors_per_page: int = 0,
         states: Any = None,
+        anchor_scales: torch.Tensor | None = None,
     ) -> None:
         if not k or len(k) != len(v):
             raise ValueError(f"need one k and one v per attention layer, got {len(k)}, {len(v)}")
@@ -134,6 +154,10 @@ class DeviceBuffers:
             raise ValueError(f"{shape[0]} KV rows are not a whole number of {page_size}-pages")
         self.k, self.v, self.page_size = list(k), list(v), page_size
         self.anchors = anchors
+        self.anchor_scales = anchor_scales if anchors is not None else None
+        if self.anchor_scales is not None and (
+                anchors.dtype != torch.int8 or self.anchor_scales.shape != anchors.shape[:2]):
+            raise ValueError("anchor scales go with int8 anchors, one per row")
         self.states = states  # the executor's saved-state StateSlots (checkpoints), or None
         self.anchors_per_page = anchors_per_page if anchors is not None else 0
         if anchors is not None and (anchors_per_page < 1 or anchors.shape[1] % anchors_per_page):
@@ -151,6 +175,7 @@ class DeviceBuffers:
             anchors_per_page=self.anchors_per_page,
             hidden_size=anchors.shape[2] if anchors is not None else 0,
             anchor_dtype=_dtype_name(anchors.dtype) if anchors is not None else "float32",
+            anchor_scales=self.anchor_scales is not None,
         )
 
     @classmethod
@@ -158,7 +183,8 @@ class DeviceBuffers:
         """From a `TorchExecutor` (its `kv` PagedKV, `anchors` tensor and saved states)."""
         anchors = executor.anchors if with_anchors and anchors_per_page > 0 else None
         return cls(executor.kv.k, executor.kv.v, executor.kv.page_size, anchors, anchors_per_page,
-                   getattr(executor, "saved_states", None))
+                   getattr(executor, "saved_states", None),
+                   getattr(executor, "anchor_scales", None))
 
     @property
     def num_pages(self) -> int:
@@ -179,7 +205,8 @@ class DeviceBuffers:
         a = self.anchors_per_page
         return slice(block * a, (block + 1) * a)
 
-    # host_kv: [A, 2, page_size, Hkv, Dh]; host_anchor: [G, a, D] (typed views of DRAM slots)
+    # host_kv: [A, 2, page_size, Hkv, Dh]; host_anchor: an AnchorBlock (typed views of DRAM
+    # slots)
     def copy_layer_out(self, layer: int, page: int, host_kv: torch.Tensor, nb: bool = False):
         rows = self._rows(page)
         copy_tensor(host_kv[layer, 0], self.k[layer][rows], nb)
@@ -198,11 +225,17 @@ class DeviceBuffers:
         for layer in range(len(self.k)):
             self.copy_layer_in(layer, page, host_kv, nb)
 
-    def copy_anchor_out(self, block: int, host_anchor: torch.Tensor, nb: bool = False) -> None:
-        copy_tensor(host_anchor, self.anchors[:, self._anchor_rows(block)], nb)
+    def copy_anchor_out(self, block: int, host_anchor: AnchorBlock, nb: bool = False) -> None:
+        rows = self._anchor_rows(block)
+        copy_tensor(host_anchor.rows, self.anchors[:, rows], nb)
+        if self.anchor_scales is not None:
+            copy_tensor(host_anchor.scales, self.anchor_scales[:, rows], nb)
 
-    def copy_anchor_in(self, block: int, host_anchor: torch.Tensor, nb: bool = False) -> None:
-        copy_tensor(self.anchors[:, self._anchor_rows(block)], host_anchor, nb)
+    def copy_anchor_in(self, block: int, host_anchor: AnchorBlock, nb: bool = False) -> None:
+        rows = self._anchor_rows(block)
+        copy_tensor(self.anchors[:, rows], host_anchor.rows, nb)
+        if self.anchor_scales is not None:
+            copy_tensor(self.anchor_scales[:, rows], host_anchor.scales, nb)
 
 
 class CopyStream:

@@ -11,6 +11,9 @@ around the whole step: every layer's load is awaited before it, offloads start a
 Engines whose prefill graph takes snapshots (`engine.json` "step_snapshots": CPU engines)
 save one state per sequence in the middle of a step (`max_snapshots_per_row`); the scheduler
 ends a step at any further state to keep, and everywhere on engines without them.
+
+int8 anchors (`anchor_dtype: int8`): the graphs capture into a model-dtype staging buffer,
+quantized into the int8 rows after the step; replay dequantizes before the replay graph.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from backend.engine.config import DTYPES
 from backend.engine.executor import ExecutorBuffers
 from backend.model.batch import SNAPSHOT_ALIGN, ForwardBatch, SeqInput
 from backend.model.packed import packed_from_batch
+from backend.model.quant import dequantize_int8, quantize_int8
 
 ENGINE_FORMAT = 1
 
@@ -84,8 +88,8 @@ class CompiledExecutor(ExecutorBuffers):
 
     @classmethod
     def from_graphs(cls, model, num_kv_pages: int, page_size: int, num_run_slots: int,
-                    num_saved_slots: int, num_anchor_rows: int,
-                    snapshots: bool = True) -> CompiledExecutor:
+                    num_saved_slots: int, num_anchor_rows: int, snapshots: bool = True,
+                    int8_anchors: bool = False) -> CompiledExecutor:
         """The same executor over the uncompiled graphs (`backend.model.packed`), run eagerly:
         checks the packed formulation apart from compilation (`snapshots=False`: the prefill
         graph of CUDA engines, without mid-step states)."""
@@ -93,7 +97,7 @@ class CompiledExecutor(ExecutorBuffers):
 
         self = cls.__new__(cls)
         self._setup(model.config, model.device, model.dtype, num_kv_pages, page_size,
-                    num_run_slots, num_saved_slots, num_anchor_rows, False)
+                    num_run_slots, num_saved_slots, num_anchor_rows, int8_anchors)
         self.meta = {"backend": "eager-graphs"}
         self._snapshots = snapshots
         self.prefill = torch.inference_mode()(StepGraph(model, snapshots=snapshots).eval())
@@ -104,16 +108,17 @@ class CompiledExecutor(ExecutorBuffers):
 
     def _setup(self, cfg, device, dtype, num_kv_pages, page_size, num_run_slots,
                num_saved_slots, num_anchor_rows, int8_anchors) -> None:
-        if int8_anchors:
-            raise ValueError("the compiled executor stores anchors in the model dtype; "
-                             "int8 anchors need executor 'torch'")
         self.device, self.dtype = device, dtype
         # One spare anchor row per group and one spare saved-state slot: the graphs always
         # capture and (with snapshots) always save (scratch where nothing is asked), so no
         # dimension is ever 0. The store hands out saved slots below `num_saved_slots` only.
+        # int8 anchors: staging row i holds the step's i-th capture.
         self._allocate(cfg, dtype, device, num_kv_pages, page_size, num_run_slots,
-                       num_saved_slots + 1, num_anchor_rows, False, spare_anchor_rows=1)
-        self._scratch_row = num_anchor_rows
+                       num_saved_slots + 1, num_anchor_rows, int8_anchors,
+                       spare_anchor_rows=0 if int8_anchors else 1)
+        self._staging = (torch.zeros(cfg.num_groups, 8, cfg.hidden_size, dtype=dtype,
+                                     device=device) if int8_anchors else None)
+        self._scratch_row = 0 if int8_anchors else num_anchor_rows
         self._scratch_slot = num_saved_slots
 
     @property
@@ -154,11 +159,20 @@ class CompiledExecutor(ExecutorBuffers):
             raise ValueError("this engine's step graph cannot save states mid-step")
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, device=self.device)
         x = packed_from_batch(batch, capture_src)
-        if x["capture_src"].numel():
+        captures = x["capture_src"].numel()
+        if captures:
             dst = capture_dst.to(self.device)
         else:
             x["capture_src"] = torch.zeros(1, dtype=torch.long, device=self.device)
             dst = torch.full((1,), self._scratch_row, dtype=torch.long, device=self.device)
+        pool = self.anchor_storage
+        if self._staging is not None:  # int8 anchors: capture row i into staging row i
+            if self._staging.shape[1] < max(captures, 1):
+                self._staging = self._staging.new_zeros(
+                    self._staging.shape[0], 1 << (captures - 1).bit_length(),
+                    self._staging.shape[2])
+            pool, int8_dst = self._staging, dst
+            dst = torch.arange(max(captures, 1), device=self.device)
         num_attn = len(self.kv.k)
         if layer_hooks is not None:
             for a in range(num_attn):
@@ -174,9 +188,13 @@ class CompiledExecutor(ExecutorBuffers):
         logits = runner(
             x["input_ids"], x["positions"], x["cu_seqlens"], x["state_slots"], x["fresh"],
             x["write_slots"], x["pad_index"], x["read_slots"], x["attn_mask"],
-            x["capture_src"], dst.contiguous(), tuple(self.anchor_storage.unbind(0)),
+            x["capture_src"], dst.contiguous(), tuple(pool.unbind(0)),
             tuple(self.kv.k), tuple(self.kv.v), tuple(self.run_states.conv),
             tuple(self.run_states.rec), *extra)
+        if self._staging is not None and captures:
+            q, scale = quantize_int8(self._staging[:, :captures])
+            self.anchors.index_copy_(1, int8_dst, q)
+            self.anchor_scales.index_copy_(1, int8_dst, scale)
         if layer_hooks is not None:
             for a in range(num_attn):
                 layer_hooks.after_write(a)
@@ -195,6 +213,10 @@ class CompiledExecutor(ExecutorBuffers):
                 self.reset_state(slot)
             return
         for g, layers in enumerate(self.config.group_state_layers):
-            out = self.replays[g](self.anchors[g].index_select(0, index), cu)
+            hidden = self.anchors[g].index_select(0, index)
+            if self.anchor_scales is not None:
+                hidden = dequantize_int8(hidden, self.anchor_scales[g].index_select(0, index),
+                                         self.dtype)
+            out = self.replays[g](hidden, cu)
             states = [(out[2 * i], out[2 * i + 1]) for i in range(len(layers))]
             self._write_replayed(slot_ids, layers, states)

@@ -40,13 +40,8 @@ class EngineConfig:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
         if self.executor not in ("torch", "compiled"):
             raise ValueError(f"executor must be 'torch' or 'compiled', got {self.executor!r}")
-        if self.executor == "compiled" and self.replay.anchor_dtype == "int8":
-            raise ValueError("int8 anchors need executor 'torch' (compiled engines store "
-                             "anchors in the model dtype)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.tiers is not None and self.replay.anchor_dtype == "int8":
-            raise ValueError("int8 anchors are not tiered yet: use anchor_dtype='model' with tiers")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (
                 self.tiers.host_checkpoint_slots or self.tiers.ssd_checkpoint_slots):
             raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots tier the states of "

@@ -153,3 +153,27 @@ def test_byte_budget_drops_ssd_only_leaves(tmp_path):
     assert tiers.stats.pages_dropped >= 1
     assert_page_served(tiers, store.match_prefix(pages(5)).nodes[0], pages(5))
     tiers.close()
+
+
+def test_int8_anchor_blocks_carry_their_scales_in_the_layout_and_the_slots():
+    """An int8 anchor block stores one fp32 scale per row before its rows: both typed views
+    of a DRAM slot are aligned and disjoint, and the layout text (in every chunk header)
+    names the scales only where they exist, so a chunk of the other kind is a miss."""
+    import torch
+
+    from backend.cache.host_pool import HostPool
+
+    plain = PageLayout(2, 4, 2, 8, "float32", 3, 4, 10, "float32")
+    int8 = plain._replace(anchor_dtype="int8", anchor_scales=True)
+    assert "anchor_scales" not in plain.describe() and int8.describe() != plain.describe()
+    assert int8.anchor_bytes == 3 * 4 * 4 + 3 * 4 * 10
+    pool = HostPool(int8, 2, pin=False)
+    block = pool.anchor_view(1)
+    assert block.rows.dtype == torch.int8 and tuple(block.rows.shape) == (3, 4, 10)
+    assert block.scales.dtype == torch.float32 and tuple(block.scales.shape) == (3, 4)
+    block.scales.fill_(2.5)
+    block.rows.fill_(-7)
+    again = pool.anchor_view(1)
+    assert bool((again.scales == 2.5).all()) and bool((again.rows == -7).all())
+    assert pool.anchor_view(1).scales.data_ptr() % 4 == 0
+    assert HostPool(plain, 1, pin=False).anchor_view(0).scales is None

@@ -14,6 +14,7 @@ from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.compiled import CompiledExecutor, EngineFormatError
 from backend.engine.executor import TorchExecutor
 from backend.model import SeqInput, load_model
+from backend.replay.budget import ReplayConfig
 
 SIZES = (24, 16, 4, 4, 40)  # pages, page size, run slots, saved slots, anchor rows
 
@@ -67,6 +68,47 @@ def test_compiled_steps_match_eager(model, aot_engine):
         _close(b, a)
     _close(compiled.anchors, eager.anchors)
     assert compiled.anchors[:, :4].abs().sum() > 0  # the captured rows were written
+
+
+def test_compiled_int8_anchors_match_eager(model, aot_engine):
+    """int8 anchors: the compiled step captures into its staging rows (15 captures: more
+    than the first staging buffer holds) and quantizes them as the eager capture does; a
+    replay from them gives the eager executor's states."""
+    eager = TorchExecutor(model, *SIZES, int8_anchors=True)
+    compiled = CompiledExecutor(aot_engine[1], *SIZES, int8_anchors=True)
+    seqs = _steps(model)[0][0]
+    src = torch.tensor([*range(12), 37, 38, 39])
+    dst = torch.arange(15) + 20
+    for ex in (eager, compiled):
+        ex.forward(seqs, src, dst)
+        ex.replay([3, 2], [torch.tensor([20, 21, 22, 25, 31]), torch.tensor([32, 33, 34])])
+    assert compiled.anchors.dtype == torch.int8
+    assert (compiled.anchors[:, 20:35].int() - eager.anchors[:, 20:35].int()).abs().max() <= 1
+    assert compiled.anchors[:, :20].abs().sum() == 0 and compiled.anchors[:, 35:].abs().sum() == 0
+    _close(compiled.anchor_scales, eager.anchor_scales)
+    assert compiled.anchor_scales[:, 20:35].min() > 0
+    for a, b in zip(eager.run_states.conv + eager.run_states.rec,
+                    compiled.run_states.conv + compiled.run_states.rec):
+        _close(b[2:4], a[2:4], atol=1e-3)
+    assert compiled.run_states.rec[0][2:4].abs().sum() > 0
+
+
+def test_compiled_engine_with_int8_anchors_generates_like_eager(model, aot_engine):
+    V = model.config.vocab_size
+    replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8,
+                          anchor_dtype="int8")
+    eager = make_engine(model, replay=replay)
+    compiled = Engine(None, EngineConfig(**{**eager.config.__dict__, "executor": "compiled"}),
+                      engine_dir=aot_engine[1])
+    assert compiled.executor.anchors.dtype == torch.int8
+    shared = random_prompt(70, V, 19)
+    prompts = [shared + random_prompt(12, V, 20), shared + random_prompt(7, V, 21)]
+    params = SamplingParams(max_tokens=8, top_k=1)
+    for engine in (eager, compiled):
+        engine.outs = [engine.generate(p, params).new_token_ids for p in prompts]
+    assert compiled.outs == eager.outs
+    assert compiled.stats()["replayed_anchors"] > 0
+    assert_no_leak(compiled)
 
 
 def test_compiled_replay_matches_eager(model, aot_engine):
@@ -207,8 +249,6 @@ def test_bad_engine_directories_are_clear_errors(tmp_path, aot_engine):
     (tmp_path / "engine.json").write_text(json.dumps(meta))
     with pytest.raises(EngineFormatError, match="prefill"):
         CompiledExecutor(tmp_path, *SIZES)
-    with pytest.raises(ValueError, match="int8"):
-        EngineConfig.from_params({"executor": "compiled", "anchor_dtype": "int8"})
 
 
 def test_compiled_snapshot_beside_rows_shorter_than_the_conv(model, aot_engine):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 from engine_helpers import (
     GREEDY,
     assert_no_leak,
@@ -16,6 +17,7 @@ from engine_helpers import (
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine
 from backend.model.generate import greedy_generate
+from backend.replay.budget import ReplayConfig
 
 CHECKPOINT = (5, False)  # seed, slow decay (conftest.family_model)
 
@@ -75,6 +77,42 @@ def test_ssd_tier_survives_restart(model, tmp_path):
     assert restarted.stats()["tiers"]["ssd_bytes_read"] > 0
     assert_no_leak(restarted)
     restarted.stop()
+
+
+@pytest.mark.parametrize("where", ["dram", "ssd"])
+def test_int8_anchors_tier_with_their_pages(model, tmp_path, where):
+    """int8 anchors (rows and their per-row scales) go down to DRAM or SSD with their pages
+    and come back bit for bit: the branch replays them into the logits of an engine that
+    never evicted them (SSD: after a restart)."""
+    replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8,
+                          anchor_dtype="int8", live_state=False)
+    prompts = [random_prompt(200, 97, seed=s) for s in range(20, 24)]
+    branch = prompts[0][:150] + prompts[1][:30]
+    reference = make_engine(model, replay=replay, max_tokens_per_step=200)
+    reference.generate(prompts[0], GREEDY)
+    want = reference.generate(branch, GREEDY, return_first_logits=True)
+    tiers = (TierConfig(host_pages=64) if where == "dram" else
+             TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1",
+                        ssd_bytes=1 << 30))
+    config = replace(make_engine(model, replay=replay, num_kv_pages=24,
+                                 max_tokens_per_step=200).config, tiers=tiers)
+    engine = Engine(model, config)
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    if where == "ssd":
+        engine.tiers.drain()
+        engine.stop()
+        engine = Engine(model, config)
+    got = engine.generate(branch, GREEDY, return_first_logits=True)
+    assert engine.executor.anchors.dtype == torch.int8
+    assert got.cached_tokens == want.cached_tokens == 144
+    assert got.replayed_anchors == want.replayed_anchors > 0
+    assert torch.equal(got.first_logits, want.first_logits)
+    assert got.new_token_ids == want.new_token_ids
+    tier = "host" if where == "dram" else "ssd"
+    assert engine.stats()["cache"]["hit_tokens_by_tier"][tier] > 0
+    assert_no_leak(engine)
+    engine.stop()
 
 
 @pytest.mark.parametrize("where", ["none", "dram", "ssd"])

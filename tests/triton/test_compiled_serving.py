@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from backend.engine import Engine, EngineConfig, SamplingParams
 from client.generate import GenerateParams, generate_http, stream_grpc
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import long_prompt
+from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated, long_prompt
 
 MAX_TOKENS = 10
 
@@ -29,3 +31,18 @@ def test_compiled_engine_serves_what_the_eager_engine_generates(triton_server, a
         # the second identical request hits the prefix cache of the compiled engine
         streamed = "".join(c.text for c in stream_grpc(server.urls.grpc, request))
         assert streamed == want
+
+
+def test_compiled_engine_serves_int8_anchors_through_the_dram_tier(triton_server, aot_engine):
+    """`anchor_dtype: int8` and a DRAM tier (`host_pages`) on the compiled executor, set in
+    config.pbtxt: the server generates what the eager engine with int8 anchors does, and a
+    branch of a served prompt hits its pages."""
+    model_dir, engine_dir = aot_engine
+    int8 = {**LLM_PARAMS["hybrid_llm"], "anchor_dtype": "int8", "host_pages": "64"}
+    server = triton_server(LLM_MODELS, {"hybrid_llm": {**int8, "executor": "compiled",
+                                                       "engine_dir": str(engine_dir)}})
+    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(int8))
+    assert eager.executor.anchors.dtype == torch.int8 and eager.tiers is not None
+    counts = assert_prompt_and_branch_served_as_generated(server, eager, "Quantized anchors",
+                                                          MAX_TOKENS)
+    assert counts["cached_tokens"] >= 128
