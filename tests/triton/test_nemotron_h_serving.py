@@ -9,11 +9,10 @@ import pytest
 from hf_oracle import NEMOTRON_H_CONFIGS, make_nemotron_h_checkpoint
 
 from backend.engine import Engine, EngineConfig, SamplingParams
-from backend.triton.repo import read_parameters
 from client.generate import GenerateParams, generate_http, stream_grpc
 from engine_build import build
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated, long_prompt
+from tests.triton.llm_helpers import assert_built_repository_serves_as_eager, long_prompt
 
 pytest.importorskip("transformers")
 MAX_TOKENS = 8
@@ -46,15 +45,9 @@ def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, requ
     with MoE layers), served as written: the compiled engine (Mamba2 through `ssd_scan`,
     experts through `moe_experts`) generates what the eager engine does, and a branch of a
     served prompt hits its pages."""
-    model_dir, _, repo = request.getfixturevalue(build_fixture)
-    params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
-    assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
-    server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **params},
-                                        "preprocessing": {"tokenizer_dir": str(model_dir)},
-                                        "postprocessing": {"tokenizer_dir": str(model_dir)}})
-    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
-    counts = assert_prompt_and_branch_served_as_generated(server, eager,
-                                                          "A compiled Mamba2 engine", MAX_TOKENS)
+    counts = assert_built_repository_serves_as_eager(
+        triton_server, request.getfixturevalue(build_fixture), "A compiled Mamba2 engine",
+        MAX_TOKENS)
     assert counts["cached_tokens"] >= 128
 
 

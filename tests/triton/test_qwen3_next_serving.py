@@ -11,10 +11,13 @@ import pytest
 from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint
 
 from backend.engine import Engine, EngineConfig
-from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO, read_parameters
+from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
 from engine_build import build
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated
+from tests.triton.llm_helpers import (
+    assert_built_repository_serves_as_eager,
+    assert_prompt_and_branch_served_as_generated,
+)
 
 pytest.importorskip("transformers")
 MAX_TOKENS = 8
@@ -43,15 +46,8 @@ def test_served_compiled_qwen3_next_matches_the_eager_engine(triton_server,
                                                              aot_build_qwen3_next_moe):
     """The repository `build.py --backend aot` wrote for a Qwen3-Next MoE checkpoint, served
     as written: the compiled engine generates what the eager engine does, a branch hits."""
-    model_dir, _, repo = aot_build_qwen3_next_moe
-    params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
-    assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
-    server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **params},
-                                        "preprocessing": {"tokenizer_dir": str(model_dir)},
-                                        "postprocessing": {"tokenizer_dir": str(model_dir)}})
-    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
-    counts = assert_prompt_and_branch_served_as_generated(
-        server, eager, "Compiled experts route each token", MAX_TOKENS)
+    counts = assert_built_repository_serves_as_eager(
+        triton_server, aot_build_qwen3_next_moe, "Compiled experts route each token", MAX_TOKENS)
     assert counts["cached_tokens"] >= 128
 
 
