@@ -9,8 +9,8 @@ Two registrations per operator:
   Registered only where the `triton` package imports.
 
 Callers use the Python entry points below (`gated_delta_scan`, `ssd_scan` (Mamba2),
-`causal_conv1d`, `anchor_capture`), which pick the Triton form for CUDA tensors when it exists;
-`moe_experts` (the routed experts of mixture-of-experts layers) has the opaque form only.
+`causal_conv1d`, `anchor_capture`, `moe_experts` (the routed experts of mixture-of-experts
+layers)), which pick the Triton form for CUDA tensors when it exists.
 `gated_delta_scan_snap` / `ssd_scan_snap` (the scans plus states at given offsets, for
 mid-step snapshots in compiled CPU engines) have the opaque form only.
 """
@@ -18,6 +18,7 @@ mid-step snapshots in compiled CPU engines) have the opaque form only.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -117,6 +118,37 @@ def _(h, weights, index, w_in, w_down, activation):
     return h.new_empty(h.shape[0], w_down.shape[1], dtype=torch.float32)
 
 
+class MoEPlan(NamedTuple):
+    sorted_pairs: Tensor  # [blocks * BM]: (token, choice) pair ids by expert; P = padding
+    block_expert: Tensor  # [blocks]: each block's expert; E = an unused block
+
+
+MOE_BM = 16  # rows of a grouped-product block (each expert's run padded to a multiple)
+
+
+def moe_plan(index: Tensor, num_experts: int, bm: int) -> MoEPlan:
+    """The grouped products' schedule for chosen experts `index` [N, top_k], in tensor ops
+    with shapes fixed by N, top_k, E and bm (no host sync, so it exports): the pairs sorted
+    by expert (stable), each expert's run padded to a multiple of bm, the expert of each
+    bm-row block."""
+    flat = index.reshape(-1).long()
+    P, E = flat.shape[0], num_experts
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + bm - 1) // bm * bm
+    pad_end = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    expert = flat.index_select(0, order)
+    rank = torch.arange(P, device=flat.device) - (counts.cumsum(0) - counts).index_select(
+        0, expert)
+    blocks = (P + E * (bm - 1) + bm - 1) // bm
+    sorted_pairs = torch.full((blocks * bm,), P, dtype=torch.long, device=flat.device)
+    sorted_pairs.index_copy_(0, (pad_end - padded).index_select(0, expert) + rank, order)
+    starts = torch.arange(blocks, device=flat.device) * bm
+    block_expert = torch.searchsorted(pad_end, starts, right=True)
+    return MoEPlan(sorted_pairs, block_expert)
+
+
 # Triton operators (CUDA engines) ------------------------------------------------------------
 def _register_triton_ops() -> bool:
     try:
@@ -165,6 +197,27 @@ def _register_triton_ops() -> bool:
             x.contiguous(), weight.contiguous(), s0, cu_seqlens, C, y, st, W=W, BC=BC,
             HAS_S0=initial_state is not None, SILU=silu)
         return y, st
+
+    @triton_op(f"{NAMESPACE}::moe_experts_triton", mutates_args=())
+    def moe_experts_triton(h: Tensor, weights: Tensor, index: Tensor, w_in: Tensor,
+                           w_down: Tensor, activation: str) -> Tensor:
+        N, top_k = index.shape
+        E, D, F, Dout = w_in.shape[0], h.shape[1], w_down.shape[2], w_down.shape[1]
+        plan = moe_plan(index, E, MOE_BM)
+        blocks = plan.block_expert.shape[0]
+        P = N * top_k
+        inter = torch.empty(blocks * MOE_BM, F, dtype=torch.float32, device=h.device)
+        pair_out = torch.zeros(P, Dout, dtype=torch.float32, device=h.device)
+        precision = "ieee" if w_in.dtype == torch.float32 else "tf32"
+        wrap_triton(tk.moe_up_kernel)[(blocks, triton.cdiv(F, 64))](
+            h.contiguous(), w_in.contiguous(), plan.sorted_pairs, plan.block_expert, inter,
+            D, F, P, E, TOP_K=top_k, SWIGLU=activation == "swiglu", BM=MOE_BM, BN=64, BK=32,
+            PRECISION=precision)
+        wrap_triton(tk.moe_down_kernel)[(blocks, triton.cdiv(Dout, 64))](
+            inter, w_down.contiguous(), weights.contiguous().view(-1), plan.sorted_pairs,
+            plan.block_expert, pair_out, F, Dout, P, E, BM=MOE_BM, BN=64, BK=32,
+            PRECISION=precision)
+        return pair_out.view(N, top_k, Dout).sum(1)
 
     @triton_op(f"{NAMESPACE}::anchor_capture_triton", mutates_args={"pool"})
     def anchor_capture_triton(hidden: Tensor, src: Tensor, dst: Tensor, pool: Tensor) -> None:
@@ -240,8 +293,11 @@ def anchor_capture(hidden, src, dst, pool) -> None:
 def moe_experts(h, weights, index, w_in, w_down, activation):
     """The routed sum of a mixture-of-experts layer over stacked expert weights (see
     `plugins/reference.py`, `moe_experts_ref`; `activation` "swiglu" or "relu2"), fp32.
-    One form for every device: each expert that got tokens runs one product over them (the
-    routing decides which products run, so the operator is opaque to the compiler)."""
+    CPU form: each expert that got tokens runs one product over them (a host-side loop);
+    Triton form (CUDA): two grouped-product kernels over the pairs sorted by expert, planned
+    by `moe_plan` in tensor ops, so nothing waits on the host."""
     if activation not in ("swiglu", "relu2"):
         raise ValueError(f"activation must be 'swiglu' or 'relu2', got {activation!r}")
-    return torch.ops.suffixreplay.moe_experts(h, weights, index, w_in, w_down, activation)
+    op = (torch.ops.suffixreplay.moe_experts_triton if _use_triton(h)
+          else torch.ops.suffixreplay.moe_experts)
+    return op(h, weights, index, w_in, w_down, activation)

@@ -12,6 +12,14 @@ Layouts are the packed variable-length ones of `plugins/reference.py`, contiguou
 - `causal_conv1d_kernel`: grid (N, C blocks); each program walks its sequence, reading the
   W - 1 inputs before the sequence from the carried state, and writes the new state.
 - `anchor_capture_kernel`: grid (M, D blocks); row gather-scatter with a dtype cast.
+- `moe_up_kernel` / `moe_down_kernel`: a mixture-of-experts layer's routed experts as two
+  grouped products over (token, choice) pairs sorted by expert, each expert's run padded to
+  BM rows (`plugins.ops.moe_plan`: `block_expert` [blocks], `sorted_pairs` [blocks * BM],
+  pair id P marks padding). Up: grid (blocks, F blocks; F the experts' width), the expert's
+  input product and activation (SwiGLU: gate and up rows; else squared ReLU) into fp32
+  `inter`. Down: grid (blocks, D_out blocks), the output product times the pair's routing
+  weight into `pair_out` [P, D_out]; the caller sums each token's top-k rows (no atomics:
+  deterministic).
 """
 
 from __future__ import annotations
@@ -105,3 +113,75 @@ def anchor_capture_kernel(h_ptr, src_ptr, dst_ptr, D, pool_ptr, BD: tl.constexpr
     d = tl.load(dst_ptr + i).to(tl.int64)
     row = tl.load(h_ptr + s * D + o_d, mask=m, other=0.0)
     tl.store(pool_ptr + d * D + o_d, row.to(pool_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def moe_up_kernel(
+    h_ptr, w_ptr, pairs_ptr, block_expert_ptr, inter_ptr, D, F, P, E,
+    TOP_K: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """inter[r] = act(W_in[e] h[token(r)]) for the BM sorted rows r of block b (expert e)."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e < E:
+        o_m = b * BM + tl.arange(0, BM)
+        pair = tl.load(pairs_ptr + o_m).to(tl.int64)
+        m_m = pair < P
+        token = tl.where(m_m, pair // TOP_K, 0)
+        o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        m_n = o_n < F
+        rows = 2 * F if SWIGLU else F
+        w_base = w_ptr + e * rows * D
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_up = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < D
+            a = tl.load(h_ptr + token[:, None] * D + o_k[None, :],
+                        mask=m_m[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            m_w = m_k[:, None] & m_n[None, :]
+            w = tl.load(w_base + o_n[None, :] * D + o_k[:, None], mask=m_w,
+                        other=0.0).to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            if SWIGLU:
+                wu = tl.load(w_base + (F + o_n[None, :]) * D + o_k[:, None], mask=m_w,
+                             other=0.0).to(tl.float32)
+                acc_up = tl.dot(a, wu, acc_up, input_precision=PRECISION)
+        if SWIGLU:
+            out = acc * tl.sigmoid(acc) * acc_up
+        else:
+            out = tl.maximum(acc, 0.0)
+            out = out * out
+        tl.store(inter_ptr + o_m.to(tl.int64)[:, None] * F + o_n[None, :], out,
+                 mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def moe_down_kernel(
+    inter_ptr, w_ptr, weights_ptr, pairs_ptr, block_expert_ptr, pair_out_ptr, F, DOUT, P, E,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """pair_out[pair(r)] = weight(pair(r)) * W_down[e] inter[r] for block b's rows r."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    if e < E:
+        o_m = b * BM + tl.arange(0, BM)
+        pair = tl.load(pairs_ptr + o_m).to(tl.int64)
+        m_m = pair < P
+        o_n = tl.program_id(1) * BN + tl.arange(0, BN)
+        m_n = o_n < DOUT
+        w_base = w_ptr + e * DOUT * F
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, F, BK):
+            o_k = k0 + tl.arange(0, BK)
+            m_k = o_k < F
+            a = tl.load(inter_ptr + o_m.to(tl.int64)[:, None] * F + o_k[None, :],
+                        mask=m_m[:, None] & m_k[None, :], other=0.0)
+            w = tl.load(w_base + o_n[None, :] * F + o_k[:, None],
+                        mask=m_k[:, None] & m_n[None, :], other=0.0).to(tl.float32)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + tl.where(m_m, pair, 0), mask=m_m, other=0.0)
+        acc = acc * weight.to(tl.float32)[:, None]
+        tl.store(pair_out_ptr + pair[:, None] * DOUT + o_n[None, :], acc,
+                 mask=m_m[:, None] & m_n[None, :])

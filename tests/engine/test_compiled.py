@@ -131,6 +131,22 @@ def test_eager_graphs_match_eager_model(model):
         _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
 
 
+@pytest.mark.skipif(not __import__("plugins").triton_available(), reason="needs triton")
+def test_graphs_through_the_triton_operators_match_eager(model, monkeypatch):
+    """The graphs CUDA engines compile, with every operator in its Triton form (scans, conv,
+    capture, MoE experts; Triton's interpreter on the CPU), equal the eager model."""
+    monkeypatch.setenv("SUFFIXREPLAY_TRITON_ON_CPU", "1")
+    eager = TorchExecutor(model, *SIZES)
+    graphs = CompiledExecutor.from_graphs(model, *SIZES, snapshots=False)
+    for seqs, src, dst in _steps(model):
+        _close(graphs.forward(seqs, src, dst), eager.forward(seqs, src, dst), atol=1e-5)
+    for ex in (eager, graphs):
+        ex.replay([3, 2], [torch.tensor([0, 1, 2]), torch.tensor([3])])
+    for a, b in zip(eager.run_states.rec, graphs.run_states.rec):
+        _close(b[2:4], a[2:4], atol=1e-5)
+    _close(graphs.anchors, eager.anchors, atol=1e-5)
+
+
 def test_graphs_without_snapshots_run_like_cuda_engines(model):
     """The prefill graph CUDA engines get (no snapshot inputs): same logits and states, no
     mid-step states offered, and asking for one is an error."""

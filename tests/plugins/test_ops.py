@@ -271,6 +271,32 @@ def test_moe_experts_cpu_matches_reference(activation, N, top_k):
         assert want.abs().sum() > 0
 
 
+@triton_ops
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+@pytest.mark.parametrize("N,top_k,E", [(1, 1, 8), (7, 2, 8), (40, 3, 6)])
+def test_moe_experts_triton_matches_reference(activation, N, top_k, E):
+    """The grouped-product kernels (experts' runs padded to 16-row blocks, widths and the
+    hidden size not multiples of the tiles) against the token-by-token reference."""
+    inputs = _moe_inputs(N, E, top_k, 40, 24, activation, seed=N + E)
+    got = torch.ops.suffixreplay.moe_experts_triton(*inputs, activation)
+    want = ref.moe_experts_ref(*inputs, activation)
+    assert got.dtype == torch.float32 and got.shape == (N, 43)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_moe_plan_sorts_pairs_by_expert_in_padded_blocks():
+    from plugins.ops import moe_plan
+
+    index = torch.tensor([[2, 0], [2, 1], [0, 2]])  # pairs 0..5 -> experts 2,0,2,1,0,2
+    plan = moe_plan(index, 4, 4)
+    P = 6
+    # expert 0: pairs 1, 4; expert 1: pair 3; expert 2: pairs 0, 2, 5; each run padded to 4
+    assert plan.sorted_pairs[:12].tolist() == [1, 4, P, P, 3, P, P, P, 0, 2, 5, P]
+    assert plan.block_expert.tolist()[:3] == [0, 1, 2]
+    assert all(e == 4 for e in plan.block_expert.tolist()[3:])  # unused blocks
+    assert bool((plan.sorted_pairs[12:] == P).all())
+
+
 def test_moe_experts_activations_differ_and_bad_ones_are_refused():
     h, weights, index, w_in, w_down = _moe_inputs(5, 6, 2, 8, 4, "swiglu", seed=3)
     swiglu = plugins.moe_experts(h, weights, index, w_in, w_down, "swiglu")
