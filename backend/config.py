@@ -212,7 +212,8 @@ class ModelConfig:
             model_type=model_type,
             extra={"rope_type": rope.get("rope_type", "default"),
                    **({"moe": _qwen3_next_moe(text, num_layers)}
-                      if model_type == QWEN3_NEXT and int(text.get("num_experts", 0)) else {})},
+                      if model_type == QWEN3_NEXT and int(text.get("num_experts", 512))
+                      else {})},
         )
 
     @classmethod
@@ -324,16 +325,18 @@ def _checked_top_k(moe: dict[str, Any]) -> dict[str, Any]:
 def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """Qwen3-Next's sparse MLPs: layers (i + 1) % decoder_sparse_step == 0 outside
     `mlp_only_layers` have `num_experts` SwiGLU experts (softmax router, top
-    `num_experts_per_tok`) and a shared expert behind a sigmoid gate."""
+    `num_experts_per_tok`) and a shared expert behind a sigmoid gate. Fields a config leaves
+    out take transformers' Qwen3NextConfig defaults (512 experts of 512, top 10, a shared
+    expert of 512); `num_experts: 0` means dense MLPs."""
     step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
     return _checked_top_k({
-        "num_experts": int(raw["num_experts"]),
-        "top_k": int(raw["num_experts_per_tok"]),
-        "intermediate_size": int(raw["moe_intermediate_size"]),
-        "shared_intermediate_size": int(raw.get("shared_expert_intermediate_size") or 0),
+        "num_experts": int(raw.get("num_experts", 512)),
+        "top_k": int(raw.get("num_experts_per_tok", 10)),
+        "intermediate_size": int(raw.get("moe_intermediate_size", 512)),
+        "shared_intermediate_size": int(raw.get("shared_expert_intermediate_size", 512)),
         "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
         "layers": tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
     })

@@ -44,3 +44,29 @@ def test_qwen3_next_80b_layout_and_parameter_count():
         ModelConfig.from_hf_dict({**raw, "num_experts_per_tok": 513})
     with pytest.raises(ValueError, match="decoder_sparse_step"):
         ModelConfig.from_hf_dict({**raw, "decoder_sparse_step": 0})
+
+
+def test_omitted_moe_fields_take_transformers_defaults():
+    """A Qwen3-Next config without its MoE fields is what transformers builds from it (512
+    experts of 512, top 10, a shared expert of 512), not a dense model; num_experts 0 is
+    dense."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    raw = json.loads((CONFIG_DIR / "qwen3_next_80b_a3b.json").read_text())
+    moe_keys = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "decoder_sparse_step", "norm_topk_prob")
+    small = {k: v for k, v in raw.items() if not k.startswith("_") and k not in moe_keys}
+    small.update(num_hidden_layers=4, hidden_size=64, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=32, intermediate_size=96,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                 linear_value_head_dim=16, vocab_size=97)
+    small.pop("layer_types", None)  # 48 layers' worth: the default interval instead
+    cfg = ModelConfig.from_hf_dict(small)
+    moe = cfg.extra["moe"]
+    assert (moe["num_experts"], moe["top_k"], moe["intermediate_size"],
+            moe["shared_intermediate_size"]) == (512, 10, 512, 512)
+    with torch.device("meta"):
+        ours = HybridForCausalLM(cfg)
+        hf = Qwen3NextForCausalLM(Qwen3NextConfig(**small))
+    assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in hf.parameters())
+    assert not ModelConfig.from_hf_dict({**small, "num_experts": 0}).has_moe
