@@ -183,6 +183,7 @@ class ModelConfig:
             layer_types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
         heads = int(text["num_attention_heads"])
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        moe = _qwen3_next_moe(text, num_layers) if model_type == QWEN3_NEXT else None
         return cls(
             vocab_size=int(text["vocab_size"]),
             hidden_size=int(text["hidden_size"]),
@@ -211,9 +212,7 @@ class ModelConfig:
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
             model_type=model_type,
             extra={"rope_type": rope.get("rope_type", "default"),
-                   **({"moe": _qwen3_next_moe(text, num_layers)}
-                      if model_type == QWEN3_NEXT and int(text.get("num_experts", 512))
-                      else {})},
+                   **({"moe": moe} if moe else {})},
         )
 
     @classmethod
@@ -322,18 +321,21 @@ def _checked_top_k(moe: dict[str, Any]) -> dict[str, Any]:
     return moe
 
 
-def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any]:
+def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any] | None:
     """Qwen3-Next's sparse MLPs: layers (i + 1) % decoder_sparse_step == 0 outside
     `mlp_only_layers` have `num_experts` SwiGLU experts (softmax router, top
     `num_experts_per_tok`) and a shared expert behind a sigmoid gate. Fields a config leaves
     out take transformers' Qwen3NextConfig defaults (512 experts of 512, top 10, a shared
-    expert of 512); `num_experts: 0` means dense MLPs."""
+    expert of 512); `num_experts: 0` means dense MLPs (None)."""
+    num_experts = int(raw.get("num_experts", 512))
+    if not num_experts:
+        return None
     step = int(raw.get("decoder_sparse_step", 1))
     if step < 1:
         raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
     dense = {int(i) for i in raw.get("mlp_only_layers") or ()}
     return _checked_top_k({
-        "num_experts": int(raw.get("num_experts", 512)),
+        "num_experts": num_experts,
         "top_k": int(raw.get("num_experts_per_tok", 10)),
         "intermediate_size": int(raw.get("moe_intermediate_size", 512)),
         "shared_intermediate_size": int(raw.get("shared_expert_intermediate_size", 512)),

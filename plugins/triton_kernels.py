@@ -116,20 +116,26 @@ def anchor_capture_kernel(h_ptr, src_ptr, dst_ptr, D, pool_ptr, BD: tl.constexpr
 
 
 @triton.jit
+def _moe_block(pairs_ptr, block_expert_ptr, P, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's block of sorted rows: (its expert, the rows, their pair ids, which rows
+    are real pairs, the output columns of this program's tile)."""
+    b = tl.program_id(0)
+    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    o_m = b * BM + tl.arange(0, BM)
+    pair = tl.load(pairs_ptr + o_m).to(tl.int64)
+    return e, o_m, pair, pair < P, tl.program_id(1) * BN + tl.arange(0, BN)
+
+
+@triton.jit
 def moe_up_kernel(
     h_ptr, w_ptr, pairs_ptr, block_expert_ptr, inter_ptr, D, F, P, E,
     TOP_K: tl.constexpr, SWIGLU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """inter[r] = act(W_in[e] h[token(r)]) for the BM sorted rows r of block b (expert e)."""
-    b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    e, o_m, pair, m_m, o_n = _moe_block(pairs_ptr, block_expert_ptr, P, BM, BN)
     if e < E:
-        o_m = b * BM + tl.arange(0, BM)
-        pair = tl.load(pairs_ptr + o_m).to(tl.int64)
-        m_m = pair < P
         token = tl.where(m_m, pair // TOP_K, 0)
-        o_n = tl.program_id(1) * BN + tl.arange(0, BN)
         m_n = o_n < F
         rows = 2 * F if SWIGLU else F
         w_base = w_ptr + e * rows * D
@@ -163,13 +169,8 @@ def moe_down_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """pair_out[pair(r)] = weight(pair(r)) * W_down[e] inter[r] for block b's rows r."""
-    b = tl.program_id(0)
-    e = tl.load(block_expert_ptr + b).to(tl.int64)
+    e, o_m, pair, m_m, o_n = _moe_block(pairs_ptr, block_expert_ptr, P, BM, BN)
     if e < E:
-        o_m = b * BM + tl.arange(0, BM)
-        pair = tl.load(pairs_ptr + o_m).to(tl.int64)
-        m_m = pair < P
-        o_n = tl.program_id(1) * BN + tl.arange(0, BN)
         m_n = o_n < DOUT
         w_base = w_ptr + e * DOUT * F
         acc = tl.zeros([BM, BN], dtype=tl.float32)

@@ -112,13 +112,14 @@ class CompiledExecutor(ExecutorBuffers):
         # One spare anchor row per group and one spare saved-state slot: the graphs always
         # capture and (with snapshots) always save (scratch where nothing is asked), so no
         # dimension is ever 0. The store hands out saved slots below `num_saved_slots` only.
-        # int8 anchors: staging row i holds the step's i-th capture.
+        # int8 anchors: the graphs capture into staging rows instead (row i: the step's i-th
+        # capture, row 0 the scratch row), quantized into the anchor rows after the step.
         self._allocate(cfg, dtype, device, num_kv_pages, page_size, num_run_slots,
                        num_saved_slots + 1, num_anchor_rows, int8_anchors,
                        spare_anchor_rows=0 if int8_anchors else 1)
         self._staging = (torch.zeros(cfg.num_groups, 8, cfg.hidden_size, dtype=dtype,
                                      device=device) if int8_anchors else None)
-        self._scratch_row = 0 if int8_anchors else num_anchor_rows
+        self._scratch_row = num_anchor_rows
         self._scratch_slot = num_saved_slots
 
     @property
@@ -160,19 +161,18 @@ class CompiledExecutor(ExecutorBuffers):
         batch = ForwardBatch.build(seqs, self.kv, self.run_states, device=self.device)
         x = packed_from_batch(batch, capture_src)
         captures = x["capture_src"].numel()
-        if captures:
-            dst = capture_dst.to(self.device)
-        else:
+        if not captures:  # the graph captures one token anyway, into a scratch row
             x["capture_src"] = torch.zeros(1, dtype=torch.long, device=self.device)
-            dst = torch.full((1,), self._scratch_row, dtype=torch.long, device=self.device)
-        pool = self.anchor_storage
-        if self._staging is not None:  # int8 anchors: capture row i into staging row i
-            if self._staging.shape[1] < max(captures, 1):
+        if self._staging is None:
+            pool = self.anchor_storage
+            dst = (capture_dst.to(self.device) if captures else
+                   torch.full((1,), self._scratch_row, dtype=torch.long, device=self.device))
+        else:
+            if self._staging.shape[1] < captures:
                 self._staging = self._staging.new_zeros(
                     self._staging.shape[0], 1 << (captures - 1).bit_length(),
                     self._staging.shape[2])
-            pool, int8_dst = self._staging, dst
-            dst = torch.arange(max(captures, 1), device=self.device)
+            pool, dst = self._staging, torch.arange(max(captures, 1), device=self.device)
         num_attn = len(self.kv.k)
         if layer_hooks is not None:
             for a in range(num_attn):
@@ -193,8 +193,9 @@ class CompiledExecutor(ExecutorBuffers):
             tuple(self.run_states.rec), *extra)
         if self._staging is not None and captures:
             q, scale = quantize_int8(self._staging[:, :captures])
-            self.anchors.index_copy_(1, int8_dst, q)
-            self.anchor_scales.index_copy_(1, int8_dst, scale)
+            rows = capture_dst.to(self.device)
+            self.anchors.index_copy_(1, rows, q)
+            self.anchor_scales.index_copy_(1, rows, scale)
         if layer_hooks is not None:
             for a in range(num_attn):
                 layer_hooks.after_write(a)

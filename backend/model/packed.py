@@ -147,7 +147,8 @@ def linear_layer_packed(layer: DecoderLayer | NemotronHBlock, x, cu_seqlens, con
 
 def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tensor:
     if isinstance(layer.mlp, SparseMoE):
-        return x + layer.mlp(layer.post_attention_layernorm(x), experts=_experts_op(fused))
+        return x + layer.mlp(layer.post_attention_layernorm(x),
+                             experts=_experts_op(layer.mlp, fused))
     if not fused or "gate_up" not in fused:
         return layer._ffn(x)
     gate, up = F.linear(layer.post_attention_layernorm(x), fused["gate_up"]).split(
@@ -155,8 +156,8 @@ def _ffn(layer: DecoderLayer, x: torch.Tensor, fused: dict | None) -> torch.Tens
     return x + layer.mlp.down_proj(F.silu(gate) * up)
 
 
-def _experts_op(weights: dict | None):
-    """The routed experts of a MoE layer through `plugins.moe_experts` over its stacked
+def _experts_op(moe: SparseMoE | NemotronMoE, weights: dict | None):
+    """The routed experts of MoE layer `moe` through `plugins.moe_experts` over its stacked
     weights (`layer_weights`): the loop over expert modules is not a graph."""
     import plugins
 
@@ -164,26 +165,24 @@ def _experts_op(weights: dict | None):
         raise ValueError("a mixture-of-experts layer in a packed graph needs its stacked "
                          "expert weights (layer_weights)")
     return lambda h, w, index: plugins.moe_experts(h, w, index, weights["experts_in"],
-                                                   weights["experts_down"],
-                                                   weights["activation"])
+                                                   weights["experts_down"], moe.activation)
 
 
 def _mlp_block(layer: NemotronHBlock, x: torch.Tensor, weights: dict | None) -> torch.Tensor:
     """A Nemotron-H MLP or MoE layer over packed tokens."""
     if isinstance(layer.mixer, NemotronMoE):
-        return x + layer.mixer(layer.norm(x), experts=_experts_op(weights))
+        return x + layer.mixer(layer.norm(x), experts=_experts_op(layer.mixer, weights))
     return layer.mix_stateless(x, None, None, None)
 
 
-def layer_weights(layer: nn.Module, fuse: bool) -> dict:
+def layer_weights(layer: nn.Module, fuse: bool) -> dict[str, torch.Tensor]:
     """What a packed graph keeps per layer besides the model's parameters: the projections
     that read one input concatenated (`fused_weights`, Qwen3.5's layers, `fuse`), and a MoE
-    layer's experts stacked (`experts_in`, `experts_down`; `activation` is a string)."""
+    layer's experts stacked (`experts_in`, `experts_down`)."""
     out = dict(fused_weights(layer)) if fuse and isinstance(layer, DecoderLayer) else {}
     mlp = layer.mlp if isinstance(layer, DecoderLayer) else layer.mixer
     if isinstance(mlp, (SparseMoE, NemotronMoE)):
         out["experts_in"], out["experts_down"] = mlp.stacked_weights()
-        out["activation"] = mlp.activation
     return out
 
 
@@ -193,20 +192,14 @@ class _LayerWeights(nn.Module):
 
     def _register_layer_weights(self, model: HybridForCausalLM, layer_ids, fuse: bool):
         self._weight_names: dict[int, dict[str, str]] = {}
-        self._constants: dict[int, dict[str, str]] = {}
         for i in layer_ids:
-            names, constants = {}, {}
+            names = self._weight_names[i] = {}
             for key, w in layer_weights(model.model.layers[i], fuse).items():
-                if isinstance(w, str):
-                    constants[key] = w
-                    continue
                 self.register_buffer(f"w_{i}_{key}", w, persistent=False)
                 names[key] = f"w_{i}_{key}"
-            self._weight_names[i], self._constants[i] = names, constants
 
-    def _weights(self, i: int) -> dict:
-        return {**{k: getattr(self, n) for k, n in self._weight_names.get(i, {}).items()},
-                **self._constants.get(i, {})}
+    def _weights(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, n) for k, n in self._weight_names.get(i, {}).items()}
 
 
 class StepGraph(_LayerWeights):

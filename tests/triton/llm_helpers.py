@@ -76,21 +76,30 @@ def assert_prompt_and_branch_served_as_generated(server: ServerHandle, engine,
     return {k: v for c in chunks for k, v in c.counts.items()}
 
 
+def serve_checkpoint(triton_server, model_dir, hybrid_params: dict | None = None):
+    """The ensemble served over checkpoint `model_dir` (LLM_PARAMS plus `hybrid_params` for
+    `hybrid_llm`), and the eager in-process engine of the same checkpoint: (server, engine)."""
+    from backend.engine import Engine, EngineConfig
+    from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
+
+    hybrid = {**LLM_PARAMS["hybrid_llm"], "model_path": str(model_dir), **(hybrid_params or {})}
+    server = triton_server(LLM_MODELS, {"hybrid_llm": hybrid,
+                                        "preprocessing": {"tokenizer_dir": str(model_dir)},
+                                        "postprocessing": {"tokenizer_dir": str(model_dir)}})
+    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    return server, eager
+
+
 def assert_built_repository_serves_as_eager(triton_server, build, seed_text: str,
                                             max_tokens: int) -> dict:
     """`build`: (model dir, engine dir, repository) from `build.py --backend aot`. Serves the
     repository's `hybrid_llm` parameters as written (executor `compiled`) and checks a prompt
     and a branch against the eager engine of the same checkpoint; returns the branch's
     counts."""
-    from backend.engine import Engine, EngineConfig
     from backend.triton.repo import read_parameters
-    from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
 
     model_dir, _, repo = build
     params = read_parameters(repo / "hybrid_llm" / "config.pbtxt")
     assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
-    server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **params},
-                                        "preprocessing": {"tokenizer_dir": str(model_dir)},
-                                        "postprocessing": {"tokenizer_dir": str(model_dir)}})
-    eager = Engine.from_model_dir(model_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    server, eager = serve_checkpoint(triton_server, model_dir, params)
     return assert_prompt_and_branch_served_as_generated(server, eager, seed_text, max_tokens)

@@ -8,11 +8,14 @@ from __future__ import annotations
 import pytest
 from hf_oracle import NEMOTRON_H_CONFIGS, make_nemotron_h_checkpoint
 
-from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine import SamplingParams
 from client.generate import GenerateParams, generate_http, stream_grpc
 from engine_build import build
-from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import assert_built_repository_serves_as_eager, long_prompt
+from tests.triton.llm_helpers import (
+    assert_built_repository_serves_as_eager,
+    long_prompt,
+    serve_checkpoint,
+)
 
 pytest.importorskip("transformers")
 MAX_TOKENS = 8
@@ -52,11 +55,7 @@ def test_served_compiled_nemotron_h_matches_the_eager_engine(triton_server, requ
 
 
 def test_served_nemotron_h_matches_the_engine_and_hits_the_cache(triton_server, nemotron_dir):
-    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "model_path": str(nemotron_dir)},
-              "preprocessing": {"tokenizer_dir": str(nemotron_dir)},
-              "postprocessing": {"tokenizer_dir": str(nemotron_dir)}}
-    server = triton_server(LLM_MODELS, params)
-    engine = Engine.from_model_dir(nemotron_dir, EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    server, engine = serve_checkpoint(triton_server, nemotron_dir)
     sampling = SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)
     prompt = long_prompt("Mamba2 layers keep a state", 200)
     request = GenerateParams(prompt, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1)

@@ -10,13 +10,12 @@ import shutil
 import pytest
 from hf_oracle import QWEN3_NEXT_CONFIGS, make_hf_checkpoint
 
-from backend.engine import Engine, EngineConfig
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
 from engine_build import build
-from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
 from tests.triton.llm_helpers import (
     assert_built_repository_serves_as_eager,
     assert_prompt_and_branch_served_as_generated,
+    serve_checkpoint,
 )
 
 pytest.importorskip("transformers")
@@ -52,12 +51,7 @@ def test_served_compiled_qwen3_next_matches_the_eager_engine(triton_server,
 
 
 def test_served_qwen3_next_matches_the_engine_and_hits_the_cache(triton_server, qwen3_next_dir):
-    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "model_path": str(qwen3_next_dir)},
-              "preprocessing": {"tokenizer_dir": str(qwen3_next_dir)},
-              "postprocessing": {"tokenizer_dir": str(qwen3_next_dir)}}
-    server = triton_server(LLM_MODELS, params)
-    engine = Engine.from_model_dir(qwen3_next_dir,
-                                   EngineConfig.from_params(LLM_PARAMS["hybrid_llm"]))
+    server, engine = serve_checkpoint(triton_server, qwen3_next_dir)
     counts = assert_prompt_and_branch_served_as_generated(
         server, engine, "Sparse experts route each token", MAX_TOKENS)
     assert counts["cached_tokens"] >= 128 and counts["replayed_anchors"] > 0
