@@ -236,7 +236,7 @@ def _metrics_delta(before: dict, after: dict) -> dict:
                                          for t in tiers}},
         "tiers": {"prefetch_hits": delta("suffixreplay_prefetch_total", result="hit"),
                   "prefetch_late": delta("suffixreplay_prefetch_total", result="late"),
-                  "prefetch_started": delta("suffixreplay_prefetch_total"),
+                  "prefetch_started": delta("suffixreplay_prefetch_started_total"),
                   "ssd_bytes_written": delta("suffixreplay_ssd_bytes_total", direction="written")},
         "recomputed_tokens": delta("suffixreplay_recomputed_tokens_total"),
         "live_state_hits": delta("suffixreplay_live_state_hits_total"),

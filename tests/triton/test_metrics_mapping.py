@@ -18,7 +18,8 @@ STATS = {
         "hit_tokens_by_tier": {"device": 512, "host": 128, "ssd": 0},
         "page_evictions_by_reason": {"capacity": 4},
     },
-    "tiers": {"ssd_bytes_read": 4096, "prefetch_hits": 3, "chunk_rejects": {"checksum": 1}},
+    "tiers": {"ssd_bytes_read": 4096, "prefetch_hits": 3, "prefetch_started": 5,
+              "chunk_rejects": {"checksum": 1}},
     "label": "not a number",
 }
 
@@ -45,6 +46,9 @@ def test_ours_by_label_and_missing_keys_skipped():
     assert got[evictions] == 4
     assert got[("suffixreplay_ssd_bytes_total", (("direction", "read"),))] == 4096
     assert got[("suffixreplay_prefetch_total", (("result", "hit"),))] == 3
+    # Reads the prefetcher started: their own family, not one of the demand results.
+    assert got[("suffixreplay_prefetch_started_total", ())] == 5
+    assert ("suffixreplay_prefetch_total", (("result", "started"),)) not in got
     assert got[("suffixreplay_ssd_chunk_rejects_total", (("reason", "checksum"),))] == 1
     assert got[("suffixreplay_replayed_anchors_total", ())] == 11
     families = {family for family, _ in got}
