@@ -5,13 +5,15 @@ raises their pages' eviction priority (look-ahead) and, for matched pages that a
 but not in DRAM, starts SSD -> DRAM reads at the highest I/O priority. When a request is
 scheduled, `wait_for` waits only for reads still in flight (reading what no prefetch
 covered), so a request that waited in the queue longer than its reads take finds its pages
-in DRAM.
+in DRAM. `reads_pending` lets the scheduler keep a request queued while its reads run
+(others step meanwhile) instead of waiting for them on the engine thread.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from typing import Any
 
 from backend.cache.io_pool import Priority
@@ -56,6 +58,43 @@ class Prefetcher:
                 started += 1
         tiers.stats.prefetch_started += started
         return started
+
+    def reads_pending(self, tokens: Sequence[int], salt: str | None,
+                      timeout: float = 0.0) -> bool:
+        """Whether a queued request's matched pages (and, checkpoint policy, the state it
+        resumes from) are still being read from SSD after waiting at most `timeout` seconds
+        for them. Starts the reads nothing started and applies those that finished. False
+        with prefetch off: SCCache's ablation reads when the request is scheduled."""
+        if not self.enabled:
+            return False
+        tiers = self.tiers
+        path = tiers.store.tree.walk(encode_tokens(tokens), salt)
+        reads = []
+        if tiers.states is not None and (state := tiers.states.pending_read(path)) is not None:
+            reads.append(state)
+        for node in path:
+            if node.on_device:
+                continue
+            e = tiers.entry(node)
+            if e.host_ready:
+                continue
+            if e.read is None:
+                if not tiers.chunk_ready(e):
+                    break  # no copy to read: the usable prefix ends here
+                slot = tiers.alloc_host(may_wait=False)
+                if slot is None:
+                    break  # DRAM full of pages in use: read when scheduled
+                tiers.submit_read(e, slot, Priority.PREFETCH)
+                e.prefetched = True
+                tiers.stats.prefetch_started += 1
+            reads.append(e.read.future)
+        if not reads:
+            return False
+        start = time.perf_counter()
+        _, running = futures.wait(reads, timeout=timeout)
+        tiers.stats.prefetch_wait_seconds += time.perf_counter() - start
+        tiers.reap()
+        return bool(running)
 
     def wait_for(self, nodes: Sequence) -> int:
         """Makes the matched `nodes` (root child first) promotable: waits for their reads in

@@ -289,6 +289,19 @@ class StateTier:
             return 0
         return 0
 
+    def pending_read(self, nodes) -> Future | None:
+        """The read of the state a request matching `nodes` would resume from (the deepest
+        one) while it is in flight, starting it if it is only on SSD; None when that state
+        needs no read (on the device, in DRAM, or none)."""
+        self.prefetch(nodes)
+        for node in reversed(nodes):
+            e = self.entries.get(node)
+            if node.state_slot is not None or (e is not None and e.host_slot is not None):
+                return None
+            if e is not None and e.file is not None:
+                return e.read
+        return None
+
     # Removal ----------------------------------------------------------------------------
     def remove(self, node) -> None:
         e = self.entries.pop(node, None)

@@ -71,13 +71,15 @@ class PrefixStore:
         return self._clock
 
     # Matching ---------------------------------------------------------------------------
-    def match_prefix(self, tokens: Any, salt: str | None = None) -> MatchResult:
+    def match_prefix(self, tokens: Any, salt: str | None = None,
+                     count_hits: bool = True) -> MatchResult:
         """Longest usable cached prefix of whole pages of `tokens` in namespace `salt`.
 
         tokens: int list / 1-D int array or tensor, or the bytes of `encode_tokens(tokens)`
         (encode once per request: it is the main per-token cost for Python lists). Marks the
         matched path as used (LRU). Callers that need logits for the last prompt token pass
-        `tokens[:-1]` so that at least one token is recomputed.
+        `tokens[:-1]` so that at least one token is recomputed. count_hits=False: the caller
+        counts the pages it ends up using (`count_hits(locations(match)[:n])`).
         """
         key = encode_tokens(tokens)
         self.tier.on_lookup(salt)
@@ -111,9 +113,8 @@ class PrefixStore:
         kv_pages, anchors = self._device_prefix(nodes)
         if kv_pages:
             self.evictor.push_leaf(nodes[len(kv_pages) - 1])
-        self._count_hits(nodes, len(kv_pages))
         live = checkpoint.slot if checkpoint and last_state == len(nodes) - 1 else None
-        return MatchResult(
+        match = MatchResult(
             len(nodes),
             len(nodes) * self.page_size,
             nodes,
@@ -123,6 +124,21 @@ class PrefixStore:
             live,
             num_cached,
         )
+        if count_hits:
+            self.count_hits(self.locations(match))
+        return match
+
+    @staticmethod
+    def locations(match: MatchResult) -> list[Tier]:
+        """Where each matched page is now, root child first (the device prefix first)."""
+        num_device = len(match.kv_pages)
+        return [Tier.DEVICE] * num_device + [n.kv_location for n in match.nodes[num_device:]]
+
+    def count_hits(self, locations: Sequence[Tier]) -> None:
+        """Counts pages served from the store, by the tier each was found on."""
+        hits = self.stats.hit_tokens_by_tier
+        for where in locations:
+            hits[where] += self.page_size
 
     def _device_prefix(self, nodes: list[PageNode]) -> tuple[list[int], list[int]]:
         kv_pages: list[int] = []
@@ -137,12 +153,6 @@ class PrefixStore:
                     break
                 anchors.append(node.anchor_block)
         return kv_pages, anchors
-
-    def _count_hits(self, nodes: list[PageNode], num_device: int) -> None:
-        hits = self.stats.hit_tokens_by_tier
-        hits[Tier.DEVICE] += num_device * self.page_size
-        for node in nodes[num_device:]:
-            hits[node.kv_location] += self.page_size
 
     # Inserting --------------------------------------------------------------------------
     def insert(

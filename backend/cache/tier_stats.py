@@ -55,7 +55,8 @@ class TierStats:
     prefetch_hits: int = 0  # read by a prefetch and complete before the request needed it
     prefetch_late: int = 0  # prefetch still in flight when the request needed it
     prefetch_misses: int = 0  # on SSD only when needed: a foreground read
-    prefetch_wait_seconds: float = 0.0  # time `wait_for` spent waiting for reads
+    prefetch_wait_seconds: float = 0.0  # engine time spent waiting for reads (admission)
+    deferred_admissions: int = 0  # steps a request stayed queued for its reads while others ran
     # checkpoint states (checkpoint policy, `state_tier.py`)
     state_spills: int = 0  # device checkpoints copied to DRAM when their slot was reclaimed
     state_spills_skipped: int = 0  # no DRAM state slot could be freed: the state was lost

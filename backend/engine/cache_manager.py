@@ -39,7 +39,9 @@ class CacheManager:
     def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
         """Matches the sequence's prefix, locks it, restores linear states at the match end
         (live state, or a replay queued into `replays`), and plans state snapshots."""
-        match = self.store.match_prefix(seq.tokens[:-1], seq.request.cache_salt)
+        match = self.store.match_prefix(seq.tokens[:-1], seq.request.cache_salt,
+                                        count_hits=False)
+        found_on = self.store.locations(match)  # before promotion moves them
         nodes = self._usable_prefix(match)
         n = len(nodes)
         live = match.live_state if n == match.num_matched_pages else None
@@ -61,6 +63,7 @@ class CacheManager:
         seq.page_table = [node.kv_page for node in nodes]
         seq.anchor_blocks = [node.anchor_block for node in nodes] if self.store.uses_anchors else []
         seq.num_tree_pages = n
+        self.store.count_hits(found_on[:n])  # the pages used, not all that were matched
         seq.num_computed = seq.cached_tokens = n * self.page_size
         if n == 0:
             self.executor.reset_state(seq.run_slot)
@@ -78,6 +81,17 @@ class CacheManager:
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
         self.num_recomputed_tokens += seq.recomputed_tokens
         self._plan_snapshots(seq, branch_point)
+
+    def reads_pending(self, seq: Sequence, timeout: float) -> bool:
+        """Whether the waiting `seq`'s matched pages (or state) are still being read from SSD
+        after waiting at most `timeout` s (reads not started yet are started); a True is
+        counted as a deferred admission."""
+        if self.tiers is None:
+            return False
+        pending = self.tiers.prefetcher.reads_pending(seq.tokens[:-1], seq.request.cache_salt,
+                                                      timeout)
+        self.tiers.stats.deferred_admissions += pending
+        return pending
 
     def keep_replayed(self, seq: Sequence) -> None:
         """Keeps the state a replay just rebuilt (in the sequence's run slot) as the live

@@ -1,4 +1,5 @@
-"""Continuous batching: FCFS admission, chunked prefill under a per-step token budget mixed
+"""Continuous batching: FCFS admission (a request whose cached pages are still being read
+from SSD stays queued while others run), chunked prefill under a per-step token budget mixed
 with decode steps, sampling, stop rules, preemption by recompute when pages run out.
 
 One `step()` = schedule -> (replay) -> forward -> postprocess, on the engine thread.
@@ -34,6 +35,9 @@ class Chunk:
 # Budget-cut prefill chunks of at least this many tokens end on a SNAPSHOT_ALIGN boundary when
 # the prompt has states planned further on (`_plan`).
 ALIGN_MIN_CHUNK = 4 * SNAPSHOT_ALIGN
+# A queued request whose pages are still being read from SSD (after `_read_wait`) waits at
+# most this many steps for them while others run; then the engine waits for the rest.
+MAX_ADMISSION_DEFERRALS = 64
 
 
 class Scheduler:
@@ -47,6 +51,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_finished = 0
+        self.last_step_seconds = 0.0  # wall time of the last step that ran a forward
 
     @property
     def has_work(self) -> bool:
@@ -55,6 +60,7 @@ class Scheduler:
     # One iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
+        start = time.perf_counter()
         self._look_ahead()
         self._admit()
         chunks = self._plan()
@@ -74,6 +80,7 @@ class Scheduler:
         if done:
             rows = [chunks.index(c) for c in done]
             outputs.extend(self._sample([c.seq for c in done], logits[rows]))
+        self.last_step_seconds = time.perf_counter() - start
         return outputs
 
     def _look_ahead(self) -> None:
@@ -87,8 +94,17 @@ class Scheduler:
     def _admit(self) -> None:
         replays: list[tuple[int, torch.Tensor]] = []
         replayed: list[Sequence] = []
+        deferred: list[Sequence] = []
         while self.waiting and self.free_slots:
             seq = self.waiting.popleft()
+            if self.running and seq.admission_deferrals < MAX_ADMISSION_DEFERRALS and \
+                    self.cache.reads_pending(seq, self._read_wait()):
+                # Its pages are still on their way from SSD: it stays queued while the
+                # running requests step (PCR's queue-time prefetch) rather than all of them
+                # waiting for the disk.
+                seq.admission_deferrals += 1
+                deferred.append(seq)
+                continue
             seq.run_slot = self.free_slots.pop()
             if seq.generator is None:
                 seq.generator = make_generator(seq.request.sampling.seed)
@@ -98,10 +114,17 @@ class Scheduler:
                 replayed.append(seq)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+        self.waiting.extendleft(reversed(deferred))
         if replays:
             self.executor.replay([s for s, _ in replays], [r for _, r in replays])
             for seq in replayed:
                 self.cache.keep_replayed(seq)
+
+    def _read_wait(self) -> float:
+        """How long admission may wait for a request's SSD reads before deferring it: a wait
+        of w delays the running requests and this one (n + 1 waits of w); deferring delays
+        it by about one step, so the break-even is the last step's time over n + 1."""
+        return self.last_step_seconds / (len(self.running) + 1)
 
     def _plan(self) -> list[Chunk]:
         budget = self.config.max_tokens_per_step

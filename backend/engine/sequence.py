@@ -47,6 +47,7 @@ class Sequence:
     recomputed_tokens: int = 0
     first_token_time: float | None = None
     prefix_inserted: bool = False
+    admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
 
     @property
     def request_id(self) -> str:

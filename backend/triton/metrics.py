@@ -5,9 +5,10 @@ TensorRT-LLM's families with its labels (plus `model` and `version`, as it adds 
   nv_trt_llm_request_metrics{request_type=active|max|scheduled|context|waiting}
 A KV "block" is one of our pages. Ours, `suffixreplay_*`: prefix-store hit tokens by tier,
 replayed anchors, recomputed tokens, live-state hits, evictions by tier and reason, page-pool use
-by state, prefetch reads started and their hits / late / misses, SSD bytes read / written,
-checksum failures and other SSD chunk rejects. A metric appears once `engine.stats()` reports
-its key (tiers and the prefetcher report only when configured).
+by state, prefetch reads started and their hits / late / misses, admissions deferred for
+reads, SSD bytes read / written, checksum failures and other SSD chunk rejects. A metric
+appears once `engine.stats()` reports its key (tiers and the prefetcher report only when
+configured).
 
 `samples(stats)` is the pure mapping (unit-tested); `EngineMetrics` owns the pb_utils objects.
 Counters are fed the increase since the previous refresh.
@@ -47,6 +48,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     "suffixreplay_prefetch_started_total": (
         "SSD -> DRAM page reads started by the prefetcher for queued requests",
+        COUNTER,
+    ),
+    "suffixreplay_deferred_admissions_total": (
+        "Steps a queued request waited for its SSD reads while others ran",
         COUNTER,
     ),
     "suffixreplay_ssd_bytes_total": ("Bytes moved to and from the SSD tier", COUNTER),
@@ -105,6 +110,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_prefetch_total", (("result", "late"),), "tier:prefetch_late"),
     ("suffixreplay_prefetch_total", (("result", "miss"),), "tier:prefetch_misses"),
     ("suffixreplay_prefetch_started_total", (), "tier:prefetch_started"),
+    ("suffixreplay_deferred_admissions_total", (), "tier:deferred_admissions"),
     ("suffixreplay_ssd_bytes_total", (("direction", "read"),), "tier:ssd_bytes_read"),
     ("suffixreplay_ssd_bytes_total", (("direction", "written"),), "tier:ssd_bytes_written"),
     ("suffixreplay_checksum_failures_total", (), "tier:checksum_failures"),

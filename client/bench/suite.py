@@ -259,6 +259,8 @@ def summarize(records: list[Record], engine_stats: dict | None, makespan: float,
             "prefetch": {k: tiers.get(k, 0) for k in ("prefetch_started", "prefetch_hits",
                                                       "prefetch_late")},
             "ssd_bytes_written": tiers.get("ssd_bytes_written", 0),
+            # Steps a request stayed queued for its SSD reads while others ran.
+            "deferred_admissions": tiers.get("deferred_admissions", 0),
             "cached_pages": engine_stats.get("cached_pages", 0),
         })
         started = summary["prefetch"]["prefetch_started"]

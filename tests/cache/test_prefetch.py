@@ -79,12 +79,39 @@ def test_wait_for_waits_only_for_reads_in_flight(tmp_path):
     tiers.close()
 
 
+def test_reads_pending_starts_the_missing_reads_and_waits_at_most_its_timeout(tmp_path):
+    """A request outside the window: `reads_pending` starts its pages' reads (counted as
+    prefetches) and, while the disk holds them, reports them pending after its timeout;
+    once they finish it applies them, and `wait_for` finds the pages in DRAM (hits)."""
+    io = GatedIO()
+    store, tiers = cold_store(tmp_path, chunk_io=io)
+    tiers.prefetcher.update(waiting(REQUESTS[:2]))  # W = 2: request 3 is not covered
+    started = tiers.stats.prefetch_started
+    assert tiers.prefetcher.reads_pending(REQUESTS[3], "", timeout=0.05)
+    assert tiers.stats.prefetch_started == started + 2
+    assert tiers.prefetcher.reads_pending(REQUESTS[3], "")  # in flight: nothing started twice
+    assert tiers.stats.prefetch_started == started + 2
+    io.gate.set()
+    assert not tiers.prefetcher.reads_pending(REQUESTS[3], "", timeout=30)
+    match = store.match_prefix(REQUESTS[3])
+    assert all(tiers.entry(n).host_ready for n in match.nodes)
+    assert tiers.prefetcher.wait_for(match.nodes) == 2
+    assert tiers.stats.prefetch_hits >= 2 and tiers.stats.prefetch_misses == 0
+    assert not tiers.prefetcher.reads_pending(pages(90, 91), "")  # nothing cached
+    tiers.drain()
+    tiers.assert_invariants()
+    tiers.close()
+
+
 def test_prefetch_off_reads_on_demand(tmp_path):
     store, tiers = cold_store(tmp_path, enable_prefetch=False)
     assert tiers.prefetcher.update(waiting(REQUESTS)) == 0
     _, served = run_request(store, tiers, REQUESTS[0])
     assert served == 2
     assert tiers.stats.prefetch_misses == 2 and tiers.stats.prefetch_started == 0
+    # SCCache's ablation: a request never waits in the queue for its reads.
+    assert not tiers.prefetcher.reads_pending(REQUESTS[1], "")
+    assert tiers.stats.prefetch_started == 0
     tiers.close()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import xxhash
+from tier_helpers import hold_io
 
 from backend.cache import CacheConfig, PrefixStore
 from backend.cache.page_io import DeviceBuffers
@@ -119,6 +120,28 @@ def test_dram_victims_stay_on_ssd_and_prefetch_brings_them_back(tmp_path):
     _assert_state(state, A)
     assert tiers.stats.state_prefetch_hits == 1 and tiers.stats.ssd_reads >= 1
     tiers.assert_invariants()
+    tiers.close()
+
+
+def test_a_queued_request_waits_for_its_state_read_not_the_engine(tmp_path):
+    """A's pages are on the device, its state only on SSD: `reads_pending` starts that read
+    (a prefetch) and reports it while the disk holds it; once read, the state loads from
+    DRAM."""
+    store, tiers = _make(tmp_path, device_slots=1, host_slots=1, ssd_slots=8)
+    for tokens in (A, B, C):
+        _cache(store, tiers, tokens)
+        tiers.drain()
+    assert tiers.states.location(store.match_prefix(A).checkpoint.node).name == "SSD"
+    gate = hold_io(tiers, threads=2)
+    assert tiers.prefetcher.reads_pending(A, "", timeout=0.05)
+    assert tiers.stats.state_prefetch_started == 1
+    gate.set()
+    assert not tiers.prefetcher.reads_pending(A, "", timeout=30)
+    pages, state = _load(store, tiers, A)
+    assert pages == 3
+    _assert_state(state, A)
+    assert tiers.stats.state_prefetch_hits == 1 and tiers.stats.state_prefetch_misses == 0
+    assert tiers.stats.state_loads_host == 1
     tiers.close()
 
 

@@ -4,12 +4,14 @@ prefix so that any served page can be checked bit for bit."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
 import xxhash
 
 from backend.cache import CacheConfig, PrefixStore
+from backend.cache.io_pool import Priority
 from backend.cache.page_io import DeviceBuffers
 from backend.cache.tier_config import TierConfig
 from backend.cache.tiers import TieredBackend
@@ -51,6 +53,17 @@ def make_tiered(
     cfg = CacheConfig(page_size=PAGE, anchor_density=1 / PAGE, num_kv_pages=num_kv_pages,
                       num_checkpoint_slots=0, lookahead_window=2)  # fmt: skip
     return PrefixStore(cfg, tiers), tiers
+
+
+def hold_io(tiers: TieredBackend, threads: int) -> threading.Event:
+    """Occupies the tiers' `threads` I/O threads until the returned event is set: reads
+    submitted meanwhile stay queued, as behind a slow disk."""
+    gate = threading.Event()
+    running = [threading.Event() for _ in range(threads)]
+    for started in running:
+        tiers.io.submit(Priority.PREFETCH, lambda started=started: (started.set(), gate.wait(30)))
+    assert all(started.wait(10) for started in running)
+    return gate
 
 
 def pages(*chunks: int) -> list[int]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
@@ -14,8 +15,10 @@ from engine_helpers import (
     random_prompt,
 )
 
+from backend.cache.io_pool import Priority
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine
+from backend.engine.request import Request
 from backend.model.generate import greedy_generate
 from backend.replay.budget import ReplayConfig
 
@@ -75,6 +78,30 @@ def test_ssd_tier_survives_restart(model, tmp_path):
     assert got.new_token_ids == want
     assert got.cached_tokens == 144
     assert restarted.stats()["tiers"]["ssd_bytes_read"] > 0
+    assert_no_leak(restarted)
+    restarted.stop()
+
+
+def test_hit_counters_count_the_pages_a_request_used(model, tmp_path):
+    """Pages stage from SSD through DRAM: with 4 DRAM slots a restarted engine can use 4 of
+    the branch's 9 cached pages (the rest is recomputed, with the same tokens). The hit
+    counters count the pages used, by the tier each came from, not every page matched."""
+    prompts = [random_prompt(200, 97, seed=s) for s in range(50, 54)]
+    cfg = TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1",
+                     ssd_bytes=1 << 30)
+    engine = tiered(model, cfg)
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    engine.tiers.drain()
+    engine.stop()
+    restarted = tiered(model, replace(cfg, host_pages=4))
+    branch = prompts[0][:150] + prompts[1][:30]
+    got = restarted.generate(branch, GREEDY)
+    assert got.new_token_ids == greedy_generate(model, [branch], max_new_tokens=12,
+                                                page_size=16)[0]
+    hits = restarted.stats()["cache"]["hit_tokens_by_tier"]
+    assert 0 < got.cached_tokens < 144
+    assert sum(hits.values()) == got.cached_tokens and hits["device"] == 0, hits
     assert_no_leak(restarted)
     restarted.stop()
 
@@ -194,6 +221,66 @@ def test_checkpoint_states_survive_restart(model, tmp_path, corrupt):
     assert_no_leak(restarted)
     restarted.tiers.assert_invariants()
     restarted.stop()
+
+
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
+def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, tmp_path,
+                                                                         policy):
+    """PCR's queue-time prefetch: after a restart the branch's pages (and, checkpoint policy,
+    its state) are on SSD only. Arriving while another request decodes, with the disk slow
+    (its one I/O thread held), it stays queued while its reads wait and that request steps
+    on (the engine thread does not wait for the disk); then it is scheduled with every page
+    served from DRAM, no SSD read on demand, and decodes what a full prefill decodes."""
+    slots = dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16) if policy == "checkpoint" \
+        else {}
+    tiers = TierConfig(host_pages=64, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
+                       ssd_bytes=1 << 30, io_threads=1, **slots)
+    base = make_engine(model, policy=policy, num_kv_pages=24, max_tokens_per_step=200,
+                       num_checkpoint_slots=3)
+    config = replace(base.config, tiers=tiers)
+    engine = Engine(model, config)
+    prompts = [random_prompt(200, 97, seed=s) for s in range(40, 44)]
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    engine.tiers.drain()
+    engine.stop()
+    engine = Engine(model, config)
+    outputs: dict[str, list[int]] = {"other": [], "branch": []}
+
+    def submit(rid, prompt):
+        def collect(out):
+            outputs[rid].extend(out.new_token_ids)
+        engine.submit(Request(rid, prompt, GREEDY, on_output=collect))
+
+    other = random_prompt(100, 97, seed=45)
+    submit("other", other)
+    while not outputs["other"]:
+        engine.step()  # prefilled: it decodes from here on
+    disk = threading.Event()
+    engine.tiers.io.submit(Priority.PREFETCH, lambda: disk.wait(30))  # the disk is busy
+    branch = prompts[0][:150] + prompts[1][:30]
+    submit("branch", branch)
+    for _ in range(3):
+        before = len(outputs["other"])
+        engine.step()
+        queued = [s.request_id for s in engine.scheduler.waiting]
+        assert queued == ["branch"] and len(outputs["other"]) == before + 1
+    disk.set()
+    while engine.has_work:
+        engine.step()
+    stats = engine.stats()["tiers"]
+    assert stats["deferred_admissions"] >= 3
+    assert stats["prefetch_misses"] == 0 and stats["state_prefetch_misses"] == 0, stats
+    assert stats["state_loads_ssd"] == 0, stats
+    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    assert outputs["branch"] == want
+    assert outputs["other"] == greedy_generate(model, [other], max_new_tokens=12,
+                                               page_size=16)[0]
+    hits = engine.stats()["cache"]["hit_tokens_by_tier"]
+    assert hits == {"device": 0, "host": 128 if policy == "checkpoint" else 144, "ssd": 0}
+    assert_no_leak(engine)
+    engine.tiers.assert_invariants()
+    engine.stop()
 
 
 def test_max_cached_pages_keeps_the_device_budget_and_the_rest_serves_from_dram(model):
