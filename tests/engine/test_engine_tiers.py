@@ -60,16 +60,22 @@ def test_dram_tier_serves_evicted_pages(model, overlap):
     engine.stop()
 
 
-def test_ssd_tier_survives_restart(model, tmp_path):
-    prompts = [random_prompt(200, 97, seed=s) for s in range(10, 14)]
-    cfg = TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1",
-                     ssd_bytes=1 << 30)
-    engine = tiered(model, cfg)
+def _fill_ssd(engine: Engine, seeds) -> list[list[int]]:
+    """Runs a 200-token prompt per seed through `engine`, writes everything to SSD and stops
+    it: a new engine over the same directory finds the pages there. Returns the prompts."""
+    prompts = [random_prompt(200, 97, seed=s) for s in seeds]
     for p in prompts:
         engine.generate(p, GREEDY)
     engine.tiers.drain()
     assert engine.stats()["tiers"]["ssd_bytes_written"] > 0
     engine.stop()
+    return prompts
+
+
+def test_ssd_tier_survives_restart(model, tmp_path):
+    cfg = TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1",
+                     ssd_bytes=1 << 30)
+    prompts = _fill_ssd(tiered(model, cfg), range(10, 14))
     # A new engine over the same directory: the first prompt's pages come from SSD.
     restarted = tiered(model, cfg)
     branch = prompts[0][:150] + prompts[1][:30]
@@ -86,14 +92,9 @@ def test_hit_counters_count_the_pages_a_request_used(model, tmp_path):
     """Pages stage from SSD through DRAM: with 4 DRAM slots a restarted engine can use 4 of
     the branch's 9 cached pages (the rest is recomputed, with the same tokens). The hit
     counters count the pages used, by the tier each came from, not every page matched."""
-    prompts = [random_prompt(200, 97, seed=s) for s in range(50, 54)]
     cfg = TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1",
                      ssd_bytes=1 << 30)
-    engine = tiered(model, cfg)
-    for p in prompts:
-        engine.generate(p, GREEDY)
-    engine.tiers.drain()
-    engine.stop()
+    prompts = _fill_ssd(tiered(model, cfg), range(50, 54))
     restarted = tiered(model, replace(cfg, host_pages=4))
     branch = prompts[0][:150] + prompts[1][:30]
     got = restarted.generate(branch, GREEDY)
@@ -238,12 +239,7 @@ def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, t
     base = make_engine(model, policy=policy, num_kv_pages=24, max_tokens_per_step=200,
                        num_checkpoint_slots=3)
     config = replace(base.config, tiers=tiers)
-    engine = Engine(model, config)
-    prompts = [random_prompt(200, 97, seed=s) for s in range(40, 44)]
-    for p in prompts:
-        engine.generate(p, GREEDY)
-    engine.tiers.drain()
-    engine.stop()
+    prompts = _fill_ssd(Engine(model, config), range(40, 44))
     engine = Engine(model, config)
     outputs: dict[str, list[int]] = {"other": [], "branch": []}
 
