@@ -36,12 +36,17 @@ def tiered(model, tiers: TierConfig, num_kv_pages=24) -> Engine:
     return Engine(model, replace(base.config, tiers=tiers))
 
 
+def _greedy(model, prompt):
+    """What a full prefill decodes (GREEDY's 12 tokens)."""
+    return greedy_generate(model, [prompt], max_new_tokens=12, page_size=16)[0]
+
+
 def _run(engine, model, prompts):
     """Caches prompts[0], pushes it off the device with the others, then asks for a branch."""
     for p in prompts:
         engine.generate(p, GREEDY)
     branch = prompts[0][:150] + prompts[1][:30]
-    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    want = _greedy(model, branch)
     got = engine.generate(branch, GREEDY)
     assert got.new_token_ids == want
     return got
@@ -79,7 +84,7 @@ def test_ssd_tier_survives_restart(model, tmp_path):
     # A new engine over the same directory: the first prompt's pages come from SSD.
     restarted = tiered(model, cfg)
     branch = prompts[0][:150] + prompts[1][:30]
-    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    want = _greedy(model, branch)
     got = restarted.generate(branch, GREEDY)
     assert got.new_token_ids == want
     assert got.cached_tokens == 144
@@ -98,8 +103,7 @@ def test_hit_counters_count_the_pages_a_request_used(model, tmp_path):
     restarted = tiered(model, replace(cfg, host_pages=4))
     branch = prompts[0][:150] + prompts[1][:30]
     got = restarted.generate(branch, GREEDY)
-    assert got.new_token_ids == greedy_generate(model, [branch], max_new_tokens=12,
-                                                page_size=16)[0]
+    assert got.new_token_ids == _greedy(model, branch)
     hits = restarted.stats()["cache"]["hit_tokens_by_tier"]
     assert 0 < got.cached_tokens < 144
     assert sum(hits.values()) == got.cached_tokens and hits["device"] == 0, hits
@@ -160,7 +164,7 @@ def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
     if engine.tiers.states is not None:
         engine.tiers.drain()
     branch = prompts[0][:150] + prompts[1][:30]
-    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    want = _greedy(model, branch)
     got = engine.generate(branch, GREEDY)
     assert got.new_token_ids == want
     tiers = engine.stats()["tiers"]
@@ -206,7 +210,7 @@ def test_checkpoint_states_survive_restart(model, tmp_path, corrupt):
             f.write_bytes(bytes(data))
     restarted = Engine(model, config)
     branch = prompts[0][:150] + prompts[1][:30]
-    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    want = _greedy(model, branch)
     got = restarted.generate(branch, GREEDY)
     assert got.new_token_ids == want
     stats = restarted.stats()["tiers"]
@@ -224,6 +228,41 @@ def test_checkpoint_states_survive_restart(model, tmp_path, corrupt):
     restarted.stop()
 
 
+def _restarted_over_ssd(model, tmp_path, policy: str, seeds) -> tuple[Engine, list]:
+    """An engine with one I/O thread restarted over an SSD tier that holds the prompts of
+    `seeds` (checkpoint policy: with their states): (engine, prompts)."""
+    slots = dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16) if policy == "checkpoint" \
+        else {}
+    tiers = TierConfig(host_pages=64, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
+                       ssd_bytes=1 << 30, io_threads=1, **slots)
+    base = make_engine(model, policy=policy, num_kv_pages=24, max_tokens_per_step=200,
+                       num_checkpoint_slots=3)
+    config = replace(base.config, tiers=tiers)
+    prompts = _fill_ssd(Engine(model, config), seeds)
+    return Engine(model, config), prompts
+
+
+def _collecting(engine: Engine, outputs: dict):
+    """submit(rid, prompt): a greedy request whose tokens and finish reason land in
+    outputs[rid] / outputs[rid, "reason"]."""
+    def submit(rid, prompt):
+        outputs[rid] = []
+
+        def collect(out):
+            outputs[rid].extend(out.new_token_ids)
+            if out.finished:
+                outputs[rid, "reason"] = out.finish_reason
+        engine.submit(Request(rid, prompt, GREEDY, on_output=collect))
+    return submit
+
+
+def _hold_disk(engine: Engine) -> threading.Event:
+    """Occupies the engine's one I/O thread until the returned event is set."""
+    disk = threading.Event()
+    engine.tiers.io.submit(Priority.PREFETCH, lambda: disk.wait(30))
+    return disk
+
+
 @pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
 def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, tmp_path,
                                                                          policy):
@@ -232,28 +271,14 @@ def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, t
     (its one I/O thread held), it stays queued while its reads wait and that request steps
     on (the engine thread does not wait for the disk); then it is scheduled with every page
     served from DRAM, no SSD read on demand, and decodes what a full prefill decodes."""
-    slots = dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16) if policy == "checkpoint" \
-        else {}
-    tiers = TierConfig(host_pages=64, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
-                       ssd_bytes=1 << 30, io_threads=1, **slots)
-    base = make_engine(model, policy=policy, num_kv_pages=24, max_tokens_per_step=200,
-                       num_checkpoint_slots=3)
-    config = replace(base.config, tiers=tiers)
-    prompts = _fill_ssd(Engine(model, config), range(40, 44))
-    engine = Engine(model, config)
-    outputs: dict[str, list[int]] = {"other": [], "branch": []}
-
-    def submit(rid, prompt):
-        def collect(out):
-            outputs[rid].extend(out.new_token_ids)
-        engine.submit(Request(rid, prompt, GREEDY, on_output=collect))
-
+    engine, prompts = _restarted_over_ssd(model, tmp_path, policy, range(40, 44))
+    outputs: dict = {}
+    submit = _collecting(engine, outputs)
     other = random_prompt(100, 97, seed=45)
     submit("other", other)
     while not outputs["other"]:
         engine.step()  # prefilled: it decodes from here on
-    disk = threading.Event()
-    engine.tiers.io.submit(Priority.PREFETCH, lambda: disk.wait(30))  # the disk is busy
+    disk = _hold_disk(engine)
     branch = prompts[0][:150] + prompts[1][:30]
     submit("branch", branch)
     for _ in range(3):
@@ -268,12 +293,44 @@ def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, t
     assert stats["deferred_admissions"] >= 3
     assert stats["prefetch_misses"] == 0 and stats["state_prefetch_misses"] == 0, stats
     assert stats["state_loads_ssd"] == 0, stats
-    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
-    assert outputs["branch"] == want
-    assert outputs["other"] == greedy_generate(model, [other], max_new_tokens=12,
-                                               page_size=16)[0]
+    assert outputs["branch"] == _greedy(model, branch)
+    assert outputs["other"] == _greedy(model, other)
     hits = engine.stats()["cache"]["hit_tokens_by_tier"]
     assert hits == {"device": 0, "host": 128 if policy == "checkpoint" else 144, "ssd": 0}
+    assert_no_leak(engine)
+    engine.tiers.assert_invariants()
+    engine.stop()
+
+
+def test_a_request_queued_for_its_reads_can_be_cancelled(model, tmp_path):
+    """Two branches wait queued for a held disk; one is cancelled there. The other is served
+    once the disk frees, the cancelled one's pages stay cached (a later request hits all of
+    them), and nothing leaks."""
+    engine, prompts = _restarted_over_ssd(model, tmp_path, "suffixreplay", range(60, 64))
+    outputs: dict = {}
+    submit = _collecting(engine, outputs)
+    other = random_prompt(100, 97, seed=65)
+    submit("other", other)
+    while not outputs["other"]:
+        engine.step()
+    disk = _hold_disk(engine)
+    branches = [prompts[0][:150] + prompts[1][:30], prompts[2][:150] + prompts[3][:30]]
+    submit("b0", branches[0])
+    submit("b1", branches[1])
+    for _ in range(2):
+        engine.step()
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b0", "b1"]
+    engine.cancel("b0")
+    engine.step()
+    assert outputs["b0", "reason"] == "cancelled" and outputs["b0"] == []
+    assert [s.request_id for s in engine.scheduler.waiting] == ["b1"]
+    disk.set()
+    while engine.has_work:
+        engine.step()
+    assert outputs["b1"] == _greedy(model, branches[1])
+    assert outputs["other"] == _greedy(model, other)
+    again = engine.generate(branches[0], GREEDY)
+    assert again.cached_tokens == 144 and again.new_token_ids == _greedy(model, branches[0])
     assert_no_leak(engine)
     engine.tiers.assert_invariants()
     engine.stop()
@@ -288,7 +345,7 @@ def test_max_cached_pages_keeps_the_device_budget_and_the_rest_serves_from_dram(
     engine.generate(prompt, GREEDY)
     assert engine.store.num_idle_device_pages == 2
     branch = prompt[:150] + random_prompt(30, 97, seed=32)
-    want = greedy_generate(model, [branch], max_new_tokens=12, page_size=16)[0]
+    want = _greedy(model, branch)
     got = engine.generate(branch, GREEDY)
     assert got.new_token_ids == want and got.cached_tokens == 144
     assert engine.stats()["cache"]["hit_tokens_by_tier"]["host"] >= 144 - 2 * 16
