@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from backend.cache.radix import encode_tokens
 from backend.cache.store import PrefixStore
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -81,6 +82,14 @@ class CacheManager:
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
         self.num_recomputed_tokens += seq.recomputed_tokens
         self._plan_snapshots(seq, branch_point)
+
+    def cached_pages(self, seq: Sequence) -> int:
+        """Pages of the waiting `seq`'s prompt found in the store (any tier); no side effects
+        (no LRU touch, no hit counted)."""
+        if self.policy == "none":
+            return 0
+        return len(self.store.tree.walk(encode_tokens(seq.tokens[:-1]),
+                                        seq.request.cache_salt))
 
     def reads_pending(self, seq: Sequence, timeout: float) -> bool:
         """Whether the waiting `seq`'s matched pages (or state) are still being read from SSD

@@ -12,6 +12,8 @@ from backend.replay.budget import SAMPLINGS, ReplayConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
 # Placeholder until `Engine.from_model_dir` hashes the weights (TierConfig.model_fingerprint).
 FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
 
@@ -27,6 +29,9 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     tiers: TierConfig | None = None  # None: device pool only (evicted pages are dropped)
+    # Admission order of waiting requests: "fcfs" (arrival), or "lpm" (longest cached prefix
+    # first, SGLang's cache-aware order; ties and queues longer than 128 in arrival order).
+    schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -40,6 +45,9 @@ class EngineConfig:
             raise ValueError(f"max_context_len must be >= 2, got {self.max_context_len}")
         if self.executor not in ("torch", "compiled"):
             raise ValueError(f"executor must be 'torch' or 'compiled', got {self.executor!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
+                             f"{self.schedule_policy!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (

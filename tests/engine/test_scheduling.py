@@ -1,0 +1,76 @@
+"""Admission order (`schedule_policy`): "fcfs" admits waiting requests in arrival order,
+"lpm" the one with the longest cached prefix first (SGLang's cache-aware order)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from engine_helpers import GREEDY, assert_no_leak, make_engine, random_prompt
+from hf_oracle import make_hf_checkpoint
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.request import Request
+from backend.model import load_model
+from backend.model.generate import greedy_generate
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("schedule-model")
+    make_hf_checkpoint(path, seed=3)
+    return load_model(path)
+
+
+def _serve_queue(model, policy: str) -> tuple[list[str], dict, Engine]:
+    """One running slot: while a request holds it, a miss and then a hit on a cached prompt
+    wait. Returns the order of their first tokens, their tokens and the engine."""
+    base = make_engine(model, max_num_seqs=1)
+    engine = Engine(model, replace(base.config, schedule_policy=policy))
+    vocab = model.config.vocab_size
+    cached = random_prompt(160, vocab, seed=10)
+    engine.generate(cached, GREEDY)
+    order: list[str] = []
+    tokens: dict = {}
+
+    def submit(rid, prompt, max_tokens):
+        tokens[rid] = []
+
+        def collect(out):
+            if out.new_token_ids and rid not in order:
+                order.append(rid)
+            tokens[rid].extend(out.new_token_ids)
+            if out.finished:
+                tokens[rid, "cached"] = out.cached_tokens
+        sampling = SamplingParams(max_tokens=max_tokens, top_k=1, end_id=-1)
+        engine.submit(Request(rid, prompt, sampling, on_output=collect))
+
+    submit("running", random_prompt(40, vocab, seed=11), 6)
+    engine.step()  # admitted: the only slot is taken
+    submit("miss", random_prompt(100, vocab, seed=12), 3)
+    tokens["hit prompt"] = cached[:128] + random_prompt(20, vocab, seed=13)
+    submit("hit", tokens["hit prompt"], 3)
+    while engine.has_work:
+        engine.step()
+    return order, tokens, engine
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_in_arrival_order(model):
+    order, lpm, engine = _serve_queue(model, "lpm")
+    assert order == ["running", "hit", "miss"]
+    assert lpm["hit", "cached"] == 128 and lpm["miss", "cached"] == 0
+    assert_no_leak(engine)
+    order, fcfs, engine = _serve_queue(model, "fcfs")
+    assert order == ["running", "miss", "hit"]
+    assert_no_leak(engine)
+    for rid in ("running", "miss", "hit"):
+        assert lpm[rid] == fcfs[rid]  # the order changes, never the tokens
+    want = greedy_generate(model, [lpm["hit prompt"]], max_new_tokens=3, page_size=16)[0]
+    assert lpm["hit"] == want
+
+
+def test_schedule_policy_is_checked_and_read_from_parameters():
+    with pytest.raises(ValueError, match=r"schedule_policy must be one of \('fcfs', 'lpm'\)"):
+        EngineConfig(schedule_policy="sjf")
+    assert EngineConfig.from_params({"schedule_policy": "lpm"}).schedule_policy == "lpm"
+    assert EngineConfig.from_params({}).schedule_policy == "fcfs"
