@@ -30,7 +30,7 @@ class EngineConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     tiers: TierConfig | None = None  # None: device pool only (evicted pages are dropped)
     # Admission order of waiting requests: "fcfs" (arrival), or "lpm" (longest cached prefix
-    # first, SGLang's cache-aware order; ties and queues longer than 128 in arrival order).
+    # first, SGLang's cache-aware order; ties and queues longer than 128 in queue order).
     schedule_policy: str = "fcfs"
 
     def __post_init__(self) -> None:

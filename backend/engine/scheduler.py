@@ -90,7 +90,7 @@ class Scheduler:
 
     def _longest_prefix_first(self) -> None:
         """Orders the waiting requests by cached prefix, longest first (stable: ties keep
-        arrival order); a queue longer than LPM_MAX_QUEUE stays in arrival order (matching
+        their queue order); a queue longer than LPM_MAX_QUEUE stays in arrival order (matching
         every prompt each step would cost more than the order saves, as in SGLang)."""
         if not self.free_slots or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             return
