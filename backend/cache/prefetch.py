@@ -50,17 +50,23 @@ class Prefetcher:
                 e = tiers.entry(node)
                 if e.host_slot is not None or not tiers.chunk_ready(e):
                     continue  # in DRAM or on its way
-                slot = tiers.alloc_host(may_wait=False)
-                if slot is None:
+                if not self._read_ahead(e):
                     return started  # DRAM is full of pages in use: try next step
-                tiers.submit_read(e, slot, Priority.PREFETCH)
-                e.prefetched = True
                 started += 1
-        tiers.stats.prefetch_started += started
         return started
 
-    def reads_pending(self, tokens: Sequence[int], salt: str | None,
-                      timeout: float = 0.0) -> bool:
+    def _read_ahead(self, e) -> bool:
+        """Starts a prefetch of the entry's SSD copy into a free DRAM slot; False when DRAM
+        has no slot to give without waiting (pages in use)."""
+        slot = self.tiers.alloc_host(may_wait=False)
+        if slot is None:
+            return False
+        self.tiers.submit_read(e, slot, Priority.PREFETCH)
+        e.prefetched = True
+        self.tiers.stats.prefetch_started += 1
+        return True
+
+    def reads_pending(self, tokens: Any, salt: str | None, timeout: float = 0.0) -> bool:
         """Whether a queued request's matched pages (and, checkpoint policy, the state it
         resumes from) are still being read from SSD after waiting at most `timeout` seconds
         for them. Starts the reads nothing started and applies those that finished. False
@@ -78,15 +84,8 @@ class Prefetcher:
             e = tiers.entry(node)
             if e.host_ready:
                 continue
-            if e.read is None:
-                if not tiers.chunk_ready(e):
-                    break  # no copy to read: the usable prefix ends here
-                slot = tiers.alloc_host(may_wait=False)
-                if slot is None:
-                    break  # DRAM full of pages in use: read when scheduled
-                tiers.submit_read(e, slot, Priority.PREFETCH)
-                e.prefetched = True
-                tiers.stats.prefetch_started += 1
+            if e.read is None and not (tiers.chunk_ready(e) and self._read_ahead(e)):
+                break  # no copy to read, or no DRAM slot free: read (or not) when scheduled
             reads.append(e.read.future)
         if not reads:
             return False

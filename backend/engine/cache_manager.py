@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from backend.cache.radix import encode_tokens
 from backend.cache.store import PrefixStore
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -40,7 +39,7 @@ class CacheManager:
     def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
         """Matches the sequence's prefix, locks it, restores linear states at the match end
         (live state, or a replay queued into `replays`), and plans state snapshots."""
-        match = self.store.match_prefix(seq.tokens[:-1], seq.request.cache_salt,
+        match = self.store.match_prefix(seq.prefix_key(), seq.request.cache_salt,
                                         count_hits=False)
         found_on = self.store.locations(match)  # before promotion moves them
         nodes = self._usable_prefix(match)
@@ -88,8 +87,7 @@ class CacheManager:
         (no LRU touch, no hit counted)."""
         if self.policy == "none":
             return 0
-        return len(self.store.tree.walk(encode_tokens(seq.tokens[:-1]),
-                                        seq.request.cache_salt))
+        return len(self.store.tree.walk(seq.prefix_key(), seq.request.cache_salt))
 
     def reads_pending(self, seq: Sequence, timeout: float) -> bool:
         """Whether the waiting `seq`'s matched pages (or state) are still being read from SSD
@@ -97,7 +95,7 @@ class CacheManager:
         counted as a deferred admission."""
         if self.tiers is None:
             return False
-        pending = self.tiers.prefetcher.reads_pending(seq.tokens[:-1], seq.request.cache_salt,
+        pending = self.tiers.prefetcher.reads_pending(seq.prefix_key(), seq.request.cache_salt,
                                                       timeout)
         self.tiers.stats.deferred_admissions += pending
         return pending

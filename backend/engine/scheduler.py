@@ -90,7 +90,7 @@ class Scheduler:
 
     def _longest_prefix_first(self) -> None:
         """Orders the waiting requests by cached prefix, longest first (stable: ties keep
-        their queue order); a queue longer than LPM_MAX_QUEUE stays in arrival order (matching
+        their queue order); a queue longer than LPM_MAX_QUEUE keeps its order (matching
         every prompt each step would cost more than the order saves, as in SGLang)."""
         if not self.free_slots or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             return
@@ -99,7 +99,7 @@ class Scheduler:
 
     def _look_ahead(self) -> None:
         """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""
-        waiting = [(s.tokens, s.request.cache_salt) for s in self.waiting]
+        waiting = [(s.prefix_key(), s.request.cache_salt) for s in self.waiting]
         if self.cache.tiers is not None:
             self.cache.tiers.prefetcher.update(waiting)
         elif waiting:

@@ -8,6 +8,7 @@ from enum import Enum
 
 import torch
 
+from backend.cache.radix import encode_tokens
 from backend.engine.request import Request, RequestOutput
 
 
@@ -48,6 +49,14 @@ class Sequence:
     first_token_time: float | None = None
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
+    _key: tuple[int, bytes] | None = field(default=None, repr=False)
+
+    def prefix_key(self) -> bytes:
+        """`encode_tokens(tokens[:-1])`, what the prefix store matches for it (at least one
+        token is recomputed); encoded once per token count, not on each look-up."""
+        if self._key is None or self._key[0] != len(self.tokens):
+            self._key = (len(self.tokens), encode_tokens(self.tokens[:-1]))
+        return self._key[1]
 
     @property
     def request_id(self) -> str:

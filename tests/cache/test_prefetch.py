@@ -134,7 +134,10 @@ def test_prefetch_stops_when_dram_is_full_of_pages_in_use(tmp_path):
     store, tiers = cold_store(tmp_path, host_pages=3, prefetch_window=4)
     match = store.match_prefix(REQUESTS[3])
     assert tiers.prefetcher.wait_for(match.nodes) == 2  # pins two of the three slots
-    assert tiers.prefetcher.update(waiting(REQUESTS)) <= 3
+    started = tiers.stats.prefetch_started
+    count = tiers.prefetcher.update(waiting(REQUESTS))
+    assert count <= 3
+    assert tiers.stats.prefetch_started == started + count  # also when DRAM ran out
     tiers.drain()
     tiers.assert_invariants()
     tiers.close()

@@ -9,8 +9,10 @@ import pytest
 from engine_helpers import GREEDY, assert_no_leak, make_engine, random_prompt
 from hf_oracle import make_hf_checkpoint
 
+from backend.cache.radix import encode_tokens
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.request import Request
+from backend.engine.sequence import Sequence
 from backend.model import load_model
 from backend.model.generate import greedy_generate
 
@@ -67,6 +69,13 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_in_arrival_order(mo
         assert lpm[rid] == fcfs[rid]  # the order changes, never the tokens
     want = greedy_generate(model, [lpm["hit prompt"]], max_new_tokens=3, page_size=16)[0]
     assert lpm["hit"] == want
+
+
+def test_a_sequence_matches_its_tokens_but_the_last_as_they_grow():
+    seq = Sequence(Request("r", [1, 2, 3]), [1, 2, 3], 3)
+    assert seq.prefix_key() == encode_tokens([1, 2])
+    seq.tokens.append(4)  # a preempted sequence re-enters the queue with its outputs
+    assert seq.prefix_key() == encode_tokens([1, 2, 3])
 
 
 def test_schedule_policy_is_checked_and_read_from_parameters():
