@@ -32,6 +32,9 @@ class EngineConfig:
     # Admission order of waiting requests: "fcfs" (arrival), or "lpm" (longest cached prefix
     # first, SGLang's cache-aware order; ties and queues longer than 128 in queue order).
     schedule_policy: str = "fcfs"
+    # Under "lpm", a request that has waited this long goes ahead of every cached prefix (in
+    # arrival order), so a stream of hits cannot starve a request without one; 0: plain FCFS.
+    lpm_max_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -48,6 +51,8 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got "
                              f"{self.schedule_policy!r}")
+        if not self.lpm_max_wait_s >= 0:
+            raise ValueError(f"lpm_max_wait_s must be >= 0 seconds, got {self.lpm_max_wait_s}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (

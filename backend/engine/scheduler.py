@@ -91,11 +91,16 @@ class Scheduler:
     def _longest_prefix_first(self) -> None:
         """Orders the waiting requests by cached prefix, longest first (stable: ties keep
         their queue order); a queue longer than LPM_MAX_QUEUE keeps its order (matching
-        every prompt each step would cost more than the order saves, as in SGLang)."""
+        every prompt each step would cost more than the order saves, as in SGLang).
+        Requests that have waited `lpm_max_wait_s` or longer come first, in queue order: the
+        cache-aware order never starves a request without a cached prefix."""
         if not self.free_slots or not 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             return
-        cached = {id(s): self.cache.cached_pages(s) for s in self.waiting}
-        self.waiting = deque(sorted(self.waiting, key=lambda s: -cached[id(s)]))
+        deadline = time.perf_counter() - self.config.lpm_max_wait_s
+        aged = [s for s in self.waiting if s.arrival <= deadline]
+        rest = [s for s in self.waiting if s.arrival > deadline]
+        cached = {id(s): self.cache.cached_pages(s) for s in rest}
+        self.waiting = deque(aged + sorted(rest, key=lambda s: -cached[id(s)]))
 
     def _look_ahead(self) -> None:
         """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import pytest
@@ -24,11 +25,13 @@ def model(tmp_path_factory):
     return load_model(path)
 
 
-def _serve_queue(model, policy: str) -> tuple[list[str], dict, Engine]:
-    """One running slot: while a request holds it, a miss and then a hit on a cached prompt
-    wait. Returns the order of their first tokens, their tokens and the engine."""
+def _serve_queue(model, policy: str, pause: float = 0.0,
+                 **config) -> tuple[list[str], dict, Engine]:
+    """One running slot: while a request holds it, a miss and then (`pause` seconds later) a
+    hit on a cached prompt wait. Returns the order of their first tokens, their tokens and
+    the engine."""
     base = make_engine(model, max_num_seqs=1)
-    engine = Engine(model, replace(base.config, schedule_policy=policy))
+    engine = Engine(model, replace(base.config, schedule_policy=policy, **config))
     vocab = model.config.vocab_size
     cached = random_prompt(160, vocab, seed=10)
     engine.generate(cached, GREEDY)
@@ -50,6 +53,7 @@ def _serve_queue(model, policy: str) -> tuple[list[str], dict, Engine]:
     submit("running", random_prompt(40, vocab, seed=11), 6)
     engine.step()  # admitted: the only slot is taken
     submit("miss", random_prompt(100, vocab, seed=12), 3)
+    time.sleep(pause)
     tokens["hit prompt"] = cached[:128] + random_prompt(20, vocab, seed=13)
     submit("hit", tokens["hit prompt"], 3)
     while engine.has_work:
@@ -71,6 +75,21 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_in_arrival_order(mo
     assert lpm["hit"] == want
 
 
+def test_lpm_serves_requests_past_their_wait_bound_first(model):
+    # Every waiting request past the bound: plain arrival order.
+    order, tokens, engine = _serve_queue(model, "lpm", lpm_max_wait_s=0.0)
+    assert order == ["running", "miss", "hit"]
+    assert tokens["hit", "cached"] == 128
+    assert_no_leak(engine)
+    # The miss waited past the bound, the hit (1.1 s later) did not: the miss goes first.
+    order, _, engine = _serve_queue(model, "lpm", pause=1.1, lpm_max_wait_s=1.0)
+    assert order == ["running", "miss", "hit"]
+    assert_no_leak(engine)
+    # Both within it: the cached prefix first.
+    order, _, engine = _serve_queue(model, "lpm", pause=1.1, lpm_max_wait_s=60.0)
+    assert order == ["running", "hit", "miss"]
+
+
 def test_a_sequence_matches_its_tokens_but_the_last_as_they_grow():
     seq = Sequence(Request("r", [1, 2, 3]), [1, 2, 3], 3)
     assert seq.prefix_key() == encode_tokens([1, 2])
@@ -83,3 +102,6 @@ def test_schedule_policy_is_checked_and_read_from_parameters():
         EngineConfig(schedule_policy="sjf")
     assert EngineConfig.from_params({"schedule_policy": "lpm"}).schedule_policy == "lpm"
     assert EngineConfig.from_params({}).schedule_policy == "fcfs"
+    assert EngineConfig.from_params({"lpm_max_wait_s": "2.5"}).lpm_max_wait_s == 2.5
+    with pytest.raises(ValueError, match=r"lpm_max_wait_s must be >= 0 seconds, got -1"):
+        EngineConfig(lpm_max_wait_s=-1.0)
