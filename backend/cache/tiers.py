@@ -341,6 +341,16 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
                     self.release_if_idle(e)
             self._loads = still
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the lower tiers hold: DRAM slots in use (pages and checkpoint states) and
+        SSD files (chunks being written, ready or being deleted, and state files)."""
+        host = self.host.slots.num_used * (self.layout.kv_stride + self.layout.anchor_stride)
+        ssd = self.ssd.used_bytes if self.ssd is not None else 0
+        if self.states is not None:
+            host += self.states.pool.num_used * self.states.layout.nbytes
+            ssd += (len(self.states.ssd_lru) + len(self.states.found)) * self.states.file_bytes
+        return {"host": host, "ssd": ssd}
+
     def drain(self) -> None:
         """Waits until every SSD operation and every deferred write-back is done."""
         while True:

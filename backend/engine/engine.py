@@ -301,6 +301,25 @@ class Engine:
         with self._step_lock:
             return self._stats()
 
+    def _memory_bytes(self) -> dict[str, int]:
+        """Bytes in use: the device pools' KV pages, anchor blocks and saved-state slots
+        (cached entries and running requests' pages alike), and the lower tiers'."""
+        ex, store = self.executor, self.store
+
+        def per_entry(tensors, count: int) -> int:
+            return sum(t.nbytes for t in tensors) // count if count else 0
+
+        kv = per_entry(ex.kv.k + ex.kv.v, store.kv_pool.capacity)
+        anchors = per_entry([ex.anchors] + ([ex.anchor_scales] if ex.anchor_scales is not None
+                                            else []), store.anchor_pool.capacity)
+        states = per_entry(ex.saved_states.conv + ex.saved_states.rec, store.state_pool.capacity)
+        out = {"device_kv": store.kv_pool.num_used * kv,
+               "device_anchors": store.anchor_pool.num_used * anchors,
+               "device_states": store.state_pool.num_used * states}
+        if self.tiers is not None:
+            out.update(self.tiers.memory_bytes())
+        return out
+
     def _stats(self) -> dict:
         store, sched = self.store, self.scheduler
         return {
@@ -324,6 +343,7 @@ class Engine:
             "replayed_anchors": self.cache.num_replayed_anchors,
             "recomputed_tokens": self.cache.num_recomputed_tokens,
             "live_state_hits": self.cache.num_live_state_hits,
+            "memory_bytes": self._memory_bytes(),
             "cache": store.stats.as_dict(),
             "tiers": self.tiers.stats.as_dict() if self.tiers is not None else None,
         }

@@ -5,8 +5,9 @@ TensorRT-LLM's families with its labels (plus `model` and `version`, as it adds 
   nv_trt_llm_request_metrics{request_type=active|max|scheduled|context|waiting}
 A KV "block" is one of our pages. Ours, `suffixreplay_*`: prefix-store hit tokens by tier,
 replayed anchors, recomputed tokens, live-state hits, evictions by tier and reason, page-pool use
-by state, prefetch reads started and their hits / late / misses, admissions deferred for
-reads, SSD bytes read / written, checksum failures and other SSD chunk rejects. A metric
+by state, bytes in use by pool and tier, prefetch reads started and their hits / late /
+misses, admissions deferred for reads, SSD bytes read / written, checksum failures and other
+SSD chunk rejects. A metric
 appears once `engine.stats()` reports its key (tiers and the prefetcher report only when
 configured).
 
@@ -55,6 +56,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         COUNTER,
     ),
     "suffixreplay_ssd_bytes_total": ("Bytes moved to and from the SSD tier", COUNTER),
+    "suffixreplay_memory_bytes": (
+        "Bytes in use by pool: device KV pages, anchor blocks and saved states, DRAM tier "
+        "slots (host), SSD tier files (ssd)",
+        GAUGE,
+    ),
     "suffixreplay_checkpoint_state_tier_total": (
         "Checkpoint states below the device (checkpoint policy), by event",
         COUNTER,
@@ -151,6 +157,7 @@ BY_LABEL: tuple[tuple[str, tuple[tuple[str, str], ...], str, str], ...] = (
         "cache.checkpoint_evictions_by_reason",
     ),
     ("suffixreplay_ssd_chunk_rejects_total", (), "reason", "tier:chunk_rejects"),
+    ("suffixreplay_memory_bytes", (), "pool", "memory_bytes"),
 )
 
 

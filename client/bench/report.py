@@ -81,6 +81,37 @@ def system_table(results: dict, workload: str) -> str:
     return "\n".join(lines)
 
 
+def _mib(n) -> str:
+    return "n/a" if n is None else f"{n / (1 << 20):.1f}"
+
+
+def cache_table(results: dict, workload: str) -> str:
+    """What each system's cache did on `workload`: the share of prompt tokens served from
+    each tier, tokens recomputed, anchors replayed, hits resumed from live states, SSD
+    prefetches (started / in time before the request needed them), bytes written to SSD and
+    bytes in use when the workload ended (device KV + anchors + states / DRAM / SSD files;
+    servers are shared by the workloads of a family, so this includes their entries)."""
+    lines = ["| system | hit device | hit DRAM | hit SSD | recomputed tokens | replayed anchors "
+             "| live-state hits | prefetch started / in time | SSD MiB written "
+             "| MiB in use: device / DRAM / SSD |", "| --- " * 10 + "|"]
+    for system, s in results[workload].items():
+        tier = s.get("hit_rate_by_tier")
+        if tier is None:  # no engine counters (an old summary)
+            continue
+        pf = s.get("prefetch", {})
+        mem = s.get("memory_bytes") or {}
+        device = sum(mem.get(k, 0) for k in ("device_kv", "device_anchors", "device_states"))
+        lower = " / ".join(_mib(mem[k]) if k in mem else "-" for k in ("host", "ssd"))
+        in_use = f"{_mib(device)} / {lower}" if mem else "n/a"  # n/a: an older summary
+        lines.append(
+            f"| {system} | {tier.get('device', 0):.2f} | {tier.get('host', 0):.2f} | "
+            f"{tier.get('ssd', 0):.2f} | {s.get('recomputed_tokens', 0):.0f} | "
+            f"{s['replayed_anchors']} | {s.get('live_state_hits', 0):.0f} | "
+            f"{pf.get('prefetch_started', 0):.0f} / {pf.get('prefetch_hits', 0):.0f} | "
+            f"{_mib(s.get('ssd_bytes_written', 0))} | {in_use} |")
+    return "\n".join(lines)
+
+
 def _per_model_line(summary: dict, key: str, preamble: str, per_model) -> str:
     """`preamble` then `per_model(value)` for each model of the projection `summary[key]`."""
     proj = summary.get(key)
@@ -121,9 +152,13 @@ def write_report(summary: dict, out: Path) -> Path:
              "Simulator validation error per run: "
              + ", ".join(f"{k} {v:.2f}" for k, v in summary["sim_validation_errors"].items()),
              "", projection_line(summary), "", branch_projection_line(summary), "",
-             "## Per workload (times in ms)", ""]
+             "## Per workload (times in ms)", "",
+             "Each workload: latency and throughput per system, then what its cache did "
+             "(hit rates are shares of the prompt tokens; MiB in use are what the server "
+             "held when the workload ended, servers being shared by a family's workloads; "
+             "- where a system has no such tier).", ""]
     for workload in results:
-        parts += [system_table(results, workload), ""]
+        parts += [system_table(results, workload), "", cache_table(results, workload), ""]
     parts += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "report.md"
     path.write_text("\n".join(parts) + "\n")

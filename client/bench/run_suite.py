@@ -230,6 +230,11 @@ def _metrics_delta(before: dict, after: dict) -> dict:
         return sum(v - before.get(k, 0.0) for k, v in after.items()
                    if k[0] == name and set(labels.items()) <= k[1])
 
+    def gauge(name: str, **labels) -> float:  # the served model's labels come beside ours
+        return sum(v for k, v in after.items()
+                   if k[0] == name and set(labels.items()) <= k[1])
+
+    pools = {k[1] for k in after if k[0] == "suffixreplay_memory_bytes"}
     tiers = ("device", "host", "ssd")
     return {
         "cache": {"hit_tokens_by_tier": {t: delta("suffixreplay_hit_tokens_total", tier=t)
@@ -241,7 +246,9 @@ def _metrics_delta(before: dict, after: dict) -> dict:
                   "deferred_admissions": delta("suffixreplay_deferred_admissions_total")},
         "recomputed_tokens": delta("suffixreplay_recomputed_tokens_total"),
         "live_state_hits": delta("suffixreplay_live_state_hits_total"),
-        "cached_pages": after.get(("suffixreplay_kv_pages", frozenset({("state", "cached")})), 0),
+        "cached_pages": gauge("suffixreplay_kv_pages", state="cached"),
+        "memory_bytes": {dict(labels)["pool"]: gauge("suffixreplay_memory_bytes", **dict(labels))
+                         for labels in pools},
     }
 
 

@@ -262,6 +262,9 @@ def summarize(records: list[Record], engine_stats: dict | None, makespan: float,
             # Steps a request stayed queued for its SSD reads while others ran.
             "deferred_admissions": tiers.get("deferred_admissions", 0),
             "cached_pages": engine_stats.get("cached_pages", 0),
+            # Bytes in use when the workload ended, by pool (device KV / anchors / states,
+            # DRAM tier, SSD tier files).
+            "memory_bytes": engine_stats.get("memory_bytes", {}),
         })
         started = summary["prefetch"]["prefetch_started"]
         summary["prefetch_effectiveness"] = (summary["prefetch"]["prefetch_hits"] / started

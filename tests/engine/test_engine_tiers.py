@@ -16,6 +16,7 @@ from engine_helpers import (
 )
 
 from backend.cache.io_pool import Priority
+from backend.cache.state_tier import StateLayout
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine
 from backend.engine.request import Request
@@ -350,5 +351,44 @@ def test_max_cached_pages_keeps_the_device_budget_and_the_rest_serves_from_dram(
     assert got.new_token_ids == want and got.cached_tokens == 144
     assert engine.stats()["cache"]["hit_tokens_by_tier"]["host"] >= 144 - 2 * 16
     assert engine.store.num_idle_device_pages == 2
+    assert_no_leak(engine)
+    engine.stop()
+
+
+def _files_bytes(path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
+def test_memory_bytes_count_the_pools_and_the_files(model, tmp_path, policy):
+    """engine.stats()["memory_bytes"]: the device pools' entries in use at their size (a KV
+    page from the model's shape, a saved state as large as its SSD payload), DRAM slots in
+    use, and exactly what the SSD tier's files hold on disk."""
+    states = dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16) if policy == "checkpoint" \
+        else {}
+    base = make_engine(model, policy=policy, num_kv_pages=24, max_tokens_per_step=200,
+                       num_checkpoint_slots=3)
+    tiers = TierConfig(host_pages=16, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
+                       ssd_bytes=1 << 30, **states)
+    engine = Engine(model, replace(base.config, tiers=tiers))
+    for s in range(30, 34):
+        engine.generate(random_prompt(200, 97, seed=s), GREEDY)
+    engine.tiers.drain()
+    mem, store, cfg = engine.stats()["memory_bytes"], engine.store, model.config
+    kv_page = len(cfg.attention_layer_ids) * 2 * 16 * cfg.num_key_value_heads * cfg.head_dim * 4
+    assert store.kv_pool.num_used > 0 and mem["device_kv"] == store.kv_pool.num_used * kv_page
+    host = engine.tiers.host
+    assert host.slots.num_used > 0
+    assert mem["host"] >= host.slots.num_used * kv_page
+    assert mem["ssd"] == _files_bytes(tmp_path / "ssd") > 0
+    # Saved states: checkpoints, or suffix replay's live states at prompt ends.
+    slot = StateLayout(engine.tiers.buffers.states).nbytes
+    assert mem["device_states"] == store.state_pool.num_used * slot > 0
+    if policy == "suffixreplay":
+        layout = engine.tiers.layout
+        assert mem["device_anchors"] == store.anchor_pool.num_used * layout.anchor_bytes > 0
+    else:
+        assert mem["device_anchors"] == 0
+        assert any((tmp_path / "ssd" / "states").iterdir())
     assert_no_leak(engine)
     engine.stop()

@@ -13,6 +13,7 @@ STATS = {
     "active_requests": 2,
     "waiting_requests": 3,
     "replayed_anchors": 11,
+    "memory_bytes": {"device_kv": 1 << 20, "device_anchors": 4096, "host": 0},
     "cache": {
         "hit_tokens": 640,
         "hit_tokens_by_tier": {"device": 512, "host": 128, "ssd": 0},
@@ -51,6 +52,8 @@ def test_ours_by_label_and_missing_keys_skipped():
     assert ("suffixreplay_prefetch_total", (("result", "started"),)) not in got
     assert got[("suffixreplay_ssd_chunk_rejects_total", (("reason", "checksum"),))] == 1
     assert got[("suffixreplay_replayed_anchors_total", ())] == 11
+    assert got[("suffixreplay_memory_bytes", (("pool", "device_kv"),))] == 1 << 20
+    assert got[("suffixreplay_memory_bytes", (("pool", "device_anchors"),))] == 4096
     families = {family for family, _ in got}
     assert "suffixreplay_checksum_failures_total" not in families  # not in these stats
     assert families <= set(FAMILIES)
