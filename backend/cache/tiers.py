@@ -342,12 +342,16 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
             self._loads = still
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes the lower tiers hold: DRAM slots in use (pages and checkpoint states) and
-        SSD files (chunks being written, ready or being deleted, and state files)."""
+        """Bytes the lower tiers hold: DRAM slots in use (pages and checkpoint states) and,
+        with an SSD tier, its files (chunks being written, ready or being deleted, and state
+        files)."""
         host = self.host.slots.num_used * (self.layout.kv_stride + self.layout.anchor_stride)
-        ssd = self.ssd.used_bytes if self.ssd is not None else 0
         if self.states is not None:
             host += self.states.pool.num_used * self.states.layout.nbytes
+        if self.ssd is None:
+            return {"host": host}
+        ssd = self.ssd.used_bytes
+        if self.states is not None:
             ssd += (len(self.states.ssd_lru) + len(self.states.found)) * self.states.file_bytes
         return {"host": host, "ssd": ssd}
 

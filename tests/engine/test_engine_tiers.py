@@ -62,6 +62,7 @@ def test_dram_tier_serves_evicted_pages(model, overlap):
     assert got.cached_tokens == 144
     assert stats["cache"]["pages_demoted"] > 0 and stats["cache"]["pages_promoted"] > 0
     assert stats["cache"]["hit_tokens_by_tier"]["host"] >= 144
+    assert stats["memory_bytes"]["host"] > 0 and "ssd" not in stats["memory_bytes"]  # no SSD
     assert_no_leak(engine)
     engine.stop()
 
