@@ -4,6 +4,7 @@
     python -m client generate --http "What is machine learning?" # HTTP generate_stream
     python -m client chat --max-tokens 64                        # multi-turn, one session
     python -m client health
+    python -m client stats                                       # the prefix cache's metrics
 
 Generated text goes to stdout as it arrives; TTFT and token counts go to stderr.
 """
@@ -27,6 +28,7 @@ from client.generate import (
 
 DEFAULT_GRPC_URL = "127.0.0.1:8001"
 DEFAULT_HTTP_URL = "http://127.0.0.1:8000"
+DEFAULT_METRICS_URL = "http://127.0.0.1:8002"
 MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
 # ChatML with the model's special tokens (see the tokenizer's chat_template).
 TURN = "<|im_start|>{role}\n{content}<|im_end|>\n"
@@ -41,6 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     chat = commands.add_parser("chat", help="multi-turn chat; the history is re-sent each turn")
     chat.add_argument("--system", default="You are a helpful assistant.")
     health = commands.add_parser("health", help="server and model readiness")
+    stats = commands.add_parser(
+        "stats", help="the prefix cache: hits by tier, pages, memory, prefetches, requests")
+    stats.add_argument("--metrics-url", default=DEFAULT_METRICS_URL,
+                       help=f"the server's metrics port (default {DEFAULT_METRICS_URL})")
     for sub in (gen, chat, health):
         sub.add_argument(
             "--url",
@@ -56,6 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--cache-salt")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
+    if args.command == "stats":
+        return args
     args.url = args.url or (DEFAULT_HTTP_URL if args.http else DEFAULT_GRPC_URL)
     if args.http and not args.url.startswith(("http://", "https://")):
         args.url = f"http://{args.url}"
@@ -155,9 +163,18 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0 if live and ready and models_ready else 1
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from client.metrics import cache_report, scrape
+
+    url = args.metrics_url if "://" in args.metrics_url else f"http://{args.metrics_url}"
+    print("\n".join(cache_report(scrape(url))))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    command = {"generate": cmd_generate, "chat": cmd_chat, "health": cmd_health}[args.command]
+    command = {"generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
+               "stats": cmd_stats}[args.command]
     try:
         return command(args)
     except GenerateError as exc:

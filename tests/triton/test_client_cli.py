@@ -1,10 +1,11 @@
-"""`python -m client` against the real server: generate (gRPC and HTTP), chat, health."""
+"""`python -m client` against the real server: generate (gRPC and HTTP), chat, health, stats."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from backend.triton.server import ServerHandle
@@ -60,3 +61,34 @@ def test_unreachable_server_is_one_line_error():
     result = run_client("generate", "hi", "--http", "--url", "http://127.0.0.1:9")
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+
+
+def _stats(server: ServerHandle) -> tuple[dict, str]:
+    time.sleep(0.5)  # the metrics thread refreshes every 100 ms
+    result = run_client("stats", "--metrics-url", server.urls.metrics)
+    assert result.returncode == 0, result.stderr
+    m = re.search(r"prompt tokens: (\d+) looked up, (\d+) from the cache", result.stdout)
+    assert m, result.stdout
+    return {"queried": int(m[1]), "hit": int(m[2])}, result.stdout
+
+
+def test_stats_reports_the_cache_as_requests_use_it(llm_server: ServerHandle):
+    before, _ = _stats(llm_server)
+    prompt = "Tell me about the stats of the cache. " * 12
+    params = GenerateParams(prompt, max_tokens=2, top_k=1, cache_salt="cli-stats")
+    first = generate_http(llm_server.urls.http, params)
+    second = generate_http(llm_server.urls.http, params)
+    after, text = _stats(llm_server)
+    assert second.counts["cached_tokens"] > 0
+    assert after["hit"] - before["hit"] == second.counts["cached_tokens"]
+    asked = first.counts["num_input_tokens"] + second.counts["num_input_tokens"]
+    assert after["queried"] - before["queried"] >= asked - 2  # the last token is never looked up
+    assert re.search(r"memory in use: device KV \d+\.\d MiB", text), text
+    assert re.search(r"pages: \d+ total, \d+ used, [1-9]\d* cached", text), text
+    assert re.search(r"requests: \d+ finished", text), text
+
+
+def test_stats_without_a_server_is_one_line_error():
+    result = run_client("stats", "--metrics-url", "http://127.0.0.1:9")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
