@@ -31,16 +31,7 @@ def value(metrics: Metrics, name: str, **labels: str) -> float:
     return found[0]
 
 
-def page_pool(metrics: Metrics) -> dict[str, float]:
-    """hybrid_llm's page pool by state (total, free, used, held_by_requests, cached)."""
-    return {
-        dict(labels)["state"]: v
-        for (name, labels), v in metrics.items()
-        if name == "suffixreplay_kv_pages"
-    }
-
-
-def _by(metrics: Metrics, name: str, label: str) -> dict[str, float]:
+def by_label(metrics: Metrics, name: str, label: str) -> dict[str, float]:
     """{label value: value} of one family, summed over its other labels (model, version)."""
     out: dict[str, float] = {}
     for (n, labels), v in metrics.items():
@@ -50,9 +41,15 @@ def _by(metrics: Metrics, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def _total(metrics: Metrics, name: str) -> float | None:
-    values = [v for (n, _), v in metrics.items() if n == name]
+def total(metrics: Metrics, name: str, **labels: str) -> float | None:
+    """The sum of the samples of `name` whose labels include `labels`; None if none."""
+    values = [v for (n, ls), v in metrics.items() if n == name and set(labels.items()) <= ls]
     return sum(values) if values else None
+
+
+def page_pool(metrics: Metrics) -> dict[str, float]:
+    """hybrid_llm's page pool by state (total, free, used, held_by_requests, cached)."""
+    return by_label(metrics, "suffixreplay_kv_pages", "state")
 
 
 def _mib(n: float) -> str:
@@ -64,17 +61,17 @@ def cache_report(metrics: Metrics) -> list[str]:
     use, prefetches and requests, from hybrid_llm's `suffixreplay_*` families. Lines whose
     families the server does not export (no tiers, no prefetcher) are left out."""
     lines = []
-    queried = _total(metrics, "suffixreplay_queried_tokens_total")
+    queried = total(metrics, "suffixreplay_queried_tokens_total")
     if queried is None:
         return ["no suffixreplay_* metrics: is hybrid_llm loaded on this server?"]
-    hits = _by(metrics, "suffixreplay_hit_tokens_total", "tier")
+    hits = by_label(metrics, "suffixreplay_hit_tokens_total", "tier")
     hit = sum(hits.values())
     share = f" ({hit / queried:.1%})" if queried else ""
     tiers = ", ".join(f"{name} {hits.get(key, 0):.0f}" for key, name in
                       (("device", "device"), ("host", "DRAM"), ("ssd", "SSD")) if key in hits)
     lines.append(f"prompt tokens: {queried:.0f} looked up, {hit:.0f} from the cache{share}"
                  + (f": {tiers}" if tiers else ""))
-    rest = [(name, _total(metrics, family)) for name, family in (
+    rest = [(name, total(metrics, family)) for name, family in (
         ("recomputed", "suffixreplay_recomputed_tokens_total"),
         ("anchors replayed", "suffixreplay_replayed_anchors_total"),
         ("live-state hits", "suffixreplay_live_state_hits_total"))]
@@ -83,25 +80,25 @@ def cache_report(metrics: Metrics) -> list[str]:
     if pool:
         lines.append("pages: " + ", ".join(f"{pool[k]:.0f} {k.replace('_', ' ')}" for k in (
             "total", "used", "cached", "held_by_requests") if k in pool))
-    memory = _by(metrics, "suffixreplay_memory_bytes", "pool")
+    memory = by_label(metrics, "suffixreplay_memory_bytes", "pool")
     if memory:
         names = (("device_kv", "device KV"), ("device_anchors", "anchors"),
                  ("device_states", "states"), ("host", "DRAM"), ("ssd", "SSD"))
         lines.append("memory in use: " + ", ".join(f"{name} {_mib(memory[key])}"
                                                    for key, name in names if key in memory))
-    started = _total(metrics, "suffixreplay_prefetch_started_total")
+    started = total(metrics, "suffixreplay_prefetch_started_total")
     if started is not None:
-        result = _by(metrics, "suffixreplay_prefetch_total", "result")
+        result = by_label(metrics, "suffixreplay_prefetch_total", "result")
         lines.append(f"SSD prefetch: {started:.0f} reads started; pages needed: "
                      + ", ".join(f"{k} {result.get(k, 0):.0f}" for k in ("hit", "late", "miss")))
-    ssd = _by(metrics, "suffixreplay_ssd_bytes_total", "direction")
+    ssd = by_label(metrics, "suffixreplay_ssd_bytes_total", "direction")
     if ssd:
         lines.append(f"SSD: {_mib(ssd.get('read', 0))} read, {_mib(ssd.get('written', 0))} "
                      "written")
-    done = _total(metrics, "suffixreplay_requests_total")
+    done = total(metrics, "suffixreplay_requests_total")
     if done is not None:
-        ended = _by(metrics, "suffixreplay_unfinished_requests_total", "reason")
-        preempted = _total(metrics, "suffixreplay_preemptions_total") or 0
+        ended = by_label(metrics, "suffixreplay_unfinished_requests_total", "reason")
+        preempted = total(metrics, "suffixreplay_preemptions_total") or 0
         lines.append(f"requests: {done:.0f} finished, {ended.get('cancelled', 0):.0f} "
                      f"cancelled, {ended.get('failed', 0):.0f} failed; {preempted:.0f} "
                      "preemptions")

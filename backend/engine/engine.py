@@ -67,6 +67,18 @@ def apply_calibration(model_dir: str | Path, config: EngineConfig) -> EngineConf
     return replace(config, replay=replay, cache=cache)
 
 
+def _pool_entry_bytes(executor, store: PrefixStore) -> tuple[int, int, int]:
+    """Bytes of one KV page, one anchor block and one saved-state slot on the device."""
+    def per_entry(tensors, count: int) -> int:
+        return sum(t.nbytes for t in tensors) // count if count else 0
+
+    scales = [executor.anchor_scales] if executor.anchor_scales is not None else []
+    states = executor.saved_states
+    return (per_entry(executor.kv.k + executor.kv.v, store.kv_pool.capacity),
+            per_entry([executor.anchors, *scales], store.anchor_pool.capacity),
+            per_entry(states.conv + states.rec, store.state_pool.capacity))
+
+
 class Engine:
     def __init__(self, model: HybridForCausalLM | None, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, engine_dir: str | Path | None = None) -> None:
@@ -102,6 +114,7 @@ class Engine:
         self.store = PrefixStore(cache_cfg, self.tiers)
         self.cache = CacheManager(self.config, self.store, self.executor, self.tiers)
         self.scheduler = Scheduler(self.config, self.cache, self.executor)
+        self._entry_bytes = _pool_entry_bytes(self.executor, self.store)
         self.eos_token_id = self.model_config.eos_token_id
         self.max_context_len = min(self.config.max_context_len,
                                    self.model_config.max_position_embeddings)
@@ -304,15 +317,8 @@ class Engine:
     def _memory_bytes(self) -> dict[str, int]:
         """Bytes in use: the device pools' KV pages, anchor blocks and saved-state slots
         (cached entries and running requests' pages alike), and the lower tiers'."""
-        ex, store = self.executor, self.store
-
-        def per_entry(tensors, count: int) -> int:
-            return sum(t.nbytes for t in tensors) // count if count else 0
-
-        kv = per_entry(ex.kv.k + ex.kv.v, store.kv_pool.capacity)
-        anchors = per_entry([ex.anchors] + ([ex.anchor_scales] if ex.anchor_scales is not None
-                                            else []), store.anchor_pool.capacity)
-        states = per_entry(ex.saved_states.conv + ex.saved_states.rec, store.state_pool.capacity)
+        store = self.store
+        kv, anchors, states = self._entry_bytes
         out = {"device_kv": store.kv_pool.num_used * kv,
                "device_anchors": store.anchor_pool.num_used * anchors,
                "device_states": store.state_pool.num_used * states}

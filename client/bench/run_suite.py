@@ -226,15 +226,15 @@ def _counters(url: str) -> dict:
 
 def _metrics_delta(before: dict, after: dict) -> dict:
     """engine.stats()-shaped counters of one workload, from two scrapes."""
+    from client.metrics import by_label, total
+
+    # Labels are matched as a subset: the served model's (model, version) come beside ours.
+    def gauge(name: str, **labels) -> float:
+        return total(after, name, **labels) or 0.0
+
     def delta(name: str, **labels) -> float:
-        return sum(v - before.get(k, 0.0) for k, v in after.items()
-                   if k[0] == name and set(labels.items()) <= k[1])
+        return gauge(name, **labels) - (total(before, name, **labels) or 0.0)
 
-    def gauge(name: str, **labels) -> float:  # the served model's labels come beside ours
-        return sum(v for k, v in after.items()
-                   if k[0] == name and set(labels.items()) <= k[1])
-
-    pools = {k[1] for k in after if k[0] == "suffixreplay_memory_bytes"}
     tiers = ("device", "host", "ssd")
     return {
         "cache": {"hit_tokens_by_tier": {t: delta("suffixreplay_hit_tokens_total", tier=t)
@@ -247,8 +247,7 @@ def _metrics_delta(before: dict, after: dict) -> dict:
         "recomputed_tokens": delta("suffixreplay_recomputed_tokens_total"),
         "live_state_hits": delta("suffixreplay_live_state_hits_total"),
         "cached_pages": gauge("suffixreplay_kv_pages", state="cached"),
-        "memory_bytes": {dict(labels)["pool"]: gauge("suffixreplay_memory_bytes", **dict(labels))
-                         for labels in pools},
+        "memory_bytes": by_label(after, "suffixreplay_memory_bytes", "pool"),
     }
 
 

@@ -321,11 +321,14 @@ def test_capacity_anchors_page_through_the_tiers_and_checkpoints_do_not(model, t
         summary, records = measure_in_process(model, config, wl)
         assert summary["errors"] == 0
         assert summary["throughput_requests_per_s_by_tag"]["repeat"] > 0
-        memory = summary["memory_bytes"]  # held at the end: a working set 4x the device pool
-        assert memory["device_kv"] <= budget.device_budget_bytes + budget.run_pages * (
-            bytes_per_page(model.config, 64))
+        # Bytes held at the end, by pool: each system reports the tiers it has, and ours
+        # holds more of the 4x working set on SSD than on the device.
+        memory = summary["memory_bytes"]
+        lower = {"checkpoint": set(), "pcr_dram": {"host"}, "ours": {"host", "ssd"}}[system]
+        assert set(memory) - {"device_kv", "device_anchors", "device_states"} == lower, memory
+        assert memory["device_kv"] > 0
         if system == "ours":
-            assert memory["ssd"] > memory["device_kv"], memory
+            assert memory["ssd"] > memory["device_kv"] and memory["device_anchors"] > 0, memory
         repeat = [r for r in records if r["tag"] == "repeat"]
         repeat_hits[system] = sum(r["cached_tokens"] for r in repeat) / sum(
             r["prompt_tokens"] for r in repeat)
