@@ -27,12 +27,13 @@ class ReplayConfig:
     # instead of replaying at the match end when that costs less, in recomputed-token units:
     # a replay costs replay_fixed_tokens + replay_anchor_tokens x k; a token recomputed at
     # context c costs 1 + c / recompute_context_tokens (`recompute_is_cheaper`). Defaults
-    # measured with the default model on the development CPU, where a replay's two eager
-    # passes over the groups cost ~5.5 ms whatever k, an anchor ~0.1 ms more and a token
-    # 0.15 ms at context 0 (docs/gpu.md); 0 and 0 turn it off.
-    replay_fixed_tokens: float = 38.0
-    replay_anchor_tokens: float = 0.65
-    recompute_context_tokens: float = 10_400.0
+    # measured with the default model on the development CPU, on the engine thread (its
+    # OpenMP pool the process's only one: backend/openmp.py), where a replay's eager passes
+    # over the groups cost ~4.3 ms whatever k, an anchor ~0.064 ms more and a token 0.153 ms
+    # at context 0, 0.17 / 0.23 / 0.34 ms at 2K / 8K / 16K (docs/gpu.md); 0 and 0 turn it off.
+    replay_fixed_tokens: float = 28.0
+    replay_anchor_tokens: float = 0.41
+    recompute_context_tokens: float = 15_000.0
     # k_max / the anchor density come from the model's calibration.json when the engine is
     # built from a model directory (`k_max: auto` / `anchor_density: auto` in the serving
     # configuration).
