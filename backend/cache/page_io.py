@@ -103,7 +103,8 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _itemsize(dtype: str) -> int:
-    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    # (The layouts' byte sizes are read for every page moved: no tensor is built for this.)
+    return getattr(torch, dtype).itemsize
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
