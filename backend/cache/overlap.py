@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from backend import openmp
 from backend.cache.host_pool import HostPool
 from backend.cache.page_io import DeviceBuffers
 
@@ -38,6 +39,9 @@ class TransferThread:
         self._jobs.put(job)
 
     def _run(self) -> None:
+        # Copies run on this thread alone: an OpenMP pool here would take the engine's cores
+        # and throttle its pool (backend/openmp.py).
+        openmp.serial_thread()
         while (job := self._jobs.get()) is not None:
             job()
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from backend import openmp
 from backend.cache.page_io import DeviceBuffers
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
@@ -249,9 +250,13 @@ class Engine:
 
     # Thread -----------------------------------------------------------------------------
     def start(self) -> None:
+        """Starts the engine thread. The calling thread (which loaded the model and built the
+        buffers) gives up its idle OpenMP workers, so the engine thread's are the process's
+        only ones (`backend/openmp.py`: two pools on one machine's cores slow every op)."""
         if self._thread is not None:
             return
         self._stopping = False
+        openmp.release_workers()
         self._thread = threading.Thread(target=self._loop, name="engine", daemon=True)
         self._thread.start()
 
@@ -268,6 +273,11 @@ class Engine:
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while True:
+            with self._lock:
+                idle = not (self._stopping or self._inbox or self._cancels
+                            or self.scheduler.has_work)
+            if idle:  # nothing to run: hold no OpenMP workers while waiting (other threads'
+                openmp.release_workers()  # torch ops then run at full speed)
             with self._lock:
                 while not (self._stopping or self._inbox or self._cancels
                            or self.scheduler.has_work):
