@@ -13,10 +13,11 @@ of 4.1 (`tests/engine/test_openmp.py` checks the threads, `client/bench` the tim
 - `release_workers()`: ends the calling thread's pool (OpenMP 5.0 `omp_pause_resource_all`,
   soft pause, which libgomp applies to the calling thread's pool only); the thread's next
   parallel region starts a new one. `Engine.start` calls it on the thread that built the
-  engine, the engine thread whenever it goes idle (a few tens of microseconds to start the
-  pool again), so only a busy engine holds workers.
-- `serial_thread()`: the calling thread runs torch CPU ops on itself alone (no pool): for
-  helper threads (KV transfer, SSD I/O) that must not take the engine's cores.
+  engine, the engine thread whenever it goes idle (its next step starts the pool again), so
+  only a busy engine holds workers.
+- `serial_thread()`: the calling thread runs torch's own parallel loops (copies, elementwise
+  ops) on itself alone, with no pool; MKL calls keep MKL's thread count. For helper threads
+  that must not take the engine's cores: the KV transfer threads.
 
 Other OpenMP runtimes (LLVM's libomp, Intel's libiomp5) apply a pause to the whole process;
 there both are no-ops, as they are where no OpenMP runtime is loaded.
@@ -67,5 +68,5 @@ def serial_thread() -> None:
     lib = _libgomp()
     if lib is None:
         return
-    torch.get_num_threads()  # torch sets this thread's OpenMP count on its first op: first
-    lib.omp_set_num_threads(ctypes.c_int(1))
+    torch.get_num_threads()  # torch sets a thread's OpenMP count at its first op: let it,
+    lib.omp_set_num_threads(ctypes.c_int(1))  # then set this thread's to 1

@@ -101,7 +101,8 @@ def test_an_idle_engine_and_its_builder_hold_no_workers(tmp_path):
         loaded = threads()
         engine = Engine(model)
         engine.start()
-        out = engine.generate(list(range(10, 200)), SamplingParams(max_tokens=4))
+        greedy = SamplingParams(max_tokens=4, min_tokens=4, top_k=1)
+        out = engine.generate(list(range(10, 200)), greedy)
         idle = settle(base + 1)  # + the engine thread
         busy = []
         def probe(o):
@@ -112,8 +113,7 @@ def test_an_idle_engine_and_its_builder_hold_no_workers(tmp_path):
             probe(o)
             if o.finished:
                 done.set()
-        engine.submit(Request("r2", list(range(20, 220)), SamplingParams(max_tokens=4),
-                              on_output=on_output))
+        engine.submit(Request("r2", list(range(20, 220)), greedy, on_output=on_output))
         done.wait(60)
         engine.stop()
         print(json.dumps(dict(base=base, loaded=loaded, idle=idle, busy=max(busy),
