@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     stats = commands.add_parser(
         "stats", help="the prefix cache: hits by tier, pages, memory, prefetches, requests")
     stats.add_argument("--metrics-url", default=DEFAULT_METRICS_URL,
-                       help=f"the server's metrics port (default {DEFAULT_METRICS_URL})")
+                       help=f"the server's metrics port or page (default {DEFAULT_METRICS_URL})")
     for sub in (gen, chat, health):
         sub.add_argument(
             "--url",
@@ -167,6 +167,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from client.metrics import cache_report, scrape
 
     url = args.metrics_url if "://" in args.metrics_url else f"http://{args.metrics_url}"
+    url = url.rstrip("/").removesuffix("/metrics")  # the page's own address works too
     print("\n".join(cache_report(scrape(url))))
     return 0
 

@@ -63,9 +63,11 @@ def test_unreachable_server_is_one_line_error():
     assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
 
 
-def _stats(server: ServerHandle) -> tuple[dict, str]:
+def _stats(server: ServerHandle, page: bool = False) -> tuple[dict, str]:
+    """page: name the metrics page itself (http://host:port/metrics), not the port."""
     time.sleep(0.5)  # the metrics thread refreshes every 100 ms
-    result = run_client("stats", "--metrics-url", server.urls.metrics)
+    url = server.urls.metrics + ("/metrics" if page else "")
+    result = run_client("stats", "--metrics-url", url)
     assert result.returncode == 0, result.stderr
     m = re.search(r"prompt tokens: (\d+) looked up, (\d+) from the cache", result.stdout)
     assert m, result.stdout
@@ -78,7 +80,7 @@ def test_stats_reports_the_cache_as_requests_use_it(llm_server: ServerHandle):
     params = GenerateParams(prompt, max_tokens=2, top_k=1, cache_salt="cli-stats")
     first = generate_http(llm_server.urls.http, params)
     second = generate_http(llm_server.urls.http, params)
-    after, text = _stats(llm_server)
+    after, text = _stats(llm_server, page=True)
     assert second.counts["cached_tokens"] > 0
     assert after["hit"] - before["hit"] == second.counts["cached_tokens"]
     asked = first.counts["num_input_tokens"] + second.counts["num_input_tokens"]
