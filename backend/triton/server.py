@@ -86,14 +86,20 @@ class ServerHandle:
         return self.process.poll() is None
 
     def is_ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.urls.http}/v2/health/ready", timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        """/v2/health/ready answers 200 and the metrics page is served: tritonserver starts
+        its metrics service after the HTTP one (~40 ms later here), so a client that reads
+        metrics as soon as the server is ready would find the port closed."""
+        for url in (f"{self.urls.http}/v2/health/ready", f"{self.urls.metrics}/metrics"):
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status != 200:
+                        return False
+            except (urllib.error.URLError, OSError):
+                return False
+        return True
 
     def wait_ready(self, timeout: float = 120.0, poll_s: float = 0.25) -> None:
-        """Poll /v2/health/ready. RuntimeError if the server exits, TimeoutError after `timeout`."""
+        """Poll `is_ready`. RuntimeError if the server exits, TimeoutError after `timeout`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.is_alive():

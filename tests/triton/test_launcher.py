@@ -136,3 +136,18 @@ def test_bad_parameter_fails_the_model_load_naming_it(tmp_path):
     finally:
         server.stop()
     assert "parameter tokenizer_dir='missing_dir'" in str(exc.value)
+
+
+def test_ready_means_the_metrics_page_is_served_too(llm_server):
+    """tritonserver starts its metrics service after the HTTP one: `is_ready` (and so
+    `wait_ready`) waits for both, so a client may read metrics as soon as it returns."""
+    from backend.triton.server import ServerHandle, ServerPorts
+
+    assert llm_server.is_ready()
+    (closed,) = free_ports(1)  # nothing listens there
+    ports = ServerPorts(llm_server.ports.http, llm_server.ports.grpc, closed)
+    half = ServerHandle(llm_server.process, llm_server.install, ports, "127.0.0.1",
+                        llm_server.workdir, None)
+    assert not half.is_ready()  # HTTP ready, metrics closed
+    with pytest.raises(TimeoutError, match="not ready"):
+        half.wait_ready(timeout=0.5, poll_s=0.1)
