@@ -274,13 +274,11 @@ class Engine:
         torch.set_grad_enabled(False)
         while True:
             with self._lock:
-                idle = not (self._stopping or self._inbox or self._cancels
-                            or self.scheduler.has_work)
+                idle = not (self._stopping or self.has_work)
             if idle:  # nothing to run: hold no OpenMP workers while waiting (other threads'
                 openmp.release_workers()  # torch ops then run at full speed)
             with self._lock:
-                while not (self._stopping or self._inbox or self._cancels
-                           or self.scheduler.has_work):
+                while not (self._stopping or self.has_work):
                     self._lock.wait()
                 if self._stopping:
                     return
