@@ -124,8 +124,9 @@ class Engine:
         self._cancels: set[str] = set()
         self._live: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
-        # Held for a whole step: stats() may be called from other threads (metrics).
-        self._step_lock = threading.Lock()
+        # Held for a whole step, output callbacks included (reentrant: a callback may call
+        # stats()); stats() may be called from other threads (metrics).
+        self._step_lock = threading.RLock()
         self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
         self.num_failed = 0  # requests ended by a failed step
         self._stopping = False
@@ -199,17 +200,30 @@ class Engine:
 
     # Stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Drains new requests and cancellations, runs one scheduler step, delivers outputs."""
+        """Drains new requests and cancellations, runs one scheduler step, delivers outputs,
+        then runs the step's cache work (so a first token never waits for the store; other
+        threads' `stats()` see the step whole)."""
         with self._step_lock:
             outputs = self._drain()
             try:
                 outputs.extend(self.scheduler.step())
             except Exception as e:  # a failed step fails its requests, never the engine
-                log.exception("engine step failed")
-                outputs.extend(self._fail_all(f"internal error: {e}"))
-        for out in outputs:
-            self._deliver(out)
+                outputs.extend(self._fail_step(e))
+            for out in outputs:
+                self._deliver(out)
+            try:
+                self.scheduler.after_outputs()
+            except Exception as e:
+                failed = self._fail_step(e)
+                for out in failed:
+                    self._deliver(out)
+                outputs.extend(failed)
         return outputs
+
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        log.exception("engine step failed")
+        self.scheduler.drop_after()
+        return self._fail_all(f"internal error: {error}")
 
     def _drain(self) -> list[RequestOutput]:
         with self._lock:

@@ -3,14 +3,19 @@ request whose cached pages are still being read from SSD stays queued while othe
 chunked prefill under a per-step token budget mixed with decode steps, sampling, stop rules,
 preemption by recompute when pages run out.
 
-One `step()` = schedule -> (replay) -> forward -> postprocess, on the engine thread.
+One `step()` = schedule -> (replay) -> forward -> sample, on the engine thread; its outputs go
+to their clients before `after_outputs()` runs the step's cache work (the layer-wise offload's
+tail, inserting new pages and states, releasing finished requests), so a request's first token
+never waits for the store. Both run before the next step is planned.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -55,6 +60,8 @@ class Scheduler:
         self.num_steps = 0
         self.num_finished = 0
         self.last_step_seconds = 0.0  # wall time of the last step that ran a forward
+        # The step's cache work, run by after_outputs() once its outputs are delivered.
+        self._after: list[Callable[[], None]] = []
 
     @property
     def has_work(self) -> bool:
@@ -62,6 +69,9 @@ class Scheduler:
 
     # One iteration ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One iteration up to sampling; the caller delivers the outputs and then calls
+        `after_outputs()` (a step also runs any cache work a caller left pending)."""
+        self.after_outputs()
         outputs: list[RequestOutput] = []
         start = time.perf_counter()
         if self.config.schedule_policy == "lpm":
@@ -79,14 +89,26 @@ class Scheduler:
             self.cache.after_forward(c.seq)
             if c.end < len(c.seq.tokens):
                 # A prefill chunk that is not the prompt's last: its whole pages join the
-                # store now, so requests admitted from the next step on share them (as
-                # vLLM's block hashing and SGLang's cache_unfinished_req do).
-                self.cache.insert(c.seq, c.end, with_states=False)
+                # store after this step, so requests admitted from the next step on share
+                # them (as vLLM's block hashing and SGLang's cache_unfinished_req do).
+                self._after.append(partial(self.cache.insert, c.seq, c.end, with_states=False))
         if done:
             rows = [chunks.index(c) for c in done]
             outputs.extend(self._sample([c.seq for c in done], logits[rows]))
         self.last_step_seconds = time.perf_counter() - start
         return outputs
+
+    def after_outputs(self) -> None:
+        """The last step's cache work, in order: the offload's remaining layers, new pages and
+        states into the store, finished requests released. Work that raises is dropped (the
+        caller fails the running requests, which releases what they hold)."""
+        work, self._after = self._after, []
+        for fn in work:
+            fn()
+
+    def drop_after(self) -> None:
+        """Forgets the pending cache work (a failed step: its requests are released)."""
+        self._after = []
 
     def _longest_prefix_first(self) -> None:
         """Orders the waiting requests by cached prefix, longest first (stable: ties keep
@@ -214,8 +236,8 @@ class Scheduler:
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
         logits = self.executor.forward(seqs, *capture, layer_hooks=transfers,
                                        snapshots=snapshots)
-        if transfers is not None:
-            transfers.finish()
+        if transfers is not None:  # the rest of the copies after the outputs
+            self._after.append(transfers.finish)
         return logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
@@ -227,20 +249,23 @@ class Scheduler:
         for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             first = seq.first_token_time is None
             if not seq.prefix_inserted:
-                self.cache.insert(seq, len(seq.tokens))
-                seq.prefix_inserted = True
+                self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
             seq.tokens.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             reason = self._finish_reason(seq)
             new_ids = [] if reason == "eos" else [token]
             if reason is not None:
-                self._finish(seq)
+                self._after.append(partial(self._finish, seq))
             out = seq.output(new_ids, reason is not None, reason)
             if first and seq.request.return_first_logits:
                 out.first_logits = logits[row].clone()
             outputs.append(out)
         return outputs
+
+    def _insert_prompt(self, seq: Sequence, num_tokens: int) -> None:
+        self.cache.insert(seq, num_tokens)
+        seq.prefix_inserted = True
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         reason = finish_reason(seq.output_ids, seq.request.sampling)
