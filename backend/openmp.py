@@ -39,17 +39,17 @@ def _libgomp() -> ctypes.CDLL | None:
 
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+            paths = {line.split()[-1] for line in maps}
     except OSError:
         return None
-    for path in sorted(paths):
-        if os.path.basename(path).startswith("libgomp") and ".so" in path:
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError:
-                continue
-            if hasattr(lib, "omp_pause_resource_all") and hasattr(lib, "omp_set_num_threads"):
-                return lib
+    for path in sorted(p for p in paths if os.path.basename(p).startswith("libgomp")
+                       and ".so" in p):  # fmt: skip
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        if hasattr(lib, "omp_pause_resource_all") and hasattr(lib, "omp_set_num_threads"):
+            return lib
     return None
 
 
