@@ -19,6 +19,26 @@ import numpy as np
 from backend.triton.responses import error_response
 
 
+class SendGuard:
+    """Orders one request's final response against `is_cancelled()` on its sender. Triton
+    frees the response factory behind a sender once the final response is sent, and asking
+    it then crashes tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled): the
+    cancellation watcher asks through `is_cancelled`, which answers None once the final
+    response is on its way, and the responder calls `close` before sending it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def is_cancelled(self, sender: Any) -> bool | None:
+        with self._lock:
+            return None if self._closed else bool(sender.is_cancelled())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+
 @dataclass(frozen=True)
 class Outgoing:
     sender: Any  # pb_utils.InferenceResponseSender
@@ -26,6 +46,7 @@ class Outgoing:
     error: str | None = None
     error_code: str = "INTERNAL"
     final: bool = False
+    guard: SendGuard | None = None  # closed before a final response is sent
 
 
 class Responder:
@@ -47,6 +68,8 @@ class Responder:
         """Sends on the calling thread (for requests the engine never saw)."""
         pb = self.pb_utils
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
+        if item.final and item.guard is not None:
+            item.guard.close()
         if item.error is not None:
             response = error_response(pb, item.error, item.error_code)
         elif item.tensors is not None:
