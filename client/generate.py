@@ -152,8 +152,11 @@ def stream_grpc(
     model: str = MODEL,
     timeout_s: float = 300.0,
 ) -> Iterator[Chunk]:
-    """Streams one request over gRPC; closing the iterator early cancels the request."""
+    """Streams one request over gRPC; closing the iterator early cancels the request. Every
+    failure (the server's, a broken stream, no response within `timeout_s`) raises
+    `GenerateError`."""
     import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
 
     client = grpcclient.InferenceServerClient(url)
     responses: queue.SimpleQueue = queue.SimpleQueue()
@@ -161,11 +164,18 @@ def stream_grpc(
     start = time.perf_counter()
     finished = False
     try:
-        client.async_stream_infer(
-            model, grpc_inputs(params.fields(stream)), enable_empty_final_response=True
-        )
+        try:
+            client.async_stream_infer(
+                model, grpc_inputs(params.fields(stream)), enable_empty_final_response=True
+            )
+        except InferenceServerException as exc:  # the stream broke before the request went
+            finished = True
+            raise GenerateError(grpc_status(exc), exc.message()) from None
         while True:
-            result, error = responses.get(timeout=timeout_s)
+            try:
+                result, error = responses.get(timeout=timeout_s)
+            except queue.Empty:
+                raise GenerateError("timeout", f"no response within {timeout_s} s") from None
             if error is not None:
                 finished = True
                 raise GenerateError(grpc_status(error), error.message())
