@@ -3,24 +3,34 @@ lengths, shared prefixes and cancellations; reports errors, TTFT percentiles, an
 memory and page-pool use at the start and the end (a leak shows as growth).
 
     python -m client.bench.soak --minutes 5 [--clients 32] [--cancel-fraction 0.2]
-Starts its own server on a copy of model_repo/ (loopback, free ports); writes
-client/bench/results/soak/summary.json.
+        [--system ours]
+Starts its own server on a copy of model_repo/ (loopback, free ports), as configured there or,
+with `--system`, as one of the benchmark suite's systems on a small device budget (2 MiB,
+64 DRAM pages, 256 MiB of SSD: pages keep moving between the tiers); writes
+client/bench/results/soak/summary.json (summary_<system>.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import shutil
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backend.model import load_model
+from backend.triton.llm_config import DEFAULT_MODEL_PATH
+from backend.triton.repo import MODEL_REPO
 from backend.triton.server import ServerHandle
 from client.bench.common import write_summary
+from client.bench.run_suite import k_max_of
 from client.bench.serving import describe, served_repository
 from client.bench.soak_probe import pool_use, server_rss_bytes, wait_idle
+from client.bench.systems import SGLANG, SYSTEMS, Budget, system_params
 from client.generate import GenerateError, GenerateParams, stream_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results" / "soak"
@@ -38,8 +48,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sample-every", type=float, default=15.0, help="seconds between samples")
     p.add_argument("--warmup-s", type=float, default=30.0, help="load before the start sample")
-    p.add_argument("--out", type=Path, default=RESULTS / "summary.json")
-    return p.parse_args(argv)
+    p.add_argument("--system", choices=SYSTEMS + (SGLANG,),
+                   help="serve one of the suite's systems (default: model_repo/ as it is)")
+    p.add_argument("--out", type=Path,
+                   help="default: results/soak/summary.json (summary_<system>.json)")
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = RESULTS / (f"summary_{args.system}.json" if args.system else "summary.json")
+    return args
+
+
+# --system: little device memory for the cache, so the tiers see traffic.
+SOAK_BUDGET = Budget(device_budget_bytes=2 << 20, host_pages=64, ssd_bytes=256 << 20,
+                     run_pages=400, max_num_seqs=8, max_tokens_per_step=512)
+
+
+def server_params(system: str | None, ssd_dir: Path) -> dict[str, str]:
+    """hybrid_llm parameters for `system` on SOAK_BUDGET ({} for model_repo/ as it is)."""
+    if system is None:
+        return {}
+    model_dir = MODEL_REPO / "hybrid_llm" / DEFAULT_MODEL_PATH
+    config = load_model(model_dir).config
+    params = system_params(system, config, SOAK_BUDGET, k_max_of(model_dir), ssd_dir)
+    params["max_context_len"] = "4096"
+    return params
 
 
 @dataclass
@@ -92,7 +124,15 @@ def client_loop(url: str, seed: int, deadline: float, args: argparse.Namespace, 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     tally = Tally()
-    with served_repository() as server:
+    ssd_dir = Path(tempfile.mkdtemp(prefix="soak-ssd-"))
+    try:
+        return _run(args, tally, server_params(args.system, ssd_dir))
+    finally:
+        shutil.rmtree(ssd_dir, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, tally: Tally, params: dict[str, str]) -> dict[str, Any]:
+    with served_repository(params) as server:
         # Warm-up under the same load, so "start" is a steady state: allocator pools and
         # batch-shaped buffers grow during the first seconds of concurrency, then stay.
         warm = start_clients(server, args, time.monotonic() + args.warmup_s, Tally(), seed=-1)
