@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from backend.model import load_model
+from backend.config import ModelConfig
 from backend.triton.llm_config import DEFAULT_MODEL_PATH
 from backend.triton.repo import MODEL_REPO
 from backend.triton.server import ServerHandle
@@ -68,7 +68,7 @@ def server_params(system: str | None, ssd_dir: Path) -> dict[str, str]:
     if system is None:
         return {}
     model_dir = MODEL_REPO / "hybrid_llm" / DEFAULT_MODEL_PATH
-    config = load_model(model_dir).config
+    config = ModelConfig.from_file(model_dir / "config.json")
     params = system_params(system, config, SOAK_BUDGET, k_max_of(model_dir), ssd_dir)
     params["max_context_len"] = "4096"
     return params
