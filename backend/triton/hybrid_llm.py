@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,7 +28,7 @@ from backend.triton.llm_request import LlmRequest, is_stop, parse_request
 from backend.triton.llm_response import OutputStream
 from backend.triton.metrics import EngineMetrics
 from backend.triton.params import parse_model_config
-from backend.triton.responder import Outgoing, Responder, SendGuard, log
+from backend.triton.responder import GuardedSender, Outgoing, Responder, log
 from backend.triton.responses import request_inputs
 
 
@@ -39,7 +39,6 @@ class OpenRequest:
     sender: Any
     stream: OutputStream
     cancelled: bool = False
-    guard: SendGuard = field(default_factory=SendGuard)  # no is_cancelled() after the final
 
 
 class HybridLlm:
@@ -88,8 +87,7 @@ class HybridLlm:
         with self.lock:
             leftover, self.open = self.open, {}
         for entry in leftover.values():
-            self.responder.put(Outgoing(entry.sender, error="the model was unloaded", final=True,
-                                        guard=entry.guard))
+            self.responder.put(Outgoing(entry.sender, error="the model was unloaded", final=True))
         self.responder.close()
         self.metrics.close()
 
@@ -106,6 +104,8 @@ class HybridLlm:
             self.settings.exclude_input_in_output,
         )
         request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
+        # The watcher polls it: never is_cancelled() after its final response.
+        sender = GuardedSender(sender, self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         entry = OpenRequest(sender, stream_for(request_id, parsed))
         engine_request = Request(
             request_id=request_id,
@@ -132,18 +132,16 @@ class HybridLlm:
             with self.lock:
                 self.open.pop(out.request_id, None)
             self.num_recomputed_tokens += out.recomputed_tokens
-        guard = entry.guard
         if out.error is not None or out.finish_reason == "error":
             message = out.error or "the engine failed this request"
-            self.responder.put(Outgoing(entry.sender, error=message, final=True, guard=guard))
+            self.responder.put(Outgoing(entry.sender, error=message, final=True))
         elif out.finish_reason == "cancelled" or entry.cancelled:
             if out.finished:  # the client is gone: only close the stream
-                self.responder.put(Outgoing(entry.sender, final=True, guard=guard))
+                self.responder.put(Outgoing(entry.sender, final=True))
         else:
             tensors = entry.stream.on_output(out)
             if tensors is not None or out.finished:
-                self.responder.put(Outgoing(entry.sender, tensors, final=out.finished,
-                                            guard=guard))
+                self.responder.put(Outgoing(entry.sender, tensors, final=out.finished))
 
     def _stop(self, key: str) -> None:
         """`stop` = true: cancel the open request `key` (an engine id, or a Triton id)."""
@@ -160,7 +158,7 @@ class HybridLlm:
             entries = [(rid, e) for rid, e in self.open.items() if not e.cancelled]
         for request_id, entry in entries:
             try:
-                cancelled = entry.guard.is_cancelled(entry.sender)  # None: already final
+                cancelled = entry.sender.is_cancelled()
             except Exception as exc:  # the stream closed between the snapshot and now
                 log(self.pb_utils, f"hybrid_llm: is_cancelled failed: {exc!r}", "verbose")
                 continue

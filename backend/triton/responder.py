@@ -19,34 +19,39 @@ import numpy as np
 from backend.triton.responses import error_response
 
 
-class SendGuard:
-    """Orders one request's final response against `is_cancelled()` on its sender. Triton
-    frees the response factory behind a sender once the final response is sent, and asking
-    it then crashes tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled): the
-    cancellation watcher asks through `is_cancelled`, which answers None once the final
-    response is on its way, and the responder calls `close` before sending it."""
+class GuardedSender:
+    """A request's response sender that is never asked `is_cancelled()` once its final
+    response is on its way. Triton frees the response factory behind a sender when the final
+    response is sent, and asking it then crashes tritonserver (SIGSEGV in
+    TRITONBACKEND_ResponseFactoryIsCancelled); the cancellation watcher asks from its own
+    thread while the responder sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender: Any, final_flag: int) -> None:
+        self._sender, self._final_flag = sender, final_flag
         self._lock = threading.Lock()
-        self._closed = False
+        self._final_sent = False
 
-    def is_cancelled(self, sender: Any) -> bool | None:
+    def is_cancelled(self) -> bool:
         with self._lock:
-            return None if self._closed else bool(sender.is_cancelled())
+            return not self._final_sent and bool(self._sender.is_cancelled())
 
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
+    def send(self, response: Any = None, flags: int = 0) -> None:
+        if flags & self._final_flag:
+            with self._lock:
+                self._final_sent = True
+        if response is None:
+            self._sender.send(flags=flags)
+        else:
+            self._sender.send(response, flags=flags)
 
 
 @dataclass(frozen=True)
 class Outgoing:
-    sender: Any  # pb_utils.InferenceResponseSender
+    sender: Any  # pb_utils.InferenceResponseSender (a GuardedSender for engine requests)
     tensors: dict[str, np.ndarray] | None = None  # None with no error: only the flag
     error: str | None = None
     error_code: str = "INTERNAL"
     final: bool = False
-    guard: SendGuard | None = None  # closed before a final response is sent
 
 
 class Responder:
@@ -68,8 +73,6 @@ class Responder:
         """Sends on the calling thread (for requests the engine never saw)."""
         pb = self.pb_utils
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
-        if item.final and item.guard is not None:
-            item.guard.close()
         if item.error is not None:
             response = error_response(pb, item.error, item.error_code)
         elif item.tensors is not None:

@@ -2,7 +2,7 @@
 Triton frees a response factory once its final response is sent, and asking it then crashes
 tritonserver (SIGSEGV in TRITONBACKEND_ResponseFactoryIsCancelled; a 3-minute soak with 32
 clients hit it). A watcher polling every millisecond over 24 clients' short requests widens
-the race: without `SendGuard` this test crashed the server in 3 of 4 runs."""
+the race: without the guard (`GuardedSender`) this test crashed the server in 3 of 4 runs."""
 
 from __future__ import annotations
 
