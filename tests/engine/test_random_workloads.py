@@ -1,0 +1,172 @@
+"""Randomized workloads against the model itself: branching and multi-turn prompts arriving
+while others run, cancellations, preemption under few pages, evictions to DRAM and SSD, on
+every cache configuration whose states are exact (suffix replay in exact mode, the checkpoint
+baseline in both placements). Whatever the cache did, the logits that chose a request's first
+token must be those of a plain full forward over its prompt (a wrong page, anchor or state
+shows there; the random test models' greedy tokens alone hardly depend on the context), every
+later token the model's greedy choice after the tokens before it, and nothing may stay held
+at the end."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak, make_engine
+
+from backend.cache.tier_config import TierConfig
+from backend.engine import Engine, Request, SamplingParams
+from backend.replay.budget import ReplayConfig
+
+CHECKPOINT = (13, True)  # seed, slow decay (conftest.family_model): states carry far
+REQUESTS = 36
+TOLERANCE = 1e-3  # logits: batched and cached against one plain forward (float32)
+
+CONFIGS = {
+    "replay": dict(replay=ReplayConfig.exact()),
+    "checkpoint": dict(policy="checkpoint", interval=32, num_checkpoint_slots=12),
+    "sglang": dict(policy="checkpoint", checkpoint_placement="sglang",
+                   checkpoint_prefill_chunk=64, interval=32, num_checkpoint_slots=12),
+    "replay+tiers": dict(replay=ReplayConfig.exact(), tiers=True),
+    "checkpoint+tiers": dict(policy="checkpoint", interval=32, num_checkpoint_slots=12,
+                             tiers=True),
+    # DRAM only, pages copied in whole before the forward (no layer-wise overlap).
+    "replay+dram": dict(replay=ReplayConfig.exact(),
+                        tiers=dict(ssd_path=None, host_pages=64, enable_overlap=False)),
+    # Approximate states (budgeted replay of int8 anchors): tokens may differ from the
+    # model's; outputs, finish reasons and the pages are still checked.
+    "budgeted+tiers": dict(replay=ReplayConfig(anchor_density=0.25, budget_fraction=0.5,
+                                               k_max=8, anchor_dtype="int8"), tiers=True),
+}
+EXACT = {"replay", "checkpoint", "sglang", "replay+tiers", "checkpoint+tiers", "replay+dram"}
+
+
+@pytest.fixture(scope="module")
+def model(family_model):
+    """Every family of `engine_helpers.FAMILIES`."""
+    return family_model
+
+
+def _engine(model, name: str, tmp_path) -> Engine:
+    options = dict(CONFIGS[name])
+    with_tiers = options.pop("tiers", False)
+    # 32 pages of 16 tokens: four running prompts of up to 360 tokens do not fit (preemption);
+    # what finished requests leave is evicted soon after.
+    engine = make_engine(model, num_kv_pages=32, max_tokens_per_step=128, max_num_seqs=4,
+                         **options)
+    if not with_tiers:
+        return engine
+    states = 8 if options.get("policy") == "checkpoint" else 0
+    tiers = TierConfig(host_pages=8, ssd_path=str(tmp_path / "ssd"), ssd_bytes=1 << 30,
+                       model_fingerprint="random-workloads", io_threads=2,
+                       host_checkpoint_slots=states, ssd_checkpoint_slots=4 * states)
+    if isinstance(with_tiers, dict):
+        tiers = replace(tiers, **with_tiers)
+    return Engine(model, replace(engine.config, tiers=tiers))
+
+
+class Workload:
+    """Requests drawn with one seed: new prompts, branches cut anywhere in an earlier prompt
+    (or a finished conversation: its prompt and answer) with new tokens after the cut."""
+
+    def __init__(self, seed: int, vocab: int):
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.history: list[list[int]] = []
+
+    def _tokens(self, n: int) -> list[int]:
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def next_prompt(self) -> list[int]:
+        if not self.history or self.rng.random() < 0.2:
+            prompt = self._tokens(self.rng.randint(20, 200))
+        else:
+            base = self.rng.choice(self.history)
+            cut = self.rng.randint(1, min(len(base), 300))
+            prompt = base[:cut] + self._tokens(self.rng.randint(1, 60))
+        self.history.append(prompt)
+        return prompt
+
+
+@dataclass
+class Outcome:
+    prompt: list[int]
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    reason: str | None = None
+    first_logits: torch.Tensor | None = None
+
+
+def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
+    """Submits REQUESTS requests a few at a time between steps and cancels some."""
+    rng = random.Random(seed)
+    outcomes: dict[str, Outcome] = {}
+
+    def collect(out):
+        o = outcomes[out.request_id]
+        o.tokens.extend(out.new_token_ids)
+        if out.first_logits is not None:
+            o.first_logits = out.first_logits
+        if out.finished:
+            o.reason = out.finish_reason
+            workload.history.append(o.prompt + o.tokens)
+
+    steps = 0
+    while len(outcomes) < REQUESTS or engine.has_work:
+        for _ in range(rng.choice((0, 0, 1, 1, 2)) if len(outcomes) < REQUESTS else 0):
+            rid = f"r{len(outcomes)}"
+            o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40))
+            engine.submit(Request(rid, o.prompt, SamplingParams(max_tokens=o.max_tokens,
+                                                                top_k=1),
+                                  on_output=collect, return_first_logits=True))
+        running = [rid for rid, o in outcomes.items() if o.reason is None]
+        if running and rng.random() < 0.05:
+            engine.cancel(rng.choice(running))
+        engine.step()
+        steps += 1
+        assert steps < 5000, "the workload does not finish"
+    return outcomes
+
+
+def _assert_model(model, rid: str, o: Outcome) -> None:
+    """The first token's logits are a plain full forward's over the prompt; each token is the
+    argmax (within TOLERANCE) of that forward over the prompt and the tokens before it."""
+    if not o.tokens:
+        return
+    ids = torch.tensor([o.prompt + o.tokens[:-1]])
+    with torch.inference_mode():
+        rows = model.logits(ids)[0, len(o.prompt) - 1:].float()
+    torch.testing.assert_close(o.first_logits, rows[0], atol=TOLERANCE, rtol=TOLERANCE,
+                               msg=lambda m: f"{rid} ({len(o.prompt)}-token prompt): {m}")
+    chosen = rows[torch.arange(len(o.tokens)), torch.tensor(o.tokens)]
+    gap = rows.max(-1).values - chosen
+    bad = (gap > TOLERANCE).nonzero().flatten().tolist()
+    assert not bad, (f"{rid}: token {bad[0]} of {len(o.tokens)} after a {len(o.prompt)}-token "
+                     f"prompt trails the model's choice by {gap[bad[0]]:.4f}")
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_random_workload_matches_the_model(model, config, tmp_path):
+    engine = _engine(model, config, tmp_path)
+    seed = 1000 + list(CONFIGS).index(config)
+    try:
+        outcomes = _run(engine, Workload(seed, model.config.vocab_size), seed)
+        for rid, o in outcomes.items():
+            assert o.reason in ("length", "cancelled"), (rid, o.reason)
+            assert len(o.tokens) == o.max_tokens or o.reason == "cancelled", (rid, o)
+            if config in EXACT:
+                _assert_model(model, rid, o)
+        stats = engine.stats()
+        # The workload exercised what it is meant to: hits, cancellations, evictions, tiers.
+        assert stats["cache"]["hit_tokens"] > 0, stats["cache"]
+        assert stats["cancelled_requests"] > 0
+        assert sum(stats["cache"]["page_evictions_by_reason"].values()) > 0, stats["cache"]
+        if engine.tiers is not None:
+            assert stats["cache"]["hit_tokens_by_tier"]["host"] > 0, stats["cache"]
+            assert engine.tiers.ssd is None or stats["tiers"]["ssd_reads"] > 0, stats["tiers"]
+            engine.tiers.drain()
+        assert_no_leak(engine)
+    finally:
+        engine.stop()
