@@ -10,6 +10,8 @@ at the end."""
 from __future__ import annotations
 
 import random
+import threading
+import time
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -75,11 +77,20 @@ class Workload:
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.history: list[list[int]] = []
+        self.lock = threading.Lock()  # client threads draw, the engine thread adds answers
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
+    def add(self, conversation: list[int]) -> None:
+        with self.lock:
+            self.history.append(conversation)
+
     def next_prompt(self) -> list[int]:
+        with self.lock:
+            return self._next_prompt()
+
+    def _next_prompt(self) -> list[int]:
         if not self.history or self.rng.random() < 0.2:
             prompt = self._tokens(self.rng.randint(20, 200))
         else:
@@ -97,30 +108,35 @@ class Outcome:
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     first_logits: torch.Tensor | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def request(self, rid: str, workload: Workload) -> Request:
+        """The request, its outputs collected here (the finished conversation joins the
+        workload's history)."""
+
+        def collect(out):
+            self.tokens.extend(out.new_token_ids)
+            if out.first_logits is not None:
+                self.first_logits = out.first_logits
+            if out.finished:
+                self.reason = out.finish_reason
+                workload.add(self.prompt + self.tokens)
+                self.done.set()
+
+        return Request(rid, self.prompt, SamplingParams(max_tokens=self.max_tokens, top_k=1),
+                       on_output=collect, return_first_logits=True)
 
 
 def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
     """Submits REQUESTS requests a few at a time between steps and cancels some."""
     rng = random.Random(seed)
     outcomes: dict[str, Outcome] = {}
-
-    def collect(out):
-        o = outcomes[out.request_id]
-        o.tokens.extend(out.new_token_ids)
-        if out.first_logits is not None:
-            o.first_logits = out.first_logits
-        if out.finished:
-            o.reason = out.finish_reason
-            workload.history.append(o.prompt + o.tokens)
-
     steps = 0
     while len(outcomes) < REQUESTS or engine.has_work:
         for _ in range(rng.choice((0, 0, 1, 1, 2)) if len(outcomes) < REQUESTS else 0):
             rid = f"r{len(outcomes)}"
             o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40))
-            engine.submit(Request(rid, o.prompt, SamplingParams(max_tokens=o.max_tokens,
-                                                                top_k=1),
-                                  on_output=collect, return_first_logits=True))
+            engine.submit(o.request(rid, workload))
         running = [rid for rid, o in outcomes.items() if o.reason is None]
         if running and rng.random() < 0.05:
             engine.cancel(rng.choice(running))
@@ -147,26 +163,79 @@ def _assert_model(model, rid: str, o: Outcome) -> None:
                      f"prompt trails the model's choice by {gap[bad[0]]:.4f}")
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_random_workload_matches_the_model(model, config, tmp_path):
-    engine = _engine(model, config, tmp_path)
-    seed = 1000 + list(CONFIGS).index(config)
-    try:
-        outcomes = _run(engine, Workload(seed, model.config.vocab_size), seed)
-        for rid, o in outcomes.items():
-            assert o.reason in ("length", "cancelled"), (rid, o.reason)
-            assert len(o.tokens) == o.max_tokens or o.reason == "cancelled", (rid, o)
-            if config in EXACT:
-                _assert_model(model, rid, o)
-        stats = engine.stats()
-        # The workload exercised what it is meant to: hits, cancellations, evictions, tiers.
+def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
+           coverage: bool = True) -> None:
+    """The outcomes against the model, nothing held; with `coverage`, that the workload
+    exercised what it is meant to (hits, cancellations, evictions, tiers)."""
+    for rid, o in outcomes.items():
+        assert o.reason in ("length", "cancelled"), (rid, o.reason)
+        assert len(o.tokens) == o.max_tokens or o.reason == "cancelled", (rid, o)
+        if config in EXACT:
+            _assert_model(model, rid, o)
+    stats = engine.stats()  # waits for a running step (its releases) to end
+    if coverage:
         assert stats["cache"]["hit_tokens"] > 0, stats["cache"]
         assert stats["cancelled_requests"] > 0
         assert sum(stats["cache"]["page_evictions_by_reason"].values()) > 0, stats["cache"]
         if engine.tiers is not None:
             assert stats["cache"]["hit_tokens_by_tier"]["host"] > 0, stats["cache"]
             assert engine.tiers.ssd is None or stats["tiers"]["ssd_reads"] > 0, stats["tiers"]
-            engine.tiers.drain()
-        assert_no_leak(engine)
+    if engine.tiers is not None:
+        engine.tiers.drain()
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_random_workload_matches_the_model(model, config, tmp_path):
+    engine = _engine(model, config, tmp_path)
+    seed = 1000 + list(CONFIGS).index(config)
+    try:
+        _check(engine, model, config, _run(engine, Workload(seed, model.config.vocab_size),
+                                           seed))
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("config", ["replay+tiers", "checkpoint+tiers"])
+def test_random_workload_from_client_threads(model, config, tmp_path):
+    """The engine on its own thread, as served: four client threads submit (one turn after
+    another or without waiting) and cancel some of their requests (at once, or a few ms
+    later, when the request may be queued, running or finished) while the engine steps and
+    the tiers' I/O threads read and write."""
+    engine = _engine(model, config, tmp_path)
+    workload = Workload(2000, model.config.vocab_size)
+    outcomes: dict[str, Outcome] = {}
+    errors: list[BaseException] = []
+
+    def client(c: int) -> None:
+        rng = random.Random(2000 + c)
+        try:
+            for j in range(REQUESTS // 4):
+                rid = f"c{c}-{j}"
+                o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40))
+                engine.submit(o.request(rid, workload))
+                if rng.random() < 0.15:
+                    time.sleep(rng.choice((0, 0.002, 0.02)))
+                    engine.cancel(rid)
+                if rng.random() < 0.5:
+                    assert o.done.wait(60), f"{rid} did not finish"
+                else:
+                    time.sleep(rng.uniform(0, 0.01))
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+
+    engine.start()
+    try:
+        threads = [threading.Thread(target=client, args=(c,)) for c in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert all(o.done.wait(60) for o in outcomes.values())
+        # What the cache did depends on the threads' timing: hits and evictions only.
+        _check(engine, model, config, outcomes, coverage=False)
+        cache = engine.stats()["cache"]
+        assert cache["hit_tokens"] > 0 and cache["page_evictions_by_reason"], cache
     finally:
         engine.stop()
