@@ -20,6 +20,7 @@ from engine_helpers import assert_no_leak, make_engine
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, Request, SamplingParams
+from backend.model import load_model
 from backend.replay.budget import ReplayConfig
 
 CHECKPOINT = (13, True)  # seed, slow decay (conftest.family_model): states carry far
@@ -29,6 +30,9 @@ TOLERANCE = 1e-3  # logits: batched and cached against one plain forward (float3
 CONFIGS = {
     "replay": dict(replay=ReplayConfig.exact()),
     "checkpoint": dict(policy="checkpoint", interval=32, num_checkpoint_slots=12),
+    # Interval 64, the compiled step graph's snapshot alignment (SNAPSHOT_ALIGN): there
+    # checkpoints inside a step are saved mid-step instead of cutting the step short.
+    "checkpoint64": dict(policy="checkpoint", interval=64, num_checkpoint_slots=12),
     "sglang": dict(policy="checkpoint", checkpoint_placement="sglang",
                    checkpoint_prefill_chunk=64, interval=32, num_checkpoint_slots=12),
     "replay+tiers": dict(replay=ReplayConfig.exact(), tiers=True),
@@ -51,22 +55,30 @@ def model(family_model):
     return family_model
 
 
-def _engine(model, name: str, tmp_path) -> Engine:
+def _engine(model, name: str, tmp_path, engine_dir=None) -> Engine:
+    """The engine of configuration `name`; with `engine_dir`, the same on the AOT-compiled
+    executor of that engine directory."""
     options = dict(CONFIGS[name])
     with_tiers = options.pop("tiers", False)
     # 32 pages of 16 tokens: four running prompts of up to 360 tokens do not fit (preemption);
     # what finished requests leave is evicted soon after.
     engine = make_engine(model, num_kv_pages=32, max_tokens_per_step=128, max_num_seqs=4,
                          **options)
+    config = engine.config
+    if engine_dir is not None:
+        config = replace(config, executor="compiled")
     if not with_tiers:
-        return engine
+        return engine if engine_dir is None else Engine(None, config, engine_dir=engine_dir)
     states = 8 if options.get("policy") == "checkpoint" else 0
     tiers = TierConfig(host_pages=8, ssd_path=str(tmp_path / "ssd"), ssd_bytes=1 << 30,
                        model_fingerprint="random-workloads", io_threads=2,
                        host_checkpoint_slots=states, ssd_checkpoint_slots=4 * states)
     if isinstance(with_tiers, dict):
         tiers = replace(tiers, **with_tiers)
-    return Engine(model, replace(engine.config, tiers=tiers))
+    config = replace(config, tiers=tiers)
+    if engine_dir is not None:
+        return Engine(None, config, engine_dir=engine_dir)
+    return Engine(model, config)
 
 
 class Workload:
@@ -189,6 +201,25 @@ def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
 def test_random_workload_matches_the_model(model, config, tmp_path):
     engine = _engine(model, config, tmp_path)
     seed = 1000 + list(CONFIGS).index(config)
+    try:
+        _check(engine, model, config, _run(engine, Workload(seed, model.config.vocab_size),
+                                           seed))
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("config", ["replay", "checkpoint64", "replay+tiers"])
+@pytest.mark.parametrize("build", ["aot_build", "aot_build_nemotron_h", "aot_build_nemotron_h_moe",
+                                   "aot_build_qwen3_next_moe"])
+def test_random_workload_on_the_compiled_engine(build, config, request, tmp_path):
+    """The same workloads on the AOT-compiled executor (`build.py --backend aot`: the default
+    model and small random checkpoints of the other families), against the eager model of the
+    same weights: compiled prefill, decode, replay and snapshot graphs under the cache."""
+    model_dir, engine_dir = request.getfixturevalue(build)[:2]
+    model = load_model(model_dir)
+    engine = _engine(model, config, tmp_path, engine_dir=engine_dir)
+    assert engine.config.executor == "compiled"
+    seed = 3000 + list(CONFIGS).index(config)
     try:
         _check(engine, model, config, _run(engine, Workload(seed, model.config.vocab_size),
                                            seed))
