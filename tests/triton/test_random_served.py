@@ -144,8 +144,9 @@ def test_random_served_workload_matches_the_model(served):
         rng = random.Random(4100 + c)
         try:
             for j in range(PER_CLIENT):
-                prompt, max_tokens = workload.next_prompt(), rng.randint(1, 40)
-                cancel = rng.randint(0, max_tokens - 1) if rng.random() < 0.15 else None
+                prompt, max_tokens, cancel = workload.next_prompt(), rng.randint(1, 40), None
+                if rng.random() < 0.15:  # cancelled after 0-20 of 80 tokens: still running
+                    max_tokens, cancel = 80, rng.randint(0, 20)
                 tokens, final = _stream(server.urls.grpc, prompt, max_tokens, cancel)
                 results[f"c{c}-{j}"] = (prompt, tokens, max_tokens, final, cancel)
                 if final:
