@@ -1,12 +1,12 @@
 """Randomized workloads through the real tritonserver against the model itself: four gRPC
 clients stream token ids to `hybrid_llm` (new prompts, branches cut anywhere in an earlier
 prompt or finished conversation, some requests cancelled mid-stream) while a small pool
-preempts, evicts and (suffix replay) pages out to DRAM and SSD. Every token that comes back
-must be the model's greedy choice after the prompt and the tokens before it (exact replay and
-the checkpoint baseline keep exact states), and nothing may stay held at the end. The engine
-suite checks the same logits in-process (tests/engine/test_random_workloads.py); this is the
-served path: the request parser, the responder, cancellation and the tiers' threads beside
-Triton's."""
+evicts, (suffix replay) pages out to DRAM and SSD, and at times preempts. Every token that
+comes back must be the model's greedy choice after the prompt and the tokens before it
+(exact replay and the checkpoint baseline keep exact states), and nothing may stay held at
+the end. The engine suite checks the same logits in-process
+(tests/engine/test_random_workloads.py); this is the served path: the request parser, the
+responder, cancellation and the tiers' threads beside Triton's."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ from tests.triton.llm_helpers import idle_pool, scrape
 
 CLIENTS, PER_CLIENT = 4, 8
 TOLERANCE = 1e-3  # a served token may trail the plain forward's best by this much (ties)
-# 12 pages of 64 tokens: four prompts of up to ~600 tokens do not fit at once (preemption);
-# what finished requests leave is evicted to the tiers (or dropped) soon after.
+# 12 pages of 64 tokens: four prompts of up to ~600 tokens do not fit at once (admission
+# waits; a run may preempt: 2 preemptions seen with the tiers, none with checkpoints); what
+# finished requests leave is evicted to the tiers (or dropped) soon after.
 POOL = {"num_kv_pages": "12", "max_num_seqs": "4", "max_tokens_per_step": "256",
         "max_context_len": "704"}
 SERVED = {
