@@ -5,7 +5,8 @@ baseline in both placements). Whatever the cache did, the logits that chose a re
 token must be those of a plain full forward over its prompt (a wrong page, anchor or state
 shows there; the random test models' greedy tokens alone hardly depend on the context), every
 later token the model's greedy choice after the tokens before it, and nothing may stay held
-at the end."""
+at the end. On the eager executor, and on the AOT-compiled one of each family's build; the
+served path has its own (tests/triton/test_random_served.py)."""
 
 from __future__ import annotations
 
