@@ -65,21 +65,20 @@ def _engine(model, name: str, tmp_path, engine_dir=None) -> Engine:
     # what finished requests leave is evicted soon after.
     engine = make_engine(model, num_kv_pages=32, max_tokens_per_step=128, max_num_seqs=4,
                          **options)
+    if not with_tiers and engine_dir is None:
+        return engine
     config = engine.config
-    if engine_dir is not None:
-        config = replace(config, executor="compiled")
-    if not with_tiers:
-        return engine if engine_dir is None else Engine(None, config, engine_dir=engine_dir)
-    states = 8 if options.get("policy") == "checkpoint" else 0
-    tiers = TierConfig(host_pages=8, ssd_path=str(tmp_path / "ssd"), ssd_bytes=1 << 30,
-                       model_fingerprint="random-workloads", io_threads=2,
-                       host_checkpoint_slots=states, ssd_checkpoint_slots=4 * states)
-    if isinstance(with_tiers, dict):
-        tiers = replace(tiers, **with_tiers)
-    config = replace(config, tiers=tiers)
-    if engine_dir is not None:
-        return Engine(None, config, engine_dir=engine_dir)
-    return Engine(model, config)
+    if with_tiers:
+        states = 8 if options.get("policy") == "checkpoint" else 0
+        tiers = TierConfig(host_pages=8, ssd_path=str(tmp_path / "ssd"), ssd_bytes=1 << 30,
+                           model_fingerprint="random-workloads", io_threads=2,
+                           host_checkpoint_slots=states, ssd_checkpoint_slots=4 * states)
+        if isinstance(with_tiers, dict):
+            tiers = replace(tiers, **with_tiers)
+        config = replace(config, tiers=tiers)
+    if engine_dir is None:
+        return Engine(model, config)
+    return Engine(None, replace(config, executor="compiled"), engine_dir=engine_dir)
 
 
 class Workload:
@@ -198,15 +197,19 @@ def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-def test_random_workload_matches_the_model(model, config, tmp_path):
-    engine = _engine(model, config, tmp_path)
-    seed = 1000 + list(CONFIGS).index(config)
+def _run_and_check(engine: Engine, model, config: str, seed: int) -> None:
+    """One seeded workload on `engine` (stopped at the end), checked against `model`."""
     try:
         _check(engine, model, config, _run(engine, Workload(seed, model.config.vocab_size),
                                            seed))
     finally:
         engine.stop()
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_random_workload_matches_the_model(model, config, tmp_path):
+    _run_and_check(_engine(model, config, tmp_path), model, config,
+                   1000 + list(CONFIGS).index(config))
 
 
 @pytest.mark.parametrize("config", ["replay", "checkpoint64", "replay+tiers"])
@@ -220,12 +223,7 @@ def test_random_workload_on_the_compiled_engine(build, config, request, tmp_path
     model = load_model(model_dir)
     engine = _engine(model, config, tmp_path, engine_dir=engine_dir)
     assert engine.config.executor == "compiled"
-    seed = 3000 + list(CONFIGS).index(config)
-    try:
-        _check(engine, model, config, _run(engine, Workload(seed, model.config.vocab_size),
-                                           seed))
-    finally:
-        engine.stop()
+    _run_and_check(engine, model, config, 3000 + list(CONFIGS).index(config))
 
 
 @pytest.mark.parametrize("config", ["replay+tiers", "checkpoint+tiers"])

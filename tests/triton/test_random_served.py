@@ -20,6 +20,7 @@ import torch
 import tritonclient.grpc as grpcclient
 
 from backend.model import load_model
+from client.generate import grpc_inputs
 from client.metrics import by_label
 from tests.triton.conftest import DEFAULT_MODEL
 from tests.triton.llm_helpers import idle_pool, scrape
@@ -80,21 +81,14 @@ class Workload:
 
 
 def _inputs(prompt: list[int], max_tokens: int) -> list:
-    arrays = {
+    return grpc_inputs({
         "input_ids": np.array([prompt], dtype=np.int32),
         "input_lengths": np.array([[len(prompt)]], dtype=np.int32),
         "request_output_len": np.array([[max_tokens]], dtype=np.int32),
         "runtime_top_k": np.array([[1]], dtype=np.int32),
         "end_id": np.array([[-1]], dtype=np.int32),  # no end token: max_tokens are generated
         "streaming": np.array([[True]]),
-    }
-    inputs = []
-    for name, array in arrays.items():
-        tensor = grpcclient.InferInput(name, list(array.shape),
-                                       "BOOL" if array.dtype == bool else "INT32")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    return inputs
+    })
 
 
 def _stream(url: str, prompt: list[int], max_tokens: int, cancel_after: int | None
