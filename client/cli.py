@@ -59,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--top-k", type=int)
         sub.add_argument("--top-p", type=float)
         sub.add_argument("--seed", type=int)
+        sub.add_argument("--repetition-penalty", type=float)
+        sub.add_argument("--presence-penalty", type=float)
+        sub.add_argument("--frequency-penalty", type=float)
+        sub.add_argument("--log-probs", action="store_true",
+                         help="report the generated tokens' summed log probability")
         sub.add_argument("--cache-salt")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
@@ -77,6 +82,10 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "top_k": args.top_k,
         "top_p": args.top_p,
         "seed": args.seed,
+        "repetition_penalty": args.repetition_penalty,
+        "presence_penalty": args.presence_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "return_log_probs": args.log_probs or None,
         "cache_salt": args.cache_salt,
     }
 
@@ -93,7 +102,7 @@ def responses(args: argparse.Namespace, params: GenerateParams) -> Iterator[Chun
 
 def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str, dict]:
     """Writes text as it arrives; reports TTFT and counts on `err`. Returns (text, counts)."""
-    text, counts, ttft, num_output = "", {}, None, 0
+    text, counts, ttft, num_output, log_probs = "", {}, None, 0, []
     for chunk in chunks:
         if ttft is None:
             ttft = chunk.elapsed_s
@@ -102,10 +111,13 @@ def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str
         text += chunk.text
         counts = chunk.counts or counts
         num_output += chunk.counts.get("num_output_tokens", 0)
+        log_probs += chunk.log_probs
     out.write("\n")
     if ttft is not None:
         shown = {k: v for k, v in counts.items() if k != "num_output_tokens"}
         summary = " ".join(f"{k}={v}" for k, v in shown.items())
+        if log_probs:
+            summary += f" log_prob={sum(log_probs):.3f}"
         err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}, {summary}]\n")
     return text, counts
 

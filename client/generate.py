@@ -39,6 +39,10 @@ class GenerateParams:
     min_tokens: int | None = None
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    return_log_probs: bool | None = None
     cache_salt: str | None = None
     session_id: str | None = None
     exclude_input_in_output: bool | None = None
@@ -57,6 +61,10 @@ class GenerateParams:
             "min_tokens": self.min_tokens,
             "stop_words": list(self.stop_words) or None,
             "bad_words": list(self.bad_words) or None,
+            "repetition_penalty": self.repetition_penalty,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "return_log_probs": self.return_log_probs,
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
             "exclude_input_in_output": self.exclude_input_in_output,
@@ -67,12 +75,15 @@ class GenerateParams:
 
 @dataclass
 class Chunk:
-    """One response: its text, counts, and seconds since the request was sent."""
+    """One response: its text, counts, and seconds since the request was sent; with
+    return_log_probs, the log probability of each token it carries and their running sum."""
 
     text: str
     elapsed_s: float
     counts: dict[str, int] = field(default_factory=dict)
     final: bool = False
+    log_probs: list[float] = field(default_factory=list)
+    cum_log_prob: float | None = None
 
 
 class GenerateError(RuntimeError):
@@ -205,7 +216,12 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     if "text_output" in names:
         text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
     counts = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in COUNTS if n in names}
-    return Chunk(text, elapsed_s, counts, final)
+    chunk = Chunk(text, elapsed_s, counts, final)
+    if "output_log_probs" in names:
+        chunk.log_probs = result.as_numpy("output_log_probs").reshape(-1).tolist()
+    if "cum_log_probs" in names:
+        chunk.cum_log_prob = float(result.as_numpy("cum_log_probs").reshape(-1)[0])
+    return chunk
 
 
 def generate_http(
@@ -236,7 +252,12 @@ def stream_http(
 
 def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> Chunk:
     counts = {n: int(_first(body[n])) for n in COUNTS if n in body}
-    return Chunk(str(_first(body.get("text_output", ""))), elapsed_s, counts, final)
+    chunk = Chunk(str(_first(body.get("text_output", ""))), elapsed_s, counts, final)
+    if "output_log_probs" in body:
+        chunk.log_probs = [float(v) for v in np.ravel(body["output_log_probs"])]
+    if "cum_log_probs" in body:
+        chunk.cum_log_prob = float(np.ravel(body["cum_log_probs"])[0])
+    return chunk
 
 
 def _first(value: Any) -> Any:

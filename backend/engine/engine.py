@@ -179,6 +179,10 @@ class Engine:
             if bad:
                 raise ValueError(f"{name} hold token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias names token ids {bad[:5]} outside the vocabulary "
+                             f"[0, {vocab})")
         total = len(ids) + request.sampling.max_tokens
         if total > self.max_context_len:
             raise ValueError(
@@ -306,12 +310,14 @@ class Engine:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
+        log_probs: list[float] = []
         final: list[RequestOutput] = []
 
         first_logits: list = []
 
         def collect(out: RequestOutput) -> None:
             tokens.extend(out.new_token_ids)
+            log_probs.extend(out.log_probs)
             if out.first_logits is not None:
                 first_logits.append(out.first_logits)
             if out.finished:
@@ -326,7 +332,7 @@ class Engine:
                 self.step()
         done.wait()
         out = final[0]
-        out.new_token_ids = tokens
+        out.new_token_ids, out.log_probs = tokens, log_probs
         if first_logits:
             out.first_logits = first_logits[0]
         return out

@@ -12,7 +12,12 @@ MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long genera
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Decoding controls (TensorRT-LLM names). top_k = 1 or temperature = 0 is greedy."""
+    """Decoding controls (TensorRT-LLM names). top_k = 1 or temperature = 0 is greedy.
+
+    Penalties (neutral: 1 / 0 / 0) and `logit_bias` (token id, added value) change the logits
+    before anything else, greedy included (`backend/engine/sampling.py` states the order);
+    `return_log_probs` asks for each generated token's log probability under the model.
+    """
 
     max_tokens: int = 16
     min_tokens: int = 0
@@ -23,6 +28,11 @@ class SamplingParams:
     end_id: int | None = None
     stop_words: tuple[tuple[int, ...], ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    return_log_probs: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -42,6 +52,23 @@ class SamplingParams:
         for name in ("stop_words", "bad_words"):
             if any(len(w) == 0 for w in getattr(self, name)):
                 raise ValueError(f"{name} contains an empty word")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be finite and > 0, got "
+                             f"{self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise ValueError("logit_bias names a token id twice")
+        if not all(math.isfinite(value) for _, value in self.logit_bias):
+            raise ValueError("logit_bias holds a value that is not finite")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits depend on the tokens so far (a penalty is not neutral)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:
@@ -75,3 +102,7 @@ class RequestOutput:
     error: str | None = None
     ttft_s: float | None = None  # set on the first output
     first_logits: Any = None  # [V] fp32 tensor, only with Request.return_first_logits
+    # With SamplingParams.return_log_probs: the log probability of each of new_token_ids under
+    # the model (its raw logits' log-softmax), and their sum over all tokens generated so far.
+    log_probs: list[float] = field(default_factory=list)
+    cum_log_prob: float = 0.0

@@ -1,7 +1,14 @@
-"""Token sampling in plain PyTorch: temperature, top-k, top-p, per-request seeds, min_tokens,
-bad words; plus the stop rules the engine applies after each sampled token.
+"""Token sampling in plain PyTorch: logit bias, repetition / presence / frequency penalties,
+temperature, top-k, top-p, per-request seeds, min_tokens, bad words; log probabilities; plus
+the stop rules the engine applies after each sampled token.
 
-Rules (TensorRT-LLM semantics):
+Rules (TensorRT-LLM semantics where it has them):
+- The logits are changed in this order before any choice, greedy included: `logit_bias` is
+  added (TensorRT-LLM's embedding bias); the repetition penalty p divides a positive logit by p
+  and multiplies a negative one by p for every id in the prompt or the generated tokens (as
+  TensorRT-LLM and transformers' RepetitionPenaltyLogitsProcessor do); the presence penalty is
+  subtracted once and the frequency penalty once per occurrence for every id among the
+  generated tokens only (OpenAI's and vLLM's definition; the prompt does not count).
 - Greedy (argmax) when `top_k == 1` or `temperature == 0`; otherwise logits / temperature,
   then top-k, then top-p (nucleus: the smallest set of most likely tokens whose probability
   reaches top_p; the most likely token is always kept), then one draw.
@@ -14,6 +21,9 @@ Rules (TensorRT-LLM semantics):
   last token masked whenever the generated tokens end with all its other tokens.
 - Stop words are matched against the generated tokens only (never the prompt); the matched
   tokens stay in the output, as TensorRT-LLM returns them.
+- Log probabilities (`token_log_probs`) are the model's: the log-softmax of its raw logits,
+  before bias, penalties, masks and temperature (vLLM's default and TensorRT-LLM's PyTorch
+  backend's "raw" mode), so they score the text, whatever sampled it.
 """
 
 from __future__ import annotations
@@ -36,18 +46,76 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return generator
 
 
+class TokenCounts:
+    """One request's tokens as the penalties see them: which ids its prompt holds
+    (`in_prompt` [V] bool) and how often it generated each id (`generated` [V] int32). Kept in
+    step with the request's growing token list by `update`, which counts only the new ones."""
+
+    def __init__(self, vocab_size: int, num_prompt_tokens: int) -> None:
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool)
+        self.generated = torch.zeros(vocab_size, dtype=torch.int32)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_counted = 0
+
+    def update(self, tokens: Sequence[int]) -> TokenCounts:
+        """Counts `tokens[num_counted:]` (prompt first, then generated); returns self. A list
+        shorter than what was counted is counted again from the start."""
+        if len(tokens) < self.num_counted:
+            self.in_prompt.zero_()
+            self.generated.zero_()
+            self.num_counted = 0
+        new = list(tokens[self.num_counted:])
+        if new:
+            ids = torch.tensor(new, dtype=torch.long)
+            split = min(max(0, self.num_prompt_tokens - self.num_counted), len(new))
+            self.in_prompt[ids[:split]] = True
+            self.generated.index_add_(0, ids[split:],
+                                      torch.ones(len(new) - split, dtype=torch.int32))
+            self.num_counted = len(tokens)
+        return self
+
+
+def adjust_logits(row: torch.Tensor, params: SamplingParams, counts: TokenCounts | None) -> None:
+    """In place on one row of logits [V] (float32): the logit bias, then the penalties (which
+    need `counts` when any is not neutral)."""
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long)
+        row.index_add_(0, ids, torch.tensor([v for _, v in params.logit_bias], dtype=row.dtype))
+    if not params.penalized:
+        return
+    if counts is None:
+        raise ValueError("penalties need the request's token counts")
+    if params.repetition_penalty != 1.0:
+        seen = counts.in_prompt | (counts.generated > 0)
+        values = row[seen]
+        p = params.repetition_penalty
+        row[seen] = torch.where(values > 0, values / p, values * p)
+    if params.presence_penalty or params.frequency_penalty:
+        generated = counts.generated.to(row.dtype)
+        row -= (params.frequency_penalty * generated
+                + params.presence_penalty * (generated > 0).to(row.dtype))
+
+
+def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The model's log probability of `tokens` [B] under the raw `logits` [B, V]: [B] fp32."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(1, tokens.view(-1, 1).to(log_probs.device)).view(-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     output_lens: Sequence[int],
     histories: Sequence[Sequence[int]] | None = None,
+    counts: Sequence[TokenCounts | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row.
 
     logits: [B, V] (any float dtype); params, generators, output_lens: one per row, output_lens
     counting the tokens generated so far; histories: the generated ids per row (needed only for
-    multi-token bad words). Returns LongTensor [B] on the logits' device.
+    multi-token bad words); counts: each row's `TokenCounts`, up to date (needed only for rows
+    with penalties). Returns LongTensor [B] on the logits' device.
     """
     B, V = logits.shape
     if not len(params) == len(generators) == len(output_lens) == B:
@@ -57,8 +125,11 @@ def sample(
         )
     if histories is not None and len(histories) != B:
         raise ValueError(f"sample got {B} rows of logits but {len(histories)} histories")
+    if counts is not None and len(counts) != B:
+        raise ValueError(f"sample got {B} rows of logits but {len(counts)} token counts")
     logits = logits.float().clone()
     for i, p in enumerate(params):
+        adjust_logits(logits[i], p, counts[i] if counts is not None else None)
         history = histories[i] if histories is not None else ()
         mask_banned(logits[i], p, output_lens[i], history)
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)

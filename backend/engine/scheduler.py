@@ -23,7 +23,7 @@ from backend.engine.cache_manager import CacheManager
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
 from backend.engine.request import RequestOutput
-from backend.engine.sampling import finish_reason, make_generator, sample
+from backend.engine.sampling import finish_reason, make_generator, sample, token_log_probs
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
@@ -242,8 +242,17 @@ class Scheduler:
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
         params = [s.request.sampling for s in seqs]
+        counts = None
+        if any(p.penalized for p in params):
+            counts = [s.counts(logits.shape[-1]) if p.penalized else None
+                      for s, p in zip(seqs, params)]
         tokens = sample(logits, params, [s.generator for s in seqs],
-                        [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs])
+                        [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
+                        counts)
+        log_probs: dict[int, float] = {}
+        wanted = [row for row, p in enumerate(params) if p.return_log_probs]
+        if wanted:
+            log_probs = dict(zip(wanted, token_log_probs(logits[wanted], tokens[wanted]).tolist()))
         now = time.perf_counter()
         outputs = []
         for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
@@ -258,6 +267,11 @@ class Scheduler:
             if reason is not None:
                 self._after.append(partial(self._finish, seq))
             out = seq.output(new_ids, reason is not None, reason)
+            if row in log_probs:
+                if new_ids:  # an end id that is not output has no log probability either
+                    seq.cum_log_prob += log_probs[row]
+                    out.log_probs = [log_probs[row]]
+                out.cum_log_prob = seq.cum_log_prob
             if first and seq.request.return_first_logits:
                 out.first_logits = logits[row].clone()
             outputs.append(out)

@@ -10,6 +10,7 @@ import torch
 
 from backend.cache.radix import encode_tokens
 from backend.engine.request import Request, RequestOutput
+from backend.engine.sampling import TokenCounts
 
 
 class SeqStatus(Enum):
@@ -49,6 +50,8 @@ class Sequence:
     first_token_time: float | None = None
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
+    token_counts: TokenCounts | None = None  # for penalties, built on first use
+    cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
     _key: tuple[int, bytes] | None = field(default=None, repr=False)
 
     def prefix_key(self) -> bytes:
@@ -69,6 +72,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.tokens) - self.num_prompt_tokens
+
+    def counts(self, vocab_size: int) -> TokenCounts:
+        """The penalties' view of the tokens so far (prompt and generated), up to date."""
+        if self.token_counts is None:
+            self.token_counts = TokenCounts(vocab_size, self.num_prompt_tokens)
+        return self.token_counts.update(self.tokens)
 
     def output(self, new_ids: list[int], finished: bool = False, reason: str | None = None,
                error: str | None = None) -> RequestOutput:

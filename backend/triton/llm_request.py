@@ -13,9 +13,11 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
 
-Inputs accepted for compatibility only take their neutral value (penalties 0 / 1, one beam, one
-sequence, no log probs, an all-zero embedding bias); anything else is an INVALID_ARG error
-saying it is not supported, never a silent change of the output.
+Penalties, embedding_bias (added to the logits; its non-zero entries become
+`SamplingParams.logit_bias`) and return_log_probs are applied as `backend/engine/sampling.py`
+states. Inputs accepted for compatibility only take their neutral value (one beam, one
+sequence); anything else is an INVALID_ARG error saying it is not supported, never a silent
+change of the output.
 """
 
 from __future__ import annotations
@@ -36,10 +38,6 @@ Tensors = Mapping[str, np.ndarray]
 NEUTRAL_INPUTS: dict[str, float] = {
     "beam_width": 1,
     "num_return_sequences": 1,
-    "repetition_penalty": 1.0,
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "return_log_probs": False,
 }
 
 
@@ -64,9 +62,6 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
             raise RequestError(f"{name}={value} is not supported (only {neutral})")
     if "len_penalty" in inputs:
         finite(inputs, "len_penalty")  # beam search only: any finite value is a no-op
-    bias = inputs.get("embedding_bias")
-    if bias is not None and bias.size and np.any(bias != 0):
-        raise RequestError("embedding_bias is not supported (only all zeros)")
     return LlmRequest(
         prompt_ids=prompt_ids,
         sampling=sampling_of(inputs, default_end_id),
@@ -117,6 +112,11 @@ def sampling_of(inputs: Tensors, default_end_id: int | None) -> SamplingParams:
             end_id=int(scalar(inputs, "end_id", "iu", default_end_id)),
             stop_words=words_of(inputs, "stop_words_list"),
             bad_words=words_of(inputs, "bad_words_list"),
+            repetition_penalty=finite(inputs, "repetition_penalty", 1.0),
+            presence_penalty=finite(inputs, "presence_penalty", 0.0),
+            frequency_penalty=finite(inputs, "frequency_penalty", 0.0),
+            logit_bias=bias_of(inputs),
+            return_log_probs=bool(scalar(inputs, "return_log_probs", "b", False)),
         )
     except ValueError as exc:  # SamplingParams states the bad value
         raise RequestError(str(exc)) from None
@@ -141,6 +141,22 @@ def finite(inputs: Tensors, name: str, default: float = 0.0) -> float:
     if not math.isfinite(value):
         raise RequestError(f"{name} must be finite, got {value}")
     return value
+
+
+def bias_of(inputs: Tensors) -> tuple[tuple[int, float], ...]:
+    """embedding_bias [1, V] (or [V]; [1, 0] when not given) -> its non-zero entries as
+    (token id, value) pairs; the engine checks the ids against the vocabulary."""
+    bias = inputs.get("embedding_bias")
+    if bias is None or bias.size == 0:
+        return ()
+    if bias.dtype.kind != "f" or bias.ndim not in (1, 2) or (bias.ndim == 2 and bias.shape[0] != 1):
+        raise RequestError(f"embedding_bias must be a float tensor of shape [1, V], got "
+                           f"{list(bias.shape)} {bias.dtype}")
+    row = bias.reshape(-1)
+    if not np.all(np.isfinite(row)):
+        raise RequestError("embedding_bias holds a value that is not finite")
+    ids = np.flatnonzero(row)
+    return tuple((int(i), float(row[i])) for i in ids)
 
 
 def words_of(inputs: Tensors, name: str) -> tuple[tuple[int, ...], ...]:

@@ -55,3 +55,19 @@ def assert_no_leak(engine: Engine) -> None:
     store.assert_invariants()
     assert not store.kv.ids and not store.anchors.ids and not store.states.ids
     assert engine.stats()["active_requests"] == 0
+
+
+def reference_adjust(logits: torch.Tensor, prompt: list[int], generated: list[int],
+                     params: SamplingParams) -> torch.Tensor:
+    """The sampler's documented logit changes, one token id at a time (a reference for
+    `backend.engine.sampling.adjust_logits`): the bias, the repetition penalty over prompt and
+    generated ids, the presence and frequency penalties over generated ids only."""
+    out = logits.clone().tolist()
+    for token, value in params.logit_bias:
+        out[token] += value
+    for token in set(prompt) | set(generated):
+        x = out[token]
+        out[token] = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
+    for token in set(generated):
+        out[token] -= params.presence_penalty + params.frequency_penalty * generated.count(token)
+    return torch.tensor(out)

@@ -2,11 +2,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import reference_adjust
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from backend.engine.request import SamplingParams
-from backend.engine.sampling import finish_reason, make_generator, match_stop, sample
+from backend.engine.sampling import (
+    TokenCounts,
+    adjust_logits,
+    finish_reason,
+    make_generator,
+    match_stop,
+    sample,
+    token_log_probs,
+)
 
 V = 32
 
@@ -145,3 +154,119 @@ def test_finish_reason_rules():
     assert finish_reason([9], SamplingParams(stop_words=((9,),))) == "stop"
     assert finish_reason([1, 2, 3, 4], params) is None
     assert finish_reason([1, 2, 3, 4, 5], params) == "length"
+
+
+# Penalties, logit bias, log probabilities ----------------------------------------------------
+
+def greedy_pick(logits: torch.Tensor, params: SamplingParams, prompt: list[int],
+                generated: list[int]) -> int:
+    counts = TokenCounts(V, len(prompt)).update(prompt + generated)
+    return int(sample(logits[None], [params], [None], [len(generated)], [generated],
+                      [counts])[0])
+
+
+def test_repetition_penalty_is_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    gen = torch.Generator().manual_seed(5)
+    for penalty in (0.7, 1.3, 2.0):
+        logits = torch.randn(V, generator=gen) * 3
+        history = torch.randint(0, V, (12,), generator=gen).tolist()
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(
+            torch.tensor([history]), logits[None].clone())[0]
+        params = SamplingParams(repetition_penalty=penalty)
+        counts = TokenCounts(V, 8).update(history)  # 8 prompt tokens, 4 generated
+        row = logits.clone()
+        adjust_logits(row, params, counts)
+        assert torch.allclose(row, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    num_prompt=st.integers(1, 10),
+    num_generated=st.integers(0, 10),
+    repetition=st.floats(0.5, 2.0),
+    presence=st.floats(-1.0, 2.0),
+    frequency=st.floats(-1.0, 2.0),
+    bias=st.floats(-5.0, 5.0),
+)
+def test_penalties_and_bias_follow_the_documented_rules(seed, num_prompt, num_generated,
+                                                       repetition, presence, frequency, bias):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, generator=gen) * 2
+    # few distinct ids, so repeats happen
+    ids = torch.randint(0, 6, (num_prompt + num_generated,), generator=gen).tolist()
+    prompt, generated = ids[:num_prompt], ids[num_prompt:]
+    params = SamplingParams(repetition_penalty=repetition, presence_penalty=presence,
+                            frequency_penalty=frequency, logit_bias=((3, bias), (V - 1, -bias)),
+                            top_k=1)
+    expected = reference_adjust(logits, prompt, generated, params)
+    assert greedy_pick(logits, params, prompt, generated) == int(expected.argmax())
+    row = logits.clone()
+    adjust_logits(row, params, TokenCounts(V, num_prompt).update(prompt + generated))
+    assert torch.allclose(row, expected, atol=1e-5)
+
+
+def test_presence_and_frequency_ignore_the_prompt():
+    logits = torch.zeros(V)
+    logits[2], logits[7] = 1.0, 0.9
+    params = SamplingParams(presence_penalty=0.5, top_k=1)
+    assert greedy_pick(logits, params, prompt=[2, 2, 2], generated=[]) == 2
+    assert greedy_pick(logits, params, prompt=[], generated=[2]) == 7
+    freq = SamplingParams(frequency_penalty=0.05, top_k=1)
+    assert greedy_pick(logits, freq, prompt=[], generated=[2]) == 2  # 0.95 > 0.9
+    assert greedy_pick(logits, freq, prompt=[], generated=[2, 2, 2]) == 7  # 0.85 < 0.9
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices():
+    logits = peaked_logits(4)
+    low = int(logits.argmin())
+    params = SamplingParams(logit_bias=((low, 100.0),), top_k=1)
+    assert int(sample(logits[None], [params], [None], [0])[0]) == low
+    hot = SamplingParams(logit_bias=((low, 100.0),), temperature=2.0)
+    assert set(draw_many(logits, hot, 50)) == {low}
+
+
+def test_penalties_without_counts_are_an_error():
+    with pytest.raises(ValueError, match="token counts"):
+        sample(torch.zeros(1, V), [SamplingParams(repetition_penalty=1.2)], [None], [0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(ids=st.lists(st.integers(0, V - 1), min_size=1, max_size=30),
+       num_prompt=st.integers(0, 30), cuts=st.lists(st.integers(0, 30), max_size=4))
+def test_token_counts_grow_incrementally_like_a_recount(ids, num_prompt, cuts):
+    counts = TokenCounts(V, num_prompt)
+    for n in sorted(cuts) + [len(ids)]:
+        counts.update(ids[:n])
+    fresh = TokenCounts(V, num_prompt).update(ids)
+    assert torch.equal(counts.in_prompt, fresh.in_prompt)
+    assert torch.equal(counts.generated, fresh.generated)
+    assert fresh.in_prompt.nonzero().view(-1).tolist() == sorted(set(ids[:num_prompt]))
+    assert fresh.generated.tolist() == [ids[num_prompt:].count(t) for t in range(V)]
+    counts.update(ids[:1])  # shorter than counted: counted again
+    assert counts.num_counted == 1
+
+
+def test_token_log_probs_are_the_raw_log_softmax():
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(9))
+    tokens = torch.tensor([0, 5, V - 1])
+    expected = [float(torch.log_softmax(logits[i].double(), -1)[t]) for i, t in enumerate(tokens)]
+    assert token_log_probs(logits, tokens).tolist() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(repetition_penalty=0.0), "repetition_penalty must be finite and > 0"),
+        (dict(repetition_penalty=float("nan")), "repetition_penalty must be finite"),
+        (dict(presence_penalty=float("inf")), "presence_penalty must be finite"),
+        (dict(frequency_penalty=float("-inf")), "frequency_penalty must be finite"),
+        (dict(logit_bias=((1, 1.0), (1, 2.0))), "names a token id twice"),
+        (dict(logit_bias=((1, float("nan")),)), "not finite"),
+    ],
+)
+def test_bad_penalties_and_biases_say_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)

@@ -173,3 +173,43 @@ def test_bad_word_is_never_produced(llm_server: ServerHandle):
         pytest.skip(f"no printable ASCII in the greedy output {text!r}")
     out = generate_http(llm_server.urls.http, greedy(prompt, cache_salt="bad", bad_words=(bad,)))
     assert bad not in out.text
+
+
+def test_penalties_and_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
+                                                             local_engine: Engine):
+    """The penalties change the text exactly as in the engine, and the log probabilities
+    arrive with the tokens they score (gRPC stream, HTTP generate, HTTP stream alike)."""
+    prompt = long_prompt("Once upon a time", 90)
+    controls = dict(repetition_penalty=1.5, presence_penalty=0.4, frequency_penalty=0.3)
+    params = greedy(prompt, return_log_probs=True, **controls)
+    chunks = list(stream_grpc(llm_server.urls.grpc, params))
+    ids = local_engine.tokenizer.encode(prompt)
+    out = local_engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
+                                                    top_k=1, return_log_probs=True, **controls))
+    plain = local_engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS,
+                                                      min_tokens=MAX_TOKENS, top_k=1))
+    assert out.new_token_ids != plain.new_token_ids  # the penalties changed the text
+    text = local_engine.tokenizer.decode(out.new_token_ids, skip_special_tokens=True)
+    assert joined(chunks) == text
+    streamed = [lp for c in chunks for lp in c.log_probs]
+    assert streamed == pytest.approx(out.log_probs, abs=1e-4)
+    assert chunks[-1].cum_log_prob == pytest.approx(out.cum_log_prob, abs=1e-3)
+    assert all(len(c.log_probs) == c.counts["num_output_tokens"] for c in chunks)
+    whole = generate_http(llm_server.urls.http, params)
+    assert whole.text == text and whole.log_probs == pytest.approx(out.log_probs, abs=1e-4)
+    events = list(stream_http(llm_server.urls.http, params))
+    assert [lp for e in events for lp in e.log_probs] == pytest.approx(out.log_probs, abs=1e-4)
+    # Not asked for: none, and a zero sum.
+    bare = generate_http(llm_server.urls.http, greedy(prompt))
+    assert bare.log_probs == [] and bare.cum_log_prob == 0.0
+
+
+def test_embedding_bias_words_steer_the_text(llm_server: ServerHandle):
+    """TensorRT-LLM's embedding_bias_words / _weights: preprocessing turns them into a bias
+    over the vocabulary, which the engine adds to the logits."""
+    params = greedy(PROMPT, extra={"embedding_bias_words": ["Z"],
+                                   "embedding_bias_weights": [50.0]})
+    assert generate_http(llm_server.urls.http, params).text == "Z" * MAX_TOKENS
+    against = greedy(PROMPT, extra={"embedding_bias_words": [" "],
+                                    "embedding_bias_weights": [-100.0]})
+    assert " " not in joined(list(stream_grpc(llm_server.urls.grpc, against)))

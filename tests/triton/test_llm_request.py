@@ -58,6 +58,29 @@ def test_sampling_and_our_inputs():
     assert (req.cache_salt, req.session_id) == ("tenant", "s1")
 
 
+def test_penalties_bias_and_log_probs():
+    bias = np.zeros((1, 8), np.float32)
+    bias[0, 3], bias[0, 6] = 2.5, -1.0
+    req = parse_request(
+        tensors(
+            repetition_penalty=np.array([1.3], np.float32),
+            presence_penalty=np.array([[0.5]], np.float32),
+            frequency_penalty=np.array([-0.25], np.float32),
+            embedding_bias=bias,
+            return_log_probs=np.array([True]),
+        ),
+        EOS,
+        exclude_input=True,
+    )
+    s = req.sampling
+    assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (
+        pytest.approx(1.3), 0.5, -0.25)
+    assert s.logit_bias == ((3, 2.5), (6, -1.0)) and s.return_log_probs and s.penalized
+    # What preprocessing sends when no bias words were given: [1, 0], no bias.
+    none = parse_request(tensors(embedding_bias=np.zeros((1, 0), np.float32)), EOS, True)
+    assert none.sampling.logit_bias == () and not none.sampling.penalized
+
+
 def test_word_lists_in_tensorrt_llm_layout():
     # words [1, 2] and [3]: ids back to back, end offsets, padded.
     words = np.array([[[1, 2, 3, 0], [2, 3, -1, -1]]], dtype=np.int32)
@@ -74,7 +97,12 @@ def test_word_lists_in_tensorrt_llm_layout():
         ({"temperature": np.array([np.inf], np.float32)}, "temperature must be finite"),
         ({"runtime_top_p": np.array([0.0], np.float32)}, "top_p must be in (0, 1]"),
         ({"beam_width": np.array([4], np.int32)}, "beam_width=4 is not supported"),
-        ({"embedding_bias": np.ones((1, 3), np.float32)}, "embedding_bias is not supported"),
+        ({"embedding_bias": np.ones((2, 3), np.float32)}, "embedding_bias must be a float"),
+        ({"embedding_bias": np.ones((1, 3), np.int32)}, "embedding_bias must be a float"),
+        ({"embedding_bias": np.array([[0, np.nan]], np.float32)}, "not finite"),
+        ({"repetition_penalty": np.array([0.0], np.float32)}, "repetition_penalty must be"),
+        ({"presence_penalty": np.array([np.inf], np.float32)}, "presence_penalty must be"),
+        ({"return_log_probs": np.array([1], np.int32)}, "return_log_probs has dtype"),
         ({"temperature": np.array([0.5, 0.7], np.float32)}, "one value per request"),
         ({"cache_salt": np.array([b"\xff"], dtype=np.object_)}, "cache_salt is not valid UTF-8"),
         (
@@ -89,7 +117,12 @@ def test_word_lists_in_tensorrt_llm_layout():
         "temperature",
         "top_p",
         "beam",
-        "bias",
+        "bias-shape",
+        "bias-dtype",
+        "bias-nan",
+        "repetition",
+        "presence",
+        "log-probs-dtype",
         "shape",
         "utf8",
         "offsets",

@@ -36,3 +36,29 @@ def test_non_streaming_sends_one_response_with_everything():
     assert final["prefix_length"].tolist() == [[0]] and final["flush"][0, 0]
     excluded = OutputStream("r#1", [1, 2, 3], streaming=False, exclude_input=True)
     assert excluded.on_output(output([9], finished=True))["output_ids"].tolist() == [[[9]]]
+
+
+def scored(ids: list[int], log_probs: list[float], cum: float, finished=False) -> RequestOutput:
+    out = output(ids, finished)
+    out.log_probs, out.cum_log_prob = log_probs, cum
+    return out
+
+
+def test_log_probs_follow_the_ids_they_score():
+    stream = OutputStream("r#0", [1, 2, 3], streaming=True, exclude_input=True)
+    first = stream.on_output(scored([7, 8], [-0.5, -1.0], -1.5))
+    assert first["output_log_probs"].tolist() == [[[-0.5, -1.0]]]
+    assert first["cum_log_probs"].tolist() == [[-1.5]]
+    final = stream.on_output(scored([], [], -1.5, finished=True))  # e.g. the end id, not output
+    assert final["output_log_probs"].shape == (1, 1, 0)
+    assert final["cum_log_probs"].tolist() == [[-1.5]]
+    whole = OutputStream("r#1", [1, 2, 3], streaming=False, exclude_input=False)
+    assert whole.on_output(scored([7], [-0.25], -0.25)) is None
+    done = whole.on_output(scored([8], [-0.5], -0.75, finished=True))
+    assert done["output_ids"].tolist() == [[[1, 2, 3, 7, 8]]]  # the prompt has none
+    assert done["output_log_probs"].tolist() == [[[-0.25, -0.5]]]
+    assert done["cum_log_probs"].tolist() == [[-0.75]]
+    # Not asked for: none, and a zero sum.
+    plain = OutputStream("r#2", [1], streaming=False, exclude_input=True)
+    bare = plain.on_output(output([4, 5], finished=True))
+    assert bare["output_log_probs"].shape == (1, 1, 0) and bare["cum_log_probs"].tolist() == [[0]]

@@ -1,0 +1,159 @@
+"""Penalties, logit bias and log probabilities through the engine, on the trained default
+model, with transformers as the oracle: its `generate` for the repetition penalty (the same
+rule as its RepetitionPenaltyLogitsProcessor), and its raw logits, changed by the documented
+rules (`engine_helpers.reference_adjust`), for the rest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak, reference_adjust
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.request import Request
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+PROMPT = list(b"def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+              b"\ndef fact(n):\n")
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_model_dir(MODEL_DIR, EngineConfig())
+
+
+def hf_rows(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' raw logits that chose each of `tokens` after `prompt`: [len(tokens), V]."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+    return logits[len(prompt) - 1:]
+
+
+def assert_follows_rules(hf, prompt, tokens, log_probs, params: SamplingParams, what: str):
+    """Each token is the argmax (within TOLERANCE) of transformers' logits changed by the
+    documented rules for the tokens before it; each log probability is the raw log-softmax."""
+    assert tokens, what
+    rows = hf_rows(hf, prompt, tokens)
+    for i, token in enumerate(tokens):
+        adjusted = reference_adjust(rows[i], prompt, tokens[:i], params)
+        gap = float(adjusted.max() - adjusted[token])
+        assert gap <= TOLERANCE, f"{what}: token {i} trails the rules' choice by {gap:.4f}"
+    if params.return_log_probs:
+        expected = torch.log_softmax(rows, -1)[torch.arange(len(tokens)), torch.tensor(tokens)]
+        torch.testing.assert_close(torch.tensor(log_probs), expected, atol=1e-4, rtol=0,
+                                   msg=lambda m: f"{what}: {m}")
+
+
+def test_repetition_penalty_is_transformers_generate(hf, engine):
+    params = SamplingParams(max_tokens=24, top_k=1, repetition_penalty=1.5, return_log_probs=True)
+    out = engine.generate(PROMPT, params)
+    ref = hf.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
+                      repetition_penalty=1.5, eos_token_id=None, pad_token_id=259,
+                      output_logits=True, return_dict_in_generate=True)
+    expected = ref.sequences[0, len(PROMPT):].tolist()
+    assert out.new_token_ids == expected
+    # The penalty changed the text (else this test would not see it).
+    plain = engine.generate(PROMPT, SamplingParams(max_tokens=24, top_k=1))
+    assert plain.new_token_ids != expected
+    raw = torch.stack([torch.log_softmax(step[0].float(), -1)[t]
+                       for step, t in zip(ref.logits, expected)])
+    torch.testing.assert_close(torch.tensor(out.log_probs), raw, atol=1e-4, rtol=0)
+    assert out.cum_log_prob == pytest.approx(float(raw.sum()), abs=1e-3)
+    assert_no_leak(engine)
+
+
+CASES = {
+    "presence": SamplingParams(max_tokens=20, top_k=1, presence_penalty=1.5),
+    "frequency": SamplingParams(max_tokens=20, top_k=1, frequency_penalty=0.8),
+    "all+bias": SamplingParams(max_tokens=20, top_k=1, repetition_penalty=1.2,
+                               presence_penalty=0.3, frequency_penalty=0.4,
+                               logit_bias=((ord("s"), -4.0), (ord("n"), 2.0)),
+                               return_log_probs=True),
+    "plain+log_probs": SamplingParams(max_tokens=20, top_k=1, return_log_probs=True),
+}
+
+
+def test_mixed_batch_each_row_follows_its_own_rules(hf, engine):
+    """Four requests decoded in the same steps, each with other controls."""
+    outs: dict[str, list] = {name: [] for name in CASES}
+    for name, params in CASES.items():
+        engine.submit(Request(f"mixed-{name}", PROMPT, params, on_output=outs[name].append))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        assert steps < 500
+    texts = set()
+    for name, params in CASES.items():
+        tokens = [t for o in outs[name] for t in o.new_token_ids]
+        log_probs = [lp for o in outs[name] for lp in o.log_probs]
+        assert len(tokens) == params.max_tokens, name
+        assert len(log_probs) == (len(tokens) if params.return_log_probs else 0), name
+        if params.return_log_probs:  # streamed: the running sum rides on each output
+            assert outs[name][-1].cum_log_prob == pytest.approx(sum(log_probs), abs=1e-4)
+        assert_follows_rules(hf, PROMPT, tokens, log_probs, params, name)
+        texts.add(tuple(tokens))
+    assert len(texts) == len(CASES)  # every control changed the text
+    assert_no_leak(engine)
+
+
+@pytest.fixture(scope="module")
+def exact_engine():
+    """Suffix replay that rebuilds states exactly (every token an anchor, all replayed), so a
+    cache hit's logits are a cold prefill's and 1e-4 separates right from wrong."""
+    return Engine.from_model_dir(MODEL_DIR, EngineConfig.from_params(
+        {"anchor_density": "1.0", "budget_fraction": "1.0", "k_max": "none"}))
+
+
+def test_penalties_see_the_whole_prompt_on_a_cache_hit(hf, exact_engine):
+    """A second request that matches the first one's prompt from the prefix cache (and one
+    that branches from it) still penalizes every prompt token: counts come from the tokens,
+    not from what was computed."""
+    engine = exact_engine
+    params = SamplingParams(max_tokens=16, top_k=1, repetition_penalty=1.4, return_log_probs=True)
+    long_prompt = PROMPT * 3  # several pages: the repeat is served from the cache
+    cold = engine.generate(long_prompt, params, cache_salt="penalty-hit")
+    warm = engine.generate(long_prompt, params, cache_salt="penalty-hit")
+    assert warm.cached_tokens > 0
+    assert warm.new_token_ids == cold.new_token_ids
+    torch.testing.assert_close(torch.tensor(warm.log_probs), torch.tensor(cold.log_probs),
+                               atol=1e-4, rtol=0)
+    branch = long_prompt[:150] + list(b"    return n * fact(n - 1)\n")
+    out = engine.generate(branch, params, cache_salt="penalty-hit")
+    assert out.cached_tokens > 0
+    assert_follows_rules(hf, branch, out.new_token_ids, out.log_probs, params, "branch")
+    assert_no_leak(engine)
+
+
+def test_seeded_sampling_with_penalties_repeats(engine):
+    params = SamplingParams(max_tokens=16, temperature=0.9, seed=7, frequency_penalty=0.5,
+                            presence_penalty=0.2, repetition_penalty=1.1, return_log_probs=True)
+    a, b = (engine.generate(PROMPT, params) for _ in range(2))
+    assert a.new_token_ids == b.new_token_ids and a.log_probs == b.log_probs
+    assert all(lp <= 0 for lp in a.log_probs) and len(a.log_probs) == len(a.new_token_ids)
+
+
+def test_an_end_token_that_is_not_output_has_no_log_probability(engine):
+    ref = engine.generate(PROMPT, SamplingParams(max_tokens=12, top_k=1, end_id=-1))
+    end = ref.new_token_ids[5]
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=12, top_k=1, end_id=end,
+                                                 return_log_probs=True))
+    assert out.finish_reason == "eos"
+    assert len(out.log_probs) == len(out.new_token_ids) == ref.new_token_ids.index(end)
+    assert out.cum_log_prob == pytest.approx(sum(out.log_probs), abs=1e-5)
+
+
+def test_logit_bias_ids_outside_the_vocabulary_are_rejected(engine):
+    with pytest.raises(ValueError, match=r"logit_bias names token ids \[999\] outside"):
+        engine.generate(PROMPT, SamplingParams(logit_bias=((999, 1.0),)))
+    assert_no_leak(engine)
