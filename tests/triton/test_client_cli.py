@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from backend.triton.server import ServerHandle
 from client.generate import GenerateParams, generate_http
 
@@ -39,6 +41,19 @@ def test_generate_grpc_and_http_print_the_same_text(llm_server: ServerHandle):
         assert re.search(
             r"\[ttft \d+\.\d ms, output tokens \d+, num_input_tokens=28", result.stderr
         )
+
+
+def test_generate_with_penalties_reports_the_log_probability(llm_server: ServerHandle):
+    params = GenerateParams(PROMPT, max_tokens=10, top_k=1, cache_salt="cli",
+                            repetition_penalty=1.6, frequency_penalty=0.5, return_log_probs=True)
+    expected = generate_http(llm_server.urls.http, params)
+    result = run_client("generate", PROMPT, "--url", llm_server.urls.grpc, *GREEDY,
+                        "--repetition-penalty", "1.6", "--frequency-penalty", "0.5",
+                        "--log-probs")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected.text + "\n"
+    printed = float(re.search(r"log_prob=(-?\d+\.\d+)", result.stderr).group(1))
+    assert printed == pytest.approx(sum(expected.log_probs), abs=1e-3) and printed < 0
 
 
 def test_chat_resends_history_and_hits_the_cache(llm_server: ServerHandle):
