@@ -5,7 +5,10 @@ baseline in both placements). Whatever the cache did, the logits that chose a re
 token must be those of a plain full forward over its prompt (a wrong page, anchor or state
 shows there; the random test models' greedy tokens alone hardly depend on the context), every
 later token the model's greedy choice after the tokens before it, and nothing may stay held
-at the end. On the eager executor, and on the AOT-compiled one of each family's build; the
+at the end. Every third request also carries penalties and a logit bias: its tokens must be
+the greedy choice after those rules (`engine_helpers.reference_adjust`), which count every
+prompt token whatever the cache served and make the random models' tokens depend on the
+context. On the eager executor, and on the AOT-compiled one of each family's build; the
 served path has its own (tests/triton/test_random_served.py)."""
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak, make_engine
+from engine_helpers import assert_no_leak, make_engine, reference_adjust
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, Request, SamplingParams
@@ -27,6 +30,9 @@ from backend.replay.budget import ReplayConfig
 CHECKPOINT = (13, True)  # seed, slow decay (conftest.family_model): states carry far
 REQUESTS = 36
 TOLERANCE = 1e-3  # logits: batched and cached against one plain forward (float32)
+# What every third request (`penalized`) adds to greedy decoding.
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
+                 logit_bias=((0, 1.5), (1, -1.5)))
 
 CONFIGS = {
     "replay": dict(replay=ReplayConfig.exact()),
@@ -117,6 +123,7 @@ class Workload:
 class Outcome:
     prompt: list[int]
     max_tokens: int
+    penalized: bool = False
     tokens: list[int] = field(default_factory=list)
     reason: str | None = None
     first_logits: torch.Tensor | None = None
@@ -135,8 +142,13 @@ class Outcome:
                 workload.add(self.prompt + self.tokens)
                 self.done.set()
 
-        return Request(rid, self.prompt, SamplingParams(max_tokens=self.max_tokens, top_k=1),
-                       on_output=collect, return_first_logits=True)
+        return Request(rid, self.prompt, self.sampling, on_output=collect,
+                       return_first_logits=True)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, top_k=1,
+                              **(PENALTIES if self.penalized else {}))
 
 
 def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
@@ -147,7 +159,8 @@ def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
     while len(outcomes) < REQUESTS or engine.has_work:
         for _ in range(rng.choice((0, 0, 1, 1, 2)) if len(outcomes) < REQUESTS else 0):
             rid = f"r{len(outcomes)}"
-            o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40))
+            o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
+                                        penalized=len(outcomes) % 3 == 1)
             engine.submit(o.request(rid, workload))
         running = [rid for rid, o in outcomes.items() if o.reason is None]
         if running and rng.random() < 0.05:
@@ -168,6 +181,9 @@ def _assert_model(model, rid: str, o: Outcome) -> None:
         rows = model.logits(ids)[0, len(o.prompt) - 1:].float()
     torch.testing.assert_close(o.first_logits, rows[0], atol=TOLERANCE, rtol=TOLERANCE,
                                msg=lambda m: f"{rid} ({len(o.prompt)}-token prompt): {m}")
+    if o.penalized:
+        rows = torch.stack([reference_adjust(row, o.prompt, o.tokens[:i], o.sampling)
+                            for i, row in enumerate(rows)])
     chosen = rows[torch.arange(len(o.tokens)), torch.tensor(o.tokens)]
     gap = rows.max(-1).values - chosen
     bad = (gap > TOLERANCE).nonzero().flatten().tolist()
@@ -242,7 +258,8 @@ def test_random_workload_from_client_threads(model, config, tmp_path):
         try:
             for j in range(REQUESTS // 4):
                 rid = f"c{c}-{j}"
-                o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40))
+                o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
+                                            penalized=j % 3 == 1)
                 engine.submit(o.request(rid, workload))
                 if rng.random() < 0.15:
                     time.sleep(rng.choice((0, 0.002, 0.02)))
