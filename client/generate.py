@@ -39,6 +39,7 @@ class GenerateParams:
     min_tokens: int | None = None
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
+    num_return_sequences: int | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -61,6 +62,7 @@ class GenerateParams:
             "min_tokens": self.min_tokens,
             "stop_words": list(self.stop_words) or None,
             "bad_words": list(self.bad_words) or None,
+            "num_return_sequences": self.num_return_sequences,
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
@@ -76,7 +78,13 @@ class GenerateParams:
 @dataclass
 class Chunk:
     """One response: its text, counts, and seconds since the request was sent; with
-    return_log_probs, the log probability of each token it carries and their running sum."""
+    return_log_probs, the log probability of each token it carries and their running sum.
+
+    With num_return_sequences K > 1, `texts` has one text per sequence (`text` joins them) and
+    `sequence_index` says which sequence a streamed response carries (-1: all of them, the
+    non-streamed response); `log_probs` / `cum_log_prob` are that sequence's, and
+    `log_probs_by_sequence` / `cum_log_probs` every row as sent (rows padded with zeros to the
+    longest)."""
 
     text: str
     elapsed_s: float
@@ -84,8 +92,26 @@ class Chunk:
     final: bool = False
     log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float | None = None
+    texts: list[str] = field(default_factory=list)
+    sequence_index: int = 0
+    log_probs_by_sequence: list[list[float]] = field(default_factory=list)
+    cum_log_probs: list[float] = field(default_factory=list)
 
 
+def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
+               log_probs: Any = None, cum: Any = None, index: Any = None) -> Chunk:
+    """A Chunk from a response's outputs (flat arrays, or None where an output is absent)."""
+    index = 0 if index is None else int(np.ravel(index)[0])
+    chunk = Chunk("".join(texts), elapsed_s, counts, final, texts=texts, sequence_index=index)
+    row = max(index, 0)
+    if log_probs is not None and texts:
+        rows = np.asarray(log_probs, dtype=np.float64).reshape(len(texts), -1).tolist()
+        chunk.log_probs_by_sequence = rows
+        chunk.log_probs = rows[row] if index >= 0 or len(rows) == 1 else []
+    if cum is not None:
+        chunk.cum_log_probs = [float(v) for v in np.ravel(cum)]
+        chunk.cum_log_prob = chunk.cum_log_probs[row] if chunk.cum_log_probs else None
+    return chunk
 class GenerateError(RuntimeError):
     def __init__(self, status: str, message: str) -> None:
         super().__init__(f"{status}: {message}")
@@ -212,16 +238,14 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     response = result.get_response()
     final = response.parameters["triton_final_response"].bool_param
     names = {o.name for o in response.outputs}
-    text = ""
-    if "text_output" in names:
-        text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
-    counts = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in COUNTS if n in names}
-    chunk = Chunk(text, elapsed_s, counts, final)
-    if "output_log_probs" in names:
-        chunk.log_probs = result.as_numpy("output_log_probs").reshape(-1).tolist()
-    if "cum_log_probs" in names:
-        chunk.cum_log_prob = float(result.as_numpy("cum_log_probs").reshape(-1)[0])
-    return chunk
+
+    def output(name: str) -> Any:
+        return result.as_numpy(name).reshape(-1) if name in names else None
+
+    texts = [t.decode("utf-8") for t in output("text_output")] if "text_output" in names else []
+    counts = {n: int(output(n)[0]) for n in COUNTS if n in names}
+    return make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
+                      output("cum_log_probs"), output("sequence_index"))
 
 
 def generate_http(
@@ -252,12 +276,9 @@ def stream_http(
 
 def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> Chunk:
     counts = {n: int(_first(body[n])) for n in COUNTS if n in body}
-    chunk = Chunk(str(_first(body.get("text_output", ""))), elapsed_s, counts, final)
-    if "output_log_probs" in body:
-        chunk.log_probs = [float(v) for v in np.ravel(body["output_log_probs"])]
-    if "cum_log_probs" in body:
-        chunk.cum_log_prob = float(np.ravel(body["cum_log_probs"])[0])
-    return chunk
+    texts = [str(t) for t in np.ravel(body.get("text_output", []))]
+    return make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
+                      body.get("cum_log_probs"), body.get("sequence_index"))
 
 
 def _first(value: Any) -> Any:

@@ -14,14 +14,14 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 from backend.engine.config import EngineConfig
 from backend.engine.engine import Engine
-from backend.engine.request import Request, RequestOutput
+from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.triton.errors import ConfigError, RequestError
 from backend.triton.llm_config import ServingSettings, engine_params, serving_settings
 from backend.triton.llm_request import LlmRequest, is_stop, parse_request
@@ -34,11 +34,29 @@ from backend.triton.responses import request_inputs
 
 @dataclass
 class OpenRequest:
-    """A request the engine holds; removed when its final output arrives."""
+    """A request the engine holds (one entry per sequence, all sharing the client's sender
+    and stream); an entry is removed when its sequence's final output arrives.
+
+    Sequence 0 is submitted at once, its siblings (num_return_sequences > 1) when its first
+    output arrives: by then its prompt's pages and the state at their end are in the prefix
+    store, so the siblings start from the cache instead of prefilling the prompt again."""
 
     sender: Any
     stream: OutputStream
     cancelled: bool = False
+    index: int = 0
+    siblings: list = field(default_factory=list)  # (entry, engine Request) still to submit
+    group: GroupState | None = None
+
+
+@dataclass
+class GroupState:
+    """What the sequences of one request share: whether it was cancelled or failed (the
+    siblings not yet submitted are then dropped) and whether its final response went."""
+
+    cancelled: bool = False
+    closed: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class HybridLlm:
@@ -106,17 +124,22 @@ class HybridLlm:
         request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
         # The watcher polls it: never is_cancelled() after its final response.
         sender = GuardedSender(sender, self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        entry = OpenRequest(sender, stream_for(request_id, parsed))
-        engine_request = Request(
-            request_id=request_id,
-            prompt_ids=parsed.prompt_ids,
-            sampling=parsed.sampling,
-            cache_salt=parsed.cache_salt,
-            session_id=parsed.session_id,
-            on_output=lambda out: self._on_output(entry, out),
-        )
+        stream = stream_for(request_id, parsed)
+        group = GroupState()
+        entries = []
+        for k in range(parsed.num_return_sequences):
+            entry = OpenRequest(sender, stream, index=k, group=group)
+            entries.append((entry, Request(
+                request_id=request_id if k == 0 else f"{request_id}/{k}",
+                prompt_ids=parsed.prompt_ids,
+                sampling=sibling_sampling(parsed.sampling, k),
+                cache_salt=parsed.cache_salt,
+                session_id=parsed.session_id,
+                on_output=lambda out, entry=entry: self._on_output(entry, out),
+            )))
+        (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:
-            self.open[request_id] = entry
+            self.open[request_id] = first
         try:
             self.engine.submit(engine_request)
         except BaseException as exc:
@@ -126,27 +149,77 @@ class HybridLlm:
                 raise RequestError(str(exc)) from None
             raise
 
+    def _submit_siblings(self, entry: OpenRequest) -> None:
+        """Engine thread, sequence 0's first output: the other sequences go to the engine
+        (unless the request was cancelled or failed meanwhile)."""
+        siblings, entry.siblings = entry.siblings, []
+        for sibling, request in siblings:
+            with self.lock:
+                if entry.group.cancelled or entry.cancelled:
+                    return
+                self.open[request.request_id] = sibling
+            try:
+                self.engine.submit(request)  # the prompt passed sequence 0's checks
+            except Exception as exc:  # e.g. the engine is stopping: the request fails whole
+                with self.lock:
+                    self.open.pop(request.request_id, None)
+                log(self.pb_utils, f"hybrid_llm: {request.request_id} not submitted: {exc!r}",
+                    "error")
+                self._on_output(sibling, RequestOutput(request.request_id, [], True, "error",
+                                                       error=f"internal error: {exc!r}"))
+                return
+            if sibling.cancelled:  # cancelled while it was being submitted
+                self.engine.cancel(request.request_id)
+
     def _on_output(self, entry: OpenRequest, out: RequestOutput) -> None:
         # Engine thread: build tensors, enqueue, return.
+        group = entry.group
         if out.finished:
             with self.lock:
                 self.open.pop(out.request_id, None)
             self.num_recomputed_tokens += out.recomputed_tokens
-        if out.error is not None or out.finish_reason == "error":
-            message = out.error or "the engine failed this request"
-            self.responder.put(Outgoing(entry.sender, error=message, final=True))
-        elif out.finish_reason == "cancelled" or entry.cancelled:
-            if out.finished:  # the client is gone: only close the stream
+        failed = out.error is not None or out.finish_reason == "error"
+        cancelled = out.finish_reason == "cancelled" or entry.cancelled
+        if failed or cancelled:
+            with group.lock:  # the whole request ends with its first failed / cancelled part
+                group.cancelled = True
+                close = not group.closed and (failed or out.finished)
+                group.closed |= close
+            self._cancel_others(entry)
+            if close and failed:
+                message = out.error or "the engine failed this request"
+                self.responder.put(Outgoing(entry.sender, error=message, final=True))
+            elif close:  # the client is gone: only close the stream
                 self.responder.put(Outgoing(entry.sender, final=True))
-        else:
-            tensors = entry.stream.on_output(out)
-            if tensors is not None or out.finished:
-                self.responder.put(Outgoing(entry.sender, tensors, final=out.finished))
+            return
+        if entry.siblings:
+            self._submit_siblings(entry)
+        with group.lock:
+            if group.closed:
+                return
+            tensors, final = entry.stream.on_output(out, entry.index)
+            group.closed = final
+            if tensors is not None or final:
+                self.responder.put(Outgoing(entry.sender, tensors, final=final))
+
+    def _cancel_others(self, entry: OpenRequest) -> None:
+        """The other running sequences of `entry`'s request are cancelled (their outputs are
+        then dropped: the request already ended)."""
+        entry.siblings = []
+        with self.lock:
+            others = [(rid, e) for rid, e in self.open.items()
+                      if e.group is entry.group and e is not entry]
+            for _, other in others:
+                other.cancelled = True
+        for rid, _ in others:
+            self.engine.cancel(rid)
 
     def _stop(self, key: str) -> None:
         """`stop` = true: cancel the open request `key` (an engine id, or a Triton id)."""
         with self.lock:
-            matches = [rid for rid in self.open if rid == key or rid.startswith(f"{key}#")]
+            # a Triton id's requests ("key#n"), or an engine id and its sequences ("key/k")
+            matches = [rid for rid in self.open
+                       if rid == key or rid.startswith((f"{key}#", f"{key}/"))]
             for rid in matches:
                 self.open[rid].cancelled = True
         for rid in matches:
@@ -187,9 +260,16 @@ class HybridLlm:
 
 
 def stream_for(request_id: str, parsed: LlmRequest) -> OutputStream:
-    return OutputStream(
-        request_id, parsed.prompt_ids, parsed.streaming, parsed.exclude_input_in_output
-    )
+    return OutputStream(request_id, parsed.prompt_ids, parsed.streaming,
+                        parsed.exclude_input_in_output, parsed.num_return_sequences)
+
+
+def sibling_sampling(sampling: SamplingParams, k: int) -> SamplingParams:
+    """Sequence k's sampling: a seeded request's sequences draw from seeds seed, seed + 1, ...
+    (the same seed would repeat sequence 0); unseeded ones from the global generator."""
+    if k == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + k) % (1 << 64))
 
 
 def build_engine(settings: ServingSettings, params: dict[str, str]) -> Engine:

@@ -15,9 +15,10 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
 
 Penalties, embedding_bias (added to the logits; its non-zero entries become
 `SamplingParams.logit_bias`) and return_log_probs are applied as `backend/engine/sampling.py`
-states. Inputs accepted for compatibility only take their neutral value (one beam, one
-sequence); anything else is an INVALID_ARG error saying it is not supported, never a silent
-change of the output.
+states; num_return_sequences K (1..64) asks for K sequences from the one prompt
+(`backend/triton/llm_response.py` lays them out). beam_width is accepted only at 1 (beam search
+is not served); anything else is an INVALID_ARG error saying it is not supported, never a
+silent change of the output.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ Tensors = Mapping[str, np.ndarray]
 # name -> neutral value: other values are rejected, not ignored.
 NEUTRAL_INPUTS: dict[str, float] = {
     "beam_width": 1,
-    "num_return_sequences": 1,
 }
+MAX_RETURN_SEQUENCES = 64
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class LlmRequest:
     exclude_input_in_output: bool = True
     cache_salt: str = ""
     session_id: str | None = None
+    num_return_sequences: int = 1
 
 
 def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bool) -> LlmRequest:
@@ -62,6 +64,10 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
             raise RequestError(f"{name}={value} is not supported (only {neutral})")
     if "len_penalty" in inputs:
         finite(inputs, "len_penalty")  # beam search only: any finite value is a no-op
+    num_sequences = int(scalar(inputs, "num_return_sequences", "iu", 1))
+    if not 1 <= num_sequences <= MAX_RETURN_SEQUENCES:
+        raise RequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got "
+                           f"{num_sequences}")
     return LlmRequest(
         prompt_ids=prompt_ids,
         sampling=sampling_of(inputs, default_end_id),
@@ -69,6 +75,7 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         exclude_input_in_output=bool(scalar(inputs, "exclude_input_in_output", "b", exclude_input)),
         cache_salt=text_of(inputs, "cache_salt") or "",
         session_id=text_of(inputs, "session_id") or None,
+        num_return_sequences=num_sequences,
     )
 
 

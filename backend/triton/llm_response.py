@@ -1,21 +1,27 @@
 """Engine outputs -> hybrid_llm response tensors (TensorRT-LLM's `tensorrt_llm` outputs, ours,
 and the three tensors that keep streamed detokenization exact in `postprocessing`).
 
-Every response carries every output, because an ensemble only answers an iteration once all of
-its requested outputs arrived for it:
-  output_ids [1, 1, T] INT32, sequence_length [1, 1] INT32 (batch, beam),
+A request asks for K = num_return_sequences sequences (default 1); each is one engine request,
+and every tensor has a row per sequence, as TensorRT-LLM lays out beams. Every response
+carries every output, because an ensemble only answers an iteration once all of its requested
+outputs arrived for it:
+  output_ids [1, K, T] INT32, sequence_length [1, K] INT32 (batch, sequence),
   num_input_tokens, num_output_tokens, cached_tokens, replayed_anchors, recomputed_tokens
-  [1, 1] INT32, prefix_ids [1, 1, P] INT32, prefix_length [1, 1] INT32, flush [1, 1] BOOL,
-  output_log_probs [1, 1, N] FP32 and cum_log_probs [1, 1] FP32 (TensorRT-LLM's; with
+  [1, 1] INT32, prefix_ids [1, K, P] INT32, prefix_length [1, K] INT32, flush [1, 1] BOOL,
+  output_log_probs [1, K, N] FP32 and cum_log_probs [1, K] FP32 (TensorRT-LLM's; with
   return_log_probs: the model's log probability of each generated id in this response and
-  their running sum; without it, N = 0 and the sum 0).
+  their running sum; without it, N = 0 and the sums 0), sequence_index [1, 1] INT32 (as
+  TensorRT-LLM's: the sequence a streamed response carries; -1 when it carries all).
 
-Streaming: one response per engine step that produced tokens; output_ids holds only that
-step's ids (never the prompt) and num_output_tokens their count, so a client summing it gets the
-total (as Triton's OpenAI frontend does). prefix_ids are the last PREFIX_LEN ids already streamed
-and flush is true on the final response only (see backend/triton/README.md).
-Non-streaming: one final response with all generated ids, after the prompt unless
-exclude_input_in_output; num_output_tokens is the total.
+Streaming: one response per engine output that brought tokens, for one sequence: its row holds
+only those ids (never the prompt), the other rows none (length 0, no prefix), and
+num_output_tokens their count, so a client summing it gets the total (as Triton's OpenAI
+frontend does). The row's prefix_ids are the last PREFIX_LEN ids already streamed for that
+sequence and flush is true on the sequence's last response (see backend/triton/README.md);
+the cache counts are that sequence's. Non-streaming: one response once every sequence
+finished, each row all of its generated ids (after the prompt unless
+exclude_input_in_output); num_output_tokens and the cache counts are summed over the rows.
+The final flag goes with the response that ends the last sequence.
 """
 
 from __future__ import annotations
@@ -27,64 +33,83 @@ from backend.engine.request import RequestOutput
 
 PREFIX_LEN = DEFAULT_CONTEXT_LEN
 Tensors = dict[str, np.ndarray]
+COUNTS = ("cached_tokens", "replayed_anchors", "recomputed_tokens")
 
 
 class OutputStream:
-    """Per-request state between engine outputs and responses."""
+    """Per-request state between the engine outputs of its K sequences and responses."""
 
-    def __init__(
-        self, request_key: str, prompt_ids: list[int], streaming: bool, exclude_input: bool
-    ) -> None:
+    def __init__(self, request_key: str, prompt_ids: list[int], streaming: bool,
+                 exclude_input: bool, num_sequences: int = 1) -> None:
         self.request_key = request_key
         self.prompt_ids = prompt_ids
         self.streaming = streaming
         self.exclude_input = exclude_input
-        self.generated: list[int] = []  # streamed so far (streaming) or collected (otherwise)
-        self.log_probs: list[float] = []  # collected (not streaming, return_log_probs)
+        # per sequence: ids streamed so far (streaming) or collected (otherwise), log
+        # probabilities collected (not streaming), its latest output (counts, sums)
+        self.generated: list[list[int]] = [[] for _ in range(num_sequences)]
+        self.log_probs: list[list[float]] = [[] for _ in range(num_sequences)]
+        self.last: list[RequestOutput | None] = [None] * num_sequences
+        self.unfinished = num_sequences
 
-    def on_output(self, out: RequestOutput) -> Tensors | None:
-        """The tensors to send for `out`, or None when nothing is due yet."""
+    @property
+    def num_sequences(self) -> int:
+        return len(self.generated)
+
+    def on_output(self, out: RequestOutput, index: int = 0) -> tuple[Tensors | None, bool]:
+        """(the tensors to send for sequence `index`'s output `out`, or None when nothing is
+        due yet; whether this is the request's final response)."""
+        self.last[index] = out
+        self.unfinished -= out.finished
+        final = self.unfinished == 0
         if self.streaming:
             if not out.new_token_ids and not out.finished:
-                return None
-            prefix = self.generated[-PREFIX_LEN:]
-            self.generated.extend(out.new_token_ids)
-            return self._tensors(out, out.new_token_ids, prefix, len(out.new_token_ids),
-                                 out.log_probs)
-        self.generated.extend(out.new_token_ids)
-        self.log_probs.extend(out.log_probs)
-        if not out.finished:
-            return None
-        ids = self.generated if self.exclude_input else self.prompt_ids + self.generated
-        return self._tensors(out, ids, [], len(self.generated), self.log_probs)
+                return None, False
+            prefix = self.generated[index][-PREFIX_LEN:]
+            self.generated[index].extend(out.new_token_ids)
+            rows = self._rows(index, out.new_token_ids)
+            return self._tensors(rows, self._rows(index, prefix), self._rows(index, out.log_probs),
+                                 out.finished, [out], index), final
+        self.generated[index].extend(out.new_token_ids)
+        self.log_probs[index].extend(out.log_probs)
+        if not final:
+            return None, False
+        ids = [g if self.exclude_input else self.prompt_ids + g for g in self.generated]
+        return self._tensors(ids, [[]] * self.num_sequences, self.log_probs, True, self.last, -1,
+                             num_output=sum(len(g) for g in self.generated)), True
 
-    def _tensors(
-        self, out: RequestOutput, ids: list[int], prefix: list[int], num_output_tokens: int,
-        log_probs: list[float],
-    ) -> Tensors:
-        return response_tensors(out, ids, prefix, num_output_tokens, self.request_key,
-                                log_probs)
+    def _rows(self, index: int, values: list) -> list[list]:
+        return [values if k == index else [] for k in range(self.num_sequences)]
+
+    def _tensors(self, ids: list[list[int]], prefix: list[list[int]],
+                 log_probs: list[list[float]], flush: bool, outs: list, index: int,
+                 num_output: int | None = None) -> Tensors:
+        first = next(o for o in outs if o is not None)
+        cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
+        return {
+            "output_ids": _padded(ids, np.int32),
+            "sequence_length": np.array([[len(r) for r in ids]], dtype=np.int32),
+            "num_input_tokens": _int32(first.num_input_tokens),
+            "num_output_tokens": _int32(sum(map(len, ids)) if num_output is None
+                                        else num_output),
+            **{name: _int32(sum(getattr(o, name) for o in outs if o is not None))
+               for name in COUNTS},
+            "prefix_ids": _padded(prefix, np.int32),
+            "prefix_length": np.array([[len(r) for r in prefix]], dtype=np.int32),
+            "flush": np.array([[flush]], dtype=np.bool_),
+            "request_key": np.array([[self.request_key.encode("utf-8")]], dtype=np.object_),
+            "output_log_probs": _padded(log_probs, np.float32),
+            "cum_log_probs": np.array([cum], dtype=np.float32),
+            "sequence_index": _int32(index),
+        }
 
 
-def response_tensors(
-    out: RequestOutput, ids: list[int], prefix: list[int], num_output_tokens: int, key: str,
-    log_probs: list[float],
-) -> Tensors:
-    return {
-        "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),
-        "sequence_length": _int32(len(ids)),
-        "num_input_tokens": _int32(out.num_input_tokens),
-        "num_output_tokens": _int32(num_output_tokens),
-        "cached_tokens": _int32(out.cached_tokens),
-        "replayed_anchors": _int32(out.replayed_anchors),
-        "recomputed_tokens": _int32(out.recomputed_tokens),
-        "prefix_ids": np.array(prefix, dtype=np.int32).reshape(1, 1, -1),
-        "prefix_length": _int32(len(prefix)),
-        "flush": np.array([[out.finished]], dtype=np.bool_),
-        "request_key": np.array([[key.encode("utf-8")]], dtype=np.object_),
-        "output_log_probs": np.array(log_probs, dtype=np.float32).reshape(1, 1, -1),
-        "cum_log_probs": np.array([[out.cum_log_prob]], dtype=np.float32),
-    }
+def _padded(rows: list[list], dtype) -> np.ndarray:
+    """[1, K, max row length], rows right-padded with zeros (lengths travel separately)."""
+    out = np.zeros((1, len(rows), max(map(len, rows), default=0)), dtype=dtype)
+    for k, row in enumerate(rows):
+        out[0, k, :len(row)] = row
+    return out
 
 
 def _int32(value: int) -> np.ndarray:

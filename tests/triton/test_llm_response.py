@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from backend.engine.request import RequestOutput
 from backend.triton.llm_response import PREFIX_LEN, OutputStream
 
@@ -10,17 +12,25 @@ def output(ids: list[int], finished: bool = False) -> RequestOutput:
     return RequestOutput("r#0", ids, finished, "length" if finished else None, 3, 0, 64, 4, 2)
 
 
+def send(stream: OutputStream, out: RequestOutput, index: int = 0):
+    """The tensors sent for `out` (None: nothing yet); checks the final flag follows the
+    request's last finished sequence."""
+    tensors, final = stream.on_output(out, index)
+    assert final == (stream.unfinished == 0)
+    return tensors
+
+
 def test_streaming_sends_deltas_with_the_streamed_tail_as_prefix():
     stream = OutputStream("r#0", [1, 2, 3], streaming=True, exclude_input=False)
-    sent = [stream.on_output(output(list(range(10 * i, 10 * i + 5)))) for i in range(3)]
+    sent = [send(stream, output(list(range(10 * i, 10 * i + 5)))) for i in range(3)]
     assert sent[0]["output_ids"].tolist() == [[[0, 1, 2, 3, 4]]]
     assert sent[0]["prefix_length"].tolist() == [[0]]
     assert PREFIX_LEN == 8
     assert sent[2]["prefix_ids"].tolist() == [[[2, 3, 4, 10, 11, 12, 13, 14]]]
     assert sent[2]["num_output_tokens"].tolist() == [[5]]  # this response's tokens
     assert not sent[2]["flush"][0, 0]
-    assert stream.on_output(output([])) is None  # a step without tokens sends nothing
-    final = stream.on_output(output([], finished=True))
+    assert send(stream, output([])) is None  # a step without tokens sends nothing
+    final = send(stream, output([], finished=True))
     assert final["flush"][0, 0] and final["sequence_length"].tolist() == [[0]]
     assert final["request_key"].tolist() == [[b"r#0"]]
     assert final["cached_tokens"].tolist() == [[64]]
@@ -28,14 +38,14 @@ def test_streaming_sends_deltas_with_the_streamed_tail_as_prefix():
 
 def test_non_streaming_sends_one_response_with_everything():
     stream = OutputStream("r#0", [1, 2, 3], streaming=False, exclude_input=False)
-    assert stream.on_output(output([7, 8])) is None
-    final = stream.on_output(output([9], finished=True))
+    assert send(stream, output([7, 8])) is None
+    final = send(stream, output([9], finished=True))
     assert final["output_ids"].tolist() == [[[1, 2, 3, 7, 8, 9]]]
     assert final["sequence_length"].tolist() == [[6]]
     assert final["num_output_tokens"].tolist() == [[3]]
     assert final["prefix_length"].tolist() == [[0]] and final["flush"][0, 0]
     excluded = OutputStream("r#1", [1, 2, 3], streaming=False, exclude_input=True)
-    assert excluded.on_output(output([9], finished=True))["output_ids"].tolist() == [[[9]]]
+    assert send(excluded, output([9], finished=True))["output_ids"].tolist() == [[[9]]]
 
 
 def scored(ids: list[int], log_probs: list[float], cum: float, finished=False) -> RequestOutput:
@@ -46,19 +56,50 @@ def scored(ids: list[int], log_probs: list[float], cum: float, finished=False) -
 
 def test_log_probs_follow_the_ids_they_score():
     stream = OutputStream("r#0", [1, 2, 3], streaming=True, exclude_input=True)
-    first = stream.on_output(scored([7, 8], [-0.5, -1.0], -1.5))
+    first = send(stream, scored([7, 8], [-0.5, -1.0], -1.5))
     assert first["output_log_probs"].tolist() == [[[-0.5, -1.0]]]
     assert first["cum_log_probs"].tolist() == [[-1.5]]
-    final = stream.on_output(scored([], [], -1.5, finished=True))  # e.g. the end id, not output
+    final = send(stream, scored([], [], -1.5, finished=True))  # e.g. the end id, not output
     assert final["output_log_probs"].shape == (1, 1, 0)
     assert final["cum_log_probs"].tolist() == [[-1.5]]
     whole = OutputStream("r#1", [1, 2, 3], streaming=False, exclude_input=False)
-    assert whole.on_output(scored([7], [-0.25], -0.25)) is None
-    done = whole.on_output(scored([8], [-0.5], -0.75, finished=True))
+    assert send(whole, scored([7], [-0.25], -0.25)) is None
+    done = send(whole, scored([8], [-0.5], -0.75, finished=True))
     assert done["output_ids"].tolist() == [[[1, 2, 3, 7, 8]]]  # the prompt has none
     assert done["output_log_probs"].tolist() == [[[-0.25, -0.5]]]
     assert done["cum_log_probs"].tolist() == [[-0.75]]
     # Not asked for: none, and a zero sum.
     plain = OutputStream("r#2", [1], streaming=False, exclude_input=True)
-    bare = plain.on_output(output([4, 5], finished=True))
+    bare = send(plain, output([4, 5], finished=True))
     assert bare["output_log_probs"].shape == (1, 1, 0) and bare["cum_log_probs"].tolist() == [[0]]
+
+
+def test_several_sequences_stream_one_row_at_a_time():
+    stream = OutputStream("r#0", [1, 2, 3], streaming=True, exclude_input=True, num_sequences=3)
+    a = send(stream, output([7, 8]), 0)
+    assert a["output_ids"].tolist() == [[[7, 8], [0, 0], [0, 0]]]
+    assert a["sequence_length"].tolist() == [[2, 0, 0]]
+    assert a["prefix_length"].tolist() == [[0, 0, 0]] and a["num_output_tokens"].tolist() == [[2]]
+    b = send(stream, output([5]), 2)
+    assert b["output_ids"].tolist() == [[[0], [0], [5]]]
+    assert b["sequence_length"].tolist() == [[0, 0, 1]]
+    c = send(stream, output([9], finished=True), 0)  # sequence 0 ends: flush, not final
+    assert c["prefix_ids"].tolist() == [[[7, 8], [0, 0], [0, 0]]]
+    assert c["prefix_length"].tolist() == [[2, 0, 0]] and c["flush"][0, 0]
+    assert stream.unfinished == 2
+    send(stream, output([4], finished=True), 1)
+    last = send(stream, output([6], finished=True), 2)
+    assert stream.unfinished == 0 and last["prefix_ids"].tolist() == [[[0], [0], [5]]]
+
+
+def test_several_sequences_without_streaming_come_in_one_final_response():
+    stream = OutputStream("r#0", [1, 2], streaming=False, exclude_input=False, num_sequences=2)
+    assert send(stream, output([7, 8, 9], finished=True), 1) is None  # sequence 0 still runs
+    assert send(stream, output([5]), 0) is None
+    done = send(stream, scored([6], [-0.5], -0.7, finished=True), 0)
+    assert done["output_ids"].tolist() == [[[1, 2, 5, 6, 0], [1, 2, 7, 8, 9]]]
+    assert done["sequence_length"].tolist() == [[4, 5]]
+    assert done["num_output_tokens"].tolist() == [[5]]
+    assert done["cached_tokens"].tolist() == [[128]]  # summed: 64 each
+    assert done["cum_log_probs"].tolist() == [[pytest.approx(-0.7), 0.0]]
+    assert done["flush"][0, 0]
