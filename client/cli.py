@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="one completion, printed as it streams")
     gen.add_argument("prompt")
+    gen.add_argument("-n", "--num-sequences", type=int, default=1,
+                     help="sequences from the prompt (num_return_sequences); printed one after "
+                          "another once all finished")
     chat = commands.add_parser("chat", help="multi-turn chat; the history is re-sent each turn")
     chat.add_argument("--system", default="You are a helpful assistant.")
     health = commands.add_parser("health", help="server and model readiness")
@@ -122,7 +125,28 @@ def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str
     return text, counts
 
 
+def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO) -> list[str]:
+    """Collects the `num` sequences (each response names its own, or carries all), then
+    writes them one after another; TTFT and the output token count go to `err`."""
+    texts, ttft, num_output = [""] * num, None, 0
+    for chunk in chunks:
+        ttft = chunk.elapsed_s if ttft is None else ttft
+        num_output += chunk.counts.get("num_output_tokens", 0)
+        for k, text in enumerate(chunk.texts):
+            texts[k] += text
+    for k, text in enumerate(texts):
+        out.write(f"--- sequence {k} ---\n{text}\n")
+    if ttft is not None:
+        err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}]\n")
+    return texts
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.num_sequences > 1:
+        params = GenerateParams(args.prompt, num_return_sequences=args.num_sequences,
+                                **sampling_options(args))
+        print_sequences(responses(args, params), args.num_sequences, sys.stdout, sys.stderr)
+        return 0
     params = GenerateParams(args.prompt, **sampling_options(args))
     print_stream(responses(args, params), sys.stdout, sys.stderr)
     return 0

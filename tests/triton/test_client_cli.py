@@ -56,6 +56,19 @@ def test_generate_with_penalties_reports_the_log_probability(llm_server: ServerH
     assert printed == pytest.approx(sum(expected.log_probs), abs=1e-3) and printed < 0
 
 
+def test_generate_several_sequences_prints_each(llm_server: ServerHandle):
+    options = dict(max_tokens=10, temperature=0.9, seed=4, cache_salt="cli-n")
+    expected = generate_http(llm_server.urls.http,
+                             GenerateParams(PROMPT, num_return_sequences=3, **options)).texts
+    args = ["--max-tokens", "10", "--temperature", "0.9", "--seed", "4", "--cache-salt", "cli-n"]
+    for transport in (["--url", llm_server.urls.grpc], ["--http", "--url", llm_server.urls.http]):
+        result = run_client("generate", PROMPT, "-n", "3", *transport, *args)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "".join(f"--- sequence {k} ---\n{t}\n"
+                                        for k, t in enumerate(expected))
+    assert len(set(expected)) == 3
+
+
 def test_chat_resends_history_and_hits_the_cache(llm_server: ServerHandle):
     turns = "Hello, who are you?\nTell me more about it please.\n\n"
     result = run_client("chat", "--url", llm_server.urls.grpc, *GREEDY, stdin=turns)
