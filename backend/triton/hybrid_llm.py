@@ -104,8 +104,12 @@ class HybridLlm:
         self.engine.stop()
         with self.lock:
             leftover, self.open = self.open, {}
-        for entry in leftover.values():
-            self.responder.put(Outgoing(entry.sender, error="the model was unloaded", final=True))
+        for entry in leftover.values():  # one final response per request still open
+            with entry.group.lock:
+                close, entry.group.closed = not entry.group.closed, True
+            if close:
+                self.responder.put(Outgoing(entry.sender, error="the model was unloaded",
+                                            final=True))
         self.responder.close()
         self.metrics.close()
 
