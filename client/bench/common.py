@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,3 +29,22 @@ def write_summary(path: Path, summary: dict[str, Any], echo: bool = True) -> Pat
     if echo:
         print(json.dumps(summary, indent=2))
     return path
+
+
+def config_of(args: argparse.Namespace) -> dict[str, Any]:
+    """A benchmark's arguments as its summary records them (not where it writes)."""
+    return {k: v for k, v in vars(args).items() if k != "out"}
+
+
+def machine() -> dict[str, Any]:
+    return {"cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def bench_main(parse_args: Callable[[list[str] | None], argparse.Namespace],
+               run: Callable[[argparse.Namespace], dict[str, Any]],
+               argv: list[str] | None) -> dict[str, Any]:
+    """A benchmark's entry point: parse `argv`, run, write the summary to `args.out`."""
+    args = parse_args(argv)
+    summary = run(args)
+    write_summary(args.out, summary)
+    return summary

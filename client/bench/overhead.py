@@ -13,15 +13,13 @@ Writes client/bench/results/overhead/summary.json.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from backend.engine import Engine, Request, RequestOutput, SamplingParams
-from client.bench.common import write_summary
+from client.bench.common import bench_main, config_of, machine
 from client.bench.serving import describe, in_process_engine, served_repository
 from client.generate import GenerateParams, stream_grpc
 
@@ -108,16 +106,13 @@ def summarize(args: argparse.Namespace, triton: list, local: list) -> dict[str, 
         "goal": f"TTFT ratio <= {GOAL_RATIO} or overhead <= {GOAL_MS} ms",
         "ttft": {"triton": t_ttft, "in_process": l_ttft},
         "per_token": {"triton": t_tpot, "in_process": l_tpot},
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "config": config_of(args),
+        "machine": machine(),
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    summary = run(args)
-    write_summary(args.out, summary)
-    return summary
+    return bench_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

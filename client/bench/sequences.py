@@ -15,8 +15,6 @@ Writes client/bench/results/sequences/summary.json.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import threading
 import uuid
@@ -24,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from client.bench.common import write_summary
+from client.bench.common import bench_main, config_of, machine
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -133,8 +131,8 @@ def summarize(args: argparse.Namespace, runs: dict) -> dict[str, Any]:
         "by_prompt_tokens": table,
         "note": "times in ms (medians over repeats); recomputed_tokens summed over the K "
                 "sequences",
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "config": config_of(args),
+        "machine": machine(),
     }
 
 
@@ -143,10 +141,7 @@ def _ms(key: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    summary = run(args)
-    write_summary(args.out, summary)
-    return summary
+    return bench_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from backend.config import ModelConfig
 from backend.triton.llm_config import DEFAULT_MODEL_PATH
 from backend.triton.repo import MODEL_REPO
 from backend.triton.server import ServerHandle
-from client.bench.common import write_summary
+from client.bench.common import bench_main, config_of
 from client.bench.run_suite import k_max_of
 from client.bench.serving import describe, served_repository
 from client.bench.soak_probe import pool_use, server_rss_bytes, wait_idle
@@ -216,15 +216,12 @@ def summarize(
         "goal_met": not tally.errors and held == 0 and rss_growth / 2**20 <= RSS_GROWTH_LIMIT_MIB,
         "elapsed_s": round(elapsed, 1),
         "timeline": timeline,
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "config": config_of(args),
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    summary = run(args)
-    write_summary(args.out, summary)
-    return summary
+    return bench_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":
