@@ -112,6 +112,8 @@ def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final
         chunk.cum_log_probs = [float(v) for v in np.ravel(cum)]
         chunk.cum_log_prob = chunk.cum_log_probs[row] if chunk.cum_log_probs else None
     return chunk
+
+
 class GenerateError(RuntimeError):
     def __init__(self, status: str, message: str) -> None:
         super().__init__(f"{status}: {message}")

@@ -41,16 +41,22 @@ def named_tensor(draw) -> tuple[str, np.ndarray]:
     shape = draw(st.sampled_from([(), (1,), (1, 1), (2,), (1, 3), (1, 2, 3), (1, 0), (0,)]))
     size = int(np.prod(shape))
     values = draw(st.lists(VALUES, min_size=size, max_size=size))
-    array = np.empty(size, dtype=object)
-    array[:] = values
-    if dtype is np.object_:  # Triton hands BYTES tensors over as bytes objects
+    return name, as_tensor(values, dtype, shape)
+
+
+def as_tensor(values: list, dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """`values` as a tensor of `dtype` and `shape` (Triton hands BYTES tensors over as bytes
+    objects); zeros of the dtype when a value does not fit it."""
+    array = np.empty(len(values), dtype=object)
+    if dtype is np.object_:
         array[:] = [v if isinstance(v, bytes) else str(v).encode() for v in values]
-        return name, array.reshape(shape)
+        return array.reshape(shape)
+    array[:] = values
     try:
         with np.errstate(all="ignore"):
-            return name, array.astype(dtype).reshape(shape)
+            return array.astype(dtype).reshape(shape)
     except (ValueError, TypeError, OverflowError):
-        return name, np.zeros(shape, dtype=dtype)  # a value this dtype cannot hold
+        return np.zeros(shape, dtype=dtype)
 
 
 BASE = {"input_ids": np.array([[104, 105]], np.int32),
@@ -82,18 +88,10 @@ def pre_tensor(draw) -> tuple[str, np.ndarray]:
     name = draw(st.sampled_from(sorted(PRE_INPUTS)))
     dtype, single = PRE_INPUTS[name]
     shape = (draw(st.integers(1, 2)), 1 if single else draw(st.integers(0, 3)))
-    size = shape[0] * shape[1]
-    if dtype is np.object_:
-        array = np.empty(size, dtype=object)
-        array[:] = draw(st.lists(TEXTS, min_size=size, max_size=size))
-        return name, array.reshape(shape)
-    values = draw(st.lists(VALUES.filter(lambda v: not isinstance(v, (bytes, str))),
-                           min_size=size, max_size=size))
-    try:
-        with np.errstate(all="ignore"):
-            return name, np.array(values, dtype=object).astype(dtype).reshape(shape)
-    except (ValueError, TypeError, OverflowError):
-        return name, np.zeros(shape, dtype=dtype)
+    numbers = VALUES.filter(lambda v: not isinstance(v, (bytes, str)))
+    values = draw(st.lists(TEXTS if dtype is np.object_ else numbers,
+                           min_size=shape[0] * shape[1], max_size=shape[0] * shape[1]))
+    return name, as_tensor(values, dtype, shape)
 
 
 PREPROCESS = Preprocessor(load_tokenizer(REPO / "hybrid_llm/1/tiny_qwen3_5"))
