@@ -35,6 +35,10 @@ class EngineConfig:
     # Under "lpm", a request that has waited this long goes ahead of every cached prefix (in
     # arrival order), so a stream of hits cannot starve a request without one; 0: plain FCFS.
     lpm_max_wait_s: float = 5.0
+    # A queued request whose prompt shares pages not cached yet with a prompt that a running
+    # request is prefilling waits for them to join the store rather than computing them a
+    # second time beside it (suffix replay: pages join with their anchors after every chunk).
+    share_running_prefills: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -374,6 +374,7 @@ class Engine:
             "failed_requests": self.num_failed,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,
+            "prefill_waits": sched.num_prefill_waits,
             "replayed_anchors": self.cache.num_replayed_anchors,
             "recomputed_tokens": self.cache.num_recomputed_tokens,
             "live_state_hits": self.cache.num_live_state_hits,

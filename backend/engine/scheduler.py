@@ -1,5 +1,6 @@
 """Continuous batching: FCFS admission or longest cached prefix first (`schedule_policy`; a
-request whose cached pages are still being read from SSD stays queued while others run),
+request whose cached pages are still being read from SSD, or are being prefilled by a running
+request, stays queued while others run),
 chunked prefill under a per-step token budget mixed with decode steps, sampling, stop rules,
 preemption by recompute when pages run out.
 
@@ -19,6 +20,7 @@ from functools import partial
 
 import torch
 
+from backend.cache.radix import TOKEN_BYTES
 from backend.engine.cache_manager import CacheManager
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -44,8 +46,27 @@ ALIGN_MIN_CHUNK = 4 * SNAPSHOT_ALIGN
 # A queued request whose pages are still being read from SSD (after `_read_wait`) waits at
 # most this many steps for them while others run; then the engine waits for the rest.
 MAX_ADMISSION_DEFERRALS = 64
+# A queued request waits for a running request's prefill (`_waits_for_prefill`) when that
+# prefill computes at least this many pages of its prompt that the store does not hold yet,
+# for at most MAX_PREFILL_WAITS steps.
+MIN_SHARED_PAGES = 2
+MAX_PREFILL_WAITS = 128
 # schedule_policy "lpm" orders at most this many waiting requests by their cached prefix.
 LPM_MAX_QUEUE = 128
+
+
+def common_pages(a: bytes, b: bytes, page_bytes: int) -> int:
+    """The number of whole pages (of `page_bytes`) two encoded token sequences share from
+    their start (a binary search over prefix comparisons)."""
+    va, vb = memoryview(a), memoryview(b)
+    lo, hi = 0, min(len(a), len(b)) // page_bytes
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if va[:mid * page_bytes] == vb[:mid * page_bytes]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 class Scheduler:
@@ -59,6 +80,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_steps = 0
         self.num_finished = 0
+        self.num_prefill_waits = 0  # steps queued requests waited for a running prefill
         self.last_step_seconds = 0.0  # wall time of the last step that ran a forward
         # The step's cache work, run by after_outputs() once its outputs are delivered.
         self._after: list[Callable[[], None]] = []
@@ -146,6 +168,11 @@ class Scheduler:
                 seq.admission_deferrals += 1
                 deferred.append(seq)
                 continue
+            if self._waits_for_prefill(seq):
+                seq.prefill_waits += 1
+                self.num_prefill_waits += 1
+                deferred.append(seq)
+                continue
             seq.run_slot = self.free_slots.pop()
             if seq.generator is None:
                 seq.generator = make_generator(seq.request.sampling.seed)
@@ -154,12 +181,43 @@ class Scheduler:
             if len(replays) > queued:
                 replayed.append(seq)
             seq.status = SeqStatus.RUNNING
+            seq.shared_pages.clear()
             self.running.append(seq)
         self.waiting.extendleft(reversed(deferred))
         if replays:
             self.executor.replay([s for s, _ in replays], [r for _, r in replays])
             for seq in replayed:
                 self.cache.keep_replayed(seq)
+
+    def _waits_for_prefill(self, seq: Sequence) -> bool:
+        """Whether the queued `seq` should wait for a running request that is prefilling
+        at least MIN_SHARED_PAGES pages of its prompt the store does not hold yet: they join
+        the store after the chunk that computes them, and `seq` then resumes from them (a
+        replay) instead of computing them a second time in the same steps. Same-prompt bursts
+        (a system prompt at a cold start, retries, RAG queries over the same documents)
+        prefill their common part once; SGLang checks requests it batches together the same
+        way. Suffix replay only: its pages join with their anchors after every chunk, while
+        the checkpoint policy's states join at the prompt's end."""
+        if not self.config.share_running_prefills or self.cache.policy != "suffixreplay" \
+                or seq.prefill_waits >= MAX_PREFILL_WAITS:
+            return False
+        key, salt = seq.prefix_key(), seq.request.cache_salt
+        page_bytes = self.config.page_size * TOKEN_BYTES
+        cached = None
+        for run in self.running:
+            if run.prefix_inserted or run.request.cache_salt != salt or \
+                    run.num_computed >= len(run.tokens) - 1:
+                continue  # not prefilling a prompt, or another cache namespace
+            shared = seq.shared_pages.get(run)
+            if shared is None:  # both prompts stay as they are: compared once
+                shared = seq.shared_pages[run] = common_pages(key, run.prefix_key(), page_bytes)
+            if shared - run.num_tree_pages < MIN_SHARED_PAGES:
+                continue
+            if cached is None:
+                cached = self.cache.cached_pages(seq)
+            if shared - cached >= MIN_SHARED_PAGES:
+                return True
+        return False
 
     def _read_wait(self) -> float:
         """How long admission may wait for a request's SSD reads before deferring it: a wait

@@ -50,6 +50,9 @@ class Sequence:
     first_token_time: float | None = None
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
+    prefill_waits: int = 0  # steps it stayed queued for a running prefill of its prefix
+    # Whole pages its prompt shares with running prefills' prompts, by sequence (while queued).
+    shared_pages: dict = field(default_factory=dict, repr=False)
     token_counts: TokenCounts | None = None  # for penalties, built on first use
     cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
     _key: tuple[int, bytes] | None = field(default=None, repr=False)

@@ -168,7 +168,10 @@ def test_branch_between_checkpoints_hits_only_under_suffix_replay(model, prompt)
 
 
 def test_concurrent_requests_match_sequential_greedy(model, prompt):
-    engine = make_engine(model, max_tokens_per_step=48, num_kv_pages=64)
+    # Exact replay: the requests that wait for a running prefill of their prefix resume from
+    # its pages by a replay (`share_running_prefills`), which a budget would approximate.
+    engine = make_engine(model, replay=ReplayConfig.exact(), max_tokens_per_step=48,
+                         num_kv_pages=64)
     prompts = [prompt[:n] for n in (40, 130, 300)] + [_branch(prompt, 70)]
     want = greedy_generate(model, prompts, max_new_tokens=12, page_size=PAGE)
     outs = {}
