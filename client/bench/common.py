@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ def write_summary(path: Path, summary: dict[str, Any], echo: bool = True) -> Pat
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's arguments as its summary records them (not where it writes)."""
     return {k: v for k, v in vars(args).items() if k != "out"}
+
+
+def median_row(results: list[dict[str, float]]) -> dict[str, float]:
+    """Per key, the median over repeated measurements, rounded to 0.1; keys in seconds
+    (`*_s`) become milliseconds (`*_ms`)."""
+    return {(key[:-2] + "_ms" if key.endswith("_s") else key):
+            round(statistics.median(r[key] for r in results)
+                  * (1000 if key.endswith("_s") else 1), 1)
+            for key in results[0]}
 
 
 def machine() -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """K sequences from one prompt through the served ensemble: `num_return_sequences` K (the
 siblings start from the first sequence's cached prompt) against what a client does without
 it, K requests of the same prompt sent at once (each in its own cache namespace, or all in one,
-where they arrive before anything is cached).
+where they arrive before anything is cached: the later ones wait for the first one's prefill,
+`share_running_prefills`).
 
 For each prompt length and repeat (a fresh cache salt each, so every run starts cold), all
 three ways run one after another in rotating order. Reported per way: the time until every
@@ -15,16 +16,14 @@ Writes client/bench/results/sequences/summary.json.
 from __future__ import annotations
 
 import argparse
-import statistics
-import threading
 import uuid
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from client.bench.common import bench_main, config_of, machine
+from client.bench.common import bench_main, config_of, machine, median_row
 from client.bench.overhead import prompt_of
-from client.bench.serving import served_repository
+from client.bench.serving import served_repository, stream_at_once
 from client.generate import GenerateParams, stream_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sequences"
@@ -67,28 +66,12 @@ def k_requests(url: str, prompt: str, args: argparse.Namespace, one_salt: bool
                ) -> dict[str, float]:
     """K requests of the prompt at once, from K threads."""
     salt = uuid.uuid4().hex
-    firsts, ends, recomputed = [0.0] * args.k, [0.0] * args.k, [0] * args.k
-    errors: list[BaseException] = []
-
-    def client(k: int) -> None:
-        try:
-            p = params(prompt, args, salt if one_salt else f"{salt}-{k}")
-            for c in stream_grpc(url, replace(p, seed=7 + k)):
-                if c.counts.get("num_output_tokens") and not firsts[k]:
-                    firsts[k] = c.elapsed_s
-                recomputed[k] = c.counts.get("recomputed_tokens", recomputed[k])
-                ends[k] = c.elapsed_s
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=client, args=(k,)) for k in range(args.k)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
-    return {"all_first_token_s": max(firsts), "all_done_s": max(ends),
-            "recomputed_tokens": sum(recomputed)}
+    requests = [replace(params(prompt, args, salt if one_salt else f"{salt}-{k}"), seed=7 + k)
+                for k in range(args.k)]
+    results = stream_at_once(url, requests)
+    return {"all_first_token_s": max(r["first_token_s"] for r in results),
+            "all_done_s": max(r["done_s"] for r in results),
+            "recomputed_tokens": sum(r["recomputed_tokens"] for r in results)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,9 +98,7 @@ def summarize(args: argparse.Namespace, runs: dict) -> dict[str, Any]:
     for n, by_way in runs.items():
         row = {}
         for way, results in by_way.items():
-            row[way] = {_ms(key): round(statistics.median(r[key] for r in results)
-                                        * (1000 if key.endswith("_s") else 1), 1)
-                        for key in results[0]}
+            row[way] = median_row(results)
         base = row["k_requests_own_salts"]
         ours = row["num_return_sequences"]
         row["all_done_speedup_vs_own_salts"] = round(base["all_done_ms"] / ours["all_done_ms"],
@@ -134,10 +115,6 @@ def summarize(args: argparse.Namespace, runs: dict) -> dict[str, Any]:
         "config": config_of(args),
         "machine": machine(),
     }
-
-
-def _ms(key: str) -> str:
-    return key[:-2] + "_ms" if key.endswith("_s") else key
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

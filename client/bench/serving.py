@@ -32,6 +32,7 @@ from backend.triton.repo import (
     set_parameters,
 )
 from backend.triton.server import ServerHandle, start_server
+from client.generate import GenerateParams, stream_grpc
 
 MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
 READY_TIMEOUT_S = 300.0
@@ -101,6 +102,36 @@ def in_process_engine(server: ServerHandle) -> Engine:
     model_path = model_dir / (params.get("model_path") or DEFAULT_MODEL_PATH)
     engine_params = {k: v for k, v in params.items() if k not in SERVING_KEYS and v}
     return Engine.from_model_dir(model_path, EngineConfig.from_params(engine_params))
+
+
+def stream_at_once(url: str, requests: Sequence[GenerateParams]) -> list[dict[str, float]]:
+    """Streams every request at once over gRPC (one thread each). Per request, in order:
+    seconds to its first token and to its end (since it was sent), and the prompt tokens the
+    engine prefilled for it (`recomputed_tokens`) and served from its cache."""
+    results = [{"first_token_s": 0.0, "done_s": 0.0, "recomputed_tokens": 0,
+                "cached_tokens": 0} for _ in requests]
+    errors: list[BaseException] = []
+
+    def client(params: GenerateParams, out: dict[str, float]) -> None:
+        try:
+            for c in stream_grpc(url, params):
+                if c.counts.get("num_output_tokens") and not out["first_token_s"]:
+                    out["first_token_s"] = c.elapsed_s
+                for key in ("recomputed_tokens", "cached_tokens"):
+                    out[key] = c.counts.get(key, out[key])
+                out["done_s"] = c.elapsed_s
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(p, out))
+               for p, out in zip(requests, results)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def percentile(values: Sequence[float], q: float) -> float:
