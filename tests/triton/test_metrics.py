@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from backend.triton.server import ServerHandle
+from client.bench.serving import stream_at_once
 from client.generate import GenerateParams, generate_http
 from tests.triton.llm_helpers import idle_pool, long_prompt, scrape, value, wait_until
 
@@ -56,3 +57,17 @@ def test_suffixreplay_counters_follow_cache_hits(llm_server: ServerHandle):
     ):
         assert value(m, name, **MODEL) >= 0
     assert value(m, "suffixreplay_kv_pages", state="cached", **MODEL) > 0
+
+
+def test_a_burst_of_one_prompt_counts_prefill_waits(llm_server: ServerHandle):
+    # Three requests of one 1500-token prompt at once (3 prefill steps of 512 tokens): the
+    # later ones wait for the first one's pages (share_running_prefills) and resume from them.
+    def waits() -> float:
+        return value(scrape(llm_server), "suffixreplay_prefill_waits_total", **MODEL)
+
+    before = waits()
+    params = GenerateParams(long_prompt("burst prompt", 1500), max_tokens=2, min_tokens=2,
+                            cache_salt="prefill-waits-burst")
+    results = stream_at_once(llm_server.urls.grpc, [params] * 3)
+    assert sorted(r["recomputed_tokens"] for r in results)[:2] == [1500 - 1472] * 2
+    wait_until(lambda: waits() > before, 10, "the prefill-wait counter")
