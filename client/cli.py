@@ -2,6 +2,7 @@
 
     python -m client generate "What is machine learning?"        # gRPC streaming
     python -m client generate --http "What is machine learning?" # HTTP generate_stream
+    python -m client generate --json-schema @schema.json "A user:"  # guided: JSON of a schema
     python -m client chat --max-tokens 64                        # multi-turn, one session
     python -m client health
     python -m client stats                                       # the prefix cache's metrics
@@ -15,6 +16,7 @@ import argparse
 import sys
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TextIO
 
 from client.generate import (
@@ -43,6 +45,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gen.add_argument("-n", "--num-sequences", type=int, default=1,
                      help="sequences from the prompt (num_return_sequences); printed one after "
                           "another once all finished")
+    guide = gen.add_mutually_exclusive_group()
+    guide.add_argument("--json", action="store_true", help="guided: the output is JSON")
+    guide.add_argument("--json-schema", metavar="SCHEMA",
+                       help="guided: JSON following this schema (its text, or @FILE)")
+    guide.add_argument("--regex", help="guided: the output matches this regular expression")
+    guide.add_argument("--grammar", metavar="EBNF",
+                       help="guided: the output follows this EBNF grammar with rule root "
+                            "(its text, or @FILE)")
     chat = commands.add_parser("chat", help="multi-turn chat; the history is re-sent each turn")
     chat.add_argument("--system", default="You are a helpful assistant.")
     health = commands.add_parser("health", help="server and model readiness")
@@ -91,6 +101,23 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "return_log_probs": args.log_probs or None,
         "cache_salt": args.cache_salt,
     }
+
+
+def guide_options(args: argparse.Namespace) -> dict:
+    """guide_type / guide for the generate command's --json / --json-schema / --regex /
+    --grammar (text, or @FILE for a schema or grammar)."""
+    def text(value: str) -> str:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+
+    if args.json:
+        return {"guide_type": "json"}
+    if args.json_schema is not None:
+        return {"guide_type": "json_schema", "guide": text(args.json_schema)}
+    if args.regex is not None:
+        return {"guide_type": "regex", "guide": args.regex}
+    if args.grammar is not None:
+        return {"guide_type": "ebnf_grammar", "guide": text(args.grammar)}
+    return {}
 
 
 def responses(args: argparse.Namespace, params: GenerateParams) -> Iterator[Chunk]:
@@ -144,10 +171,10 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO)
 def cmd_generate(args: argparse.Namespace) -> int:
     if args.num_sequences > 1:
         params = GenerateParams(args.prompt, num_return_sequences=args.num_sequences,
-                                **sampling_options(args))
+                                **sampling_options(args), **guide_options(args))
         print_sequences(responses(args, params), args.num_sequences, sys.stdout, sys.stderr)
         return 0
-    params = GenerateParams(args.prompt, **sampling_options(args))
+    params = GenerateParams(args.prompt, **sampling_options(args), **guide_options(args))
     print_stream(responses(args, params), sys.stdout, sys.stderr)
     return 0
 

@@ -47,6 +47,10 @@ class GenerateParams:
     cache_salt: str | None = None
     session_id: str | None = None
     exclude_input_in_output: bool | None = None
+    # Guided decoding: "json", "json_schema", "regex" or "ebnf_grammar", and the schema / regex /
+    # grammar text (none for "json").
+    guide_type: str | None = None
+    guide: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more ensemble inputs, as given
 
     def fields(self, stream: bool) -> dict[str, Any]:
@@ -70,6 +74,8 @@ class GenerateParams:
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
             "exclude_input_in_output": self.exclude_input_in_output,
+            "guided_decoding_guide_type": self.guide_type,
+            "guided_decoding_guide": self.guide,
             **self.extra,
         }
         return {name: value for name, value in values.items() if value is not None}
@@ -128,6 +134,8 @@ DTYPES = {
     "bad_words": "BYTES",
     "cache_salt": "BYTES",
     "session_id": "BYTES",
+    "guided_decoding_guide_type": "BYTES",
+    "guided_decoding_guide": "BYTES",
     "embedding_bias_words": "BYTES",
     "max_tokens": "INT32",
     "top_k": "INT32",

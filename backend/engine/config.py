@@ -39,6 +39,11 @@ class EngineConfig:
     # request is prefilling waits for them to join the store rather than computing them a
     # second time beside it (suffix replay: pages join with their anchors after every chunk).
     share_running_prefills: bool = True
+    # Whitespace that guided JSON outputs (`json`, `json_schema`) may hold between elements:
+    # "compact" (one line with ", " and ": ", as json.dumps writes it), "any" (XGrammar's
+    # default; models not trained on JSON may then fill whitespace until max_tokens), or a
+    # number N (at most N whitespace characters at each place).
+    guided_json_whitespace: str = "compact"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -57,6 +62,10 @@ class EngineConfig:
                              f"{self.schedule_policy!r}")
         if not self.lpm_max_wait_s >= 0:
             raise ValueError(f"lpm_max_wait_s must be >= 0 seconds, got {self.lpm_max_wait_s}")
+        ws = self.guided_json_whitespace
+        if ws not in ("compact", "any") and not (ws.isdigit() and int(ws) >= 1):
+            raise ValueError("guided_json_whitespace must be 'compact', 'any' or a number >= 1, "
+                             f"got {ws!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (

@@ -23,6 +23,7 @@ from backend.cache.tiers import TieredBackend
 from backend.engine.cache_manager import CacheManager
 from backend.engine.config import DTYPES, FINGERPRINT_FROM_MODEL_DIR, EngineConfig
 from backend.engine.executor import TorchExecutor
+from backend.engine.guided import GrammarBackend
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
@@ -130,6 +131,8 @@ class Engine:
         self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
         self.num_failed = 0  # requests ended by a failed step
         self._stopping = False
+        self._grammars: GrammarBackend | None = None  # built for the first guided request
+        self._grammar_lock = threading.Lock()
 
     @classmethod
     def from_model_dir(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
@@ -153,6 +156,8 @@ class Engine:
         if params.end_id is None and self.eos_token_id is not None:
             request.sampling = replace(params, end_id=self.eos_token_id)
         seq = Sequence(request, list(request.prompt_ids), len(request.prompt_ids))
+        if params.guide is not None:
+            seq.guide = self.grammars().state(params.guide, request.sampling.end_id)
         with self._lock:
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
@@ -195,6 +200,17 @@ class Engine:
                 f"the request needs {pages} KV pages, the pool holds "
                 f"{self.config.cache.num_kv_pages}"
             )
+
+    def grammars(self) -> GrammarBackend:
+        """The guided-decoding compiler for this model's vocabulary (ValueError without a
+        tokenizer or without xgrammar)."""
+        with self._grammar_lock:
+            if self._grammars is None:
+                if self.tokenizer is None:
+                    raise ValueError("guided decoding needs the model's tokenizer")
+                self._grammars = GrammarBackend(self.tokenizer, self.model_config.vocab_size,
+                                                self.config.guided_json_whitespace)
+            return self._grammars
 
     def cancel(self, request_id: str) -> None:
         with self._lock:

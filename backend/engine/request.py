@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.engine.guided import Guide
+
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
 
 
@@ -16,7 +18,9 @@ class SamplingParams:
 
     Penalties (neutral: 1 / 0 / 0) and `logit_bias` (token id, added value) change the logits
     before anything else, greedy included (`backend/engine/sampling.py` states the order);
-    `return_log_probs` asks for each generated token's log probability under the model.
+    `return_log_probs` asks for each generated token's log probability under the model;
+    `guide` constrains the output to a JSON schema, JSON, a regex or a grammar
+    (`backend/engine/guided.py`).
     """
 
     max_tokens: int = 16
@@ -33,6 +37,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     return_log_probs: bool = False
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:

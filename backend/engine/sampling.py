@@ -19,6 +19,9 @@ Rules (TensorRT-LLM semantics where it has them):
   and stop words do not end the request (`finish_reason` ignores them).
 - Bad words are never produced: a one-token bad word is always masked; a longer one has its
   last token masked whenever the generated tokens end with all its other tokens.
+- A guided request (`backend/engine/guided.py`) can only draw the tokens its grammar allows
+  next; min_tokens and bad words then remove tokens only where the grammar leaves another
+  choice (where they would leave none, the grammar's choices stand).
 - Stop words are matched against the generated tokens only (never the prompt); the matched
   tokens stay in the output, as TensorRT-LLM returns them.
 - Log probabilities (`token_log_probs`) are the model's: the log-softmax of its raw logits,
@@ -109,13 +112,15 @@ def sample(
     output_lens: Sequence[int],
     histories: Sequence[Sequence[int]] | None = None,
     counts: Sequence[TokenCounts | None] | None = None,
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row.
 
     logits: [B, V] (any float dtype); params, generators, output_lens: one per row, output_lens
     counting the tokens generated so far; histories: the generated ids per row (needed only for
     multi-token bad words); counts: each row's `TokenCounts`, up to date (needed only for rows
-    with penalties). Returns LongTensor [B] on the logits' device.
+    with penalties); allowed: per row, None or the [V] bool mask of the tokens a guide allows
+    next (at least one). Returns LongTensor [B] on the logits' device.
     """
     B, V = logits.shape
     if not len(params) == len(generators) == len(output_lens) == B:
@@ -127,11 +132,22 @@ def sample(
         raise ValueError(f"sample got {B} rows of logits but {len(histories)} histories")
     if counts is not None and len(counts) != B:
         raise ValueError(f"sample got {B} rows of logits but {len(counts)} token counts")
+    if allowed is not None and len(allowed) != B:
+        raise ValueError(f"sample got {B} rows of logits but {len(allowed)} allowed masks")
     logits = logits.float().clone()
     for i, p in enumerate(params):
-        adjust_logits(logits[i], p, counts[i] if counts is not None else None)
+        row = logits[i]
+        adjust_logits(row, p, counts[i] if counts is not None else None)
         history = histories[i] if histories is not None else ()
-        mask_banned(logits[i], p, output_lens[i], history)
+        mask = allowed[i] if allowed is not None else None
+        if mask is None:
+            mask_banned(row, p, output_lens[i], history)
+            continue
+        row.masked_fill_(~mask.to(row.device), float("-inf"))
+        guided = row.clone()
+        mask_banned(row, p, output_lens[i], history)
+        if not bool(torch.isfinite(row).any()):  # the grammar's choices stand
+            row.copy_(guided)
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:

@@ -304,9 +304,12 @@ class Scheduler:
         if any(p.penalized for p in params):
             counts = [s.counts(logits.shape[-1]) if p.penalized else None
                       for s, p in zip(seqs, params)]
+        allowed = None
+        if any(s.guide is not None for s in seqs):
+            allowed = [s.guide.allowed if s.guide is not None else None for s in seqs]
         tokens = sample(logits, params, [s.generator for s in seqs],
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
-                        counts)
+                        counts, allowed)
         log_probs: dict[int, float] = {}
         wanted = [row for row, p in enumerate(params) if p.return_log_probs]
         if wanted:
@@ -320,11 +323,17 @@ class Scheduler:
             seq.tokens.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._finish_reason(seq)
-            new_ids = [] if reason == "eos" else [token]
+            error = None
+            if seq.guide is not None:
+                try:
+                    seq.guide.accept(token)
+                except ValueError as exc:  # a grammar fault: this request fails, not the step
+                    error = f"guided decoding: {exc}"
+            reason = "error" if error else self._finish_reason(seq)
+            new_ids = [] if reason in ("eos", "error") else [token]
             if reason is not None:
                 self._after.append(partial(self._finish, seq))
-            out = seq.output(new_ids, reason is not None, reason)
+            out = seq.output(new_ids, reason is not None, reason, error)
             if row in log_probs:
                 if new_ids:  # an end id that is not output has no log probability either
                     seq.cum_log_prob += log_probs[row]
@@ -341,6 +350,8 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         reason = finish_reason(seq.output_ids, seq.request.sampling)
+        if reason is None and seq.guide is not None and not seq.guide.continues:
+            reason = "stop"  # the grammar is complete: only its end could follow
         if reason is None and len(seq.tokens) >= self.config.max_context_len:
             reason = "length"
         return reason

@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from backend.cache.radix import encode_tokens
+from backend.engine.guided import GuideState
 from backend.engine.request import Request, RequestOutput
 from backend.engine.sampling import TokenCounts
 
@@ -55,6 +56,7 @@ class Sequence:
     shared_pages: dict = field(default_factory=dict, repr=False)
     token_counts: TokenCounts | None = None  # for penalties, built on first use
     cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
+    guide: GuideState | None = None  # where a guided request is in its grammar
     _key: tuple[int, bytes] | None = field(default=None, repr=False)
 
     def prefix_key(self) -> bytes:

@@ -9,7 +9,9 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   return_num_input_tokens, return_num_output_tokens, return_log_probs [1] BOOL;
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
-  cache_salt, session_id [1] BYTES (ours);
+  cache_salt, session_id [1] BYTES (ours); guided_decoding_guide_type, guided_decoding_guide
+  [1] BYTES (`json`, `json_schema`, `regex`, `ebnf_grammar` and the schema / regex / grammar,
+  as TensorRT-LLM's; `backend/engine/guided.py`);
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend.engine.guided import Guide
 from backend.engine.request import SamplingParams
 from backend.triton.errors import RequestError
 from backend.triton.tokenize import decode_utf8
@@ -124,9 +127,22 @@ def sampling_of(inputs: Tensors, default_end_id: int | None) -> SamplingParams:
             frequency_penalty=finite(inputs, "frequency_penalty", 0.0),
             logit_bias=bias_of(inputs),
             return_log_probs=bool(scalar(inputs, "return_log_probs", "b", False)),
+            guide=guide_of(inputs),
         )
     except ValueError as exc:  # SamplingParams states the bad value
         raise RequestError(str(exc)) from None
+
+
+def guide_of(inputs: Tensors) -> Guide | None:
+    """guided_decoding_guide_type (empty or absent: unguided) and guided_decoding_guide."""
+    kind = (text_of(inputs, "guided_decoding_guide_type") or "").strip()
+    text = text_of(inputs, "guided_decoding_guide") or ""
+    if not kind:
+        if text.strip():
+            raise RequestError("guided_decoding_guide is set but guided_decoding_guide_type is "
+                               "not (json, json_schema, regex or ebnf_grammar)")
+        return None
+    return Guide(kind, text)  # ValueError: caught by sampling_of
 
 
 def scalar(inputs: Tensors, name: str, kinds: str, default: object) -> object:

@@ -1,0 +1,181 @@
+"""Guided decoding: outputs that follow a JSON schema, any JSON, a regular expression or an EBNF
+grammar (TensorRT-LLM's `guided_decoding_guide_type` values `json_schema`, `json`, `regex`,
+`ebnf_grammar`), through XGrammar, as TensorRT-LLM, vLLM and SGLang do.
+
+`GrammarBackend` (one per engine) compiles a request's guide against the model's vocabulary,
+once per distinct guide (XGrammar's compiler caches them); a compile error is a ValueError
+that quotes XGrammar's message. `GuideState` (one per sequence) follows the tokens generated
+so far and gives the set of tokens allowed next as a [V] bool mask, which `sampling.sample`
+applies before any choice.
+
+Rules:
+- Special tokens (chat markers, padding) are never allowed inside a guided output; the end id
+  is allowed exactly where the grammar may end.
+- JSON guides hold the whitespace the engine's `guided_json_whitespace` allows (default
+  "compact": one line, as json.dumps writes it).
+- The output ends ("stop") as soon as the grammar allows no token but the end: the
+  grammar is complete, so the end token would be forced. The request's end id, when it has
+  one, is the grammar's stop token; with end_id -1 (no end token) the grammar's end is still
+  where the output stops.
+- The guide outranks min_tokens and bad words: they remove tokens only where the grammar
+  leaves another choice (a guided output may end before min_tokens).
+- A guide whose grammar allows no output at all (an empty-string regex) is rejected.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from backend.tokenizer import Tokenizer
+
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+ANY_JSON = '{"type": ["object", "array"]}'  # `json`: any object or array
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What a request's output must follow: `kind` in GUIDE_TYPES and its text (a JSON schema,
+    a regular expression, an EBNF grammar whose start rule is `root`; none for `json`)."""
+
+    kind: str
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GUIDE_TYPES:
+            raise ValueError(f"guided_decoding_guide_type must be one of "
+                             f"{', '.join(GUIDE_TYPES)}, got {self.kind!r}")
+        if self.kind != "json" and not self.text.strip():
+            raise ValueError(f"guided_decoding_guide_type {self.kind!r} needs a "
+                             "guided_decoding_guide (the schema, regex or grammar), got none")
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError as exc:
+        raise ValueError("guided decoding needs the xgrammar package (pip install xgrammar), "
+                         f"which this server lacks: {exc}") from None
+    return xgrammar
+
+
+def _message(exc: Exception) -> str:
+    """XGrammar's error text without its timestamp and C++ source location."""
+    text = str(exc).strip()
+    return _XGRAMMAR_PREFIX.sub("", text.splitlines()[0] if text else repr(exc))
+
+
+class GrammarBackend:
+    """Compiles guides for one tokenizer and vocabulary size (the model's logits width)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int,
+                 json_whitespace: str = "compact") -> None:
+        xgr = _xgrammar()
+        self.vocab_size = vocab_size
+        if json_whitespace == "compact":
+            self.json_options: dict[str, Any] = {"any_whitespace": False}
+        elif json_whitespace == "any":
+            self.json_options = {}
+        else:
+            self.json_options = {"max_whitespace_cnt": int(json_whitespace)}
+        specials = set(tokenizer.special_tokens)
+        inner = tokenizer.tok
+        # Special tokens are given as empty strings: XGrammar then never matches them
+        # against the grammar's text (their names would otherwise spell literal text).
+        vocab = []
+        for token_id in range(min(vocab_size, tokenizer.vocab_size)):
+            token = inner.id_to_token(token_id)
+            vocab.append("" if token is None or token in specials else token)
+        self.special_ids = [i for i, t in enumerate(vocab) if t == ""]
+        eos = tokenizer.eos_token_id
+        info = xgr.TokenizerInfo(vocab, _vocab_type(xgr, tokenizer), vocab_size=vocab_size,
+                                 stop_token_ids=[eos] if eos is not None else None)
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        self.lock = threading.Lock()  # submit() runs on the callers' threads
+
+    def compile(self, guide: Guide) -> Any:
+        """The compiled grammar; ValueError with XGrammar's message for a bad guide."""
+        try:
+            with self.lock:
+                if guide.kind == "json":  # an object or an array, any content
+                    return self.compiler.compile_json_schema(
+                        ANY_JSON, strict_mode=False, **self.json_options)
+                if guide.kind == "json_schema":
+                    return self.compiler.compile_json_schema(guide.text, **self.json_options)
+                if guide.kind == "regex":
+                    return self.compiler.compile_regex(guide.text)
+                return self.compiler.compile_grammar(guide.text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(f"guided_decoding_guide is not a valid {guide.kind}: "
+                             f"{_message(exc)}") from None
+
+    def state(self, guide: Guide, end_id: int | None) -> GuideState:
+        """A fresh matcher for one sequence (ValueError if the guide allows no output)."""
+        state = GuideState(self, self.compile(guide), end_id)
+        if not state.continues:
+            raise ValueError(f"guided_decoding_guide allows only an empty output ({guide.kind})")
+        return state
+
+
+def _vocab_type(xgr: Any, tokenizer: Tokenizer) -> Any:
+    """How the vocabulary's strings spell bytes: GPT-2 byte-level (Qwen, Nemotron, ours),
+    SentencePiece byte fallback (<0x0A> tokens), or raw text."""
+    decoder = tokenizer.tok.decoder
+    name = type(decoder).__name__ if decoder is not None else ""
+    text = repr(decoder) if decoder is not None else ""
+    if name == "ByteLevel" or "ByteLevel" in text:
+        return xgr.VocabType.BYTE_LEVEL
+    if "ByteFallback" in text:
+        return xgr.VocabType.BYTE_FALLBACK
+    return xgr.VocabType.RAW
+
+
+class GuideState:
+    """One sequence's position in its grammar: `allowed` [V] bool holds the tokens it may
+    produce next; `continues` is False once the grammar allows nothing but its end."""
+
+    def __init__(self, backend: GrammarBackend, compiled: Any, end_id: int | None) -> None:
+        xgr = _xgrammar()
+        V = backend.vocab_size
+        self.end_id = end_id if end_id is not None and 0 <= end_id < V else None
+        if self.end_id is not None:
+            self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=[self.end_id])
+        else:  # no end token: the grammar's end is where the output stops
+            self.matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        self.bitmask = xgr.allocate_token_bitmask(1, V)
+        self.vocab_size = V
+        self.stop = torch.zeros(V, dtype=torch.bool)
+        self.stop[[t for t in self.matcher.stop_token_ids if 0 <= t < V]] = True
+        self.special = torch.zeros(V, dtype=torch.bool)
+        self.special[backend.special_ids] = True
+        self.special &= ~self.stop
+        self.allowed = torch.zeros(V, dtype=torch.bool)
+        self.continues = True
+        self._refresh()
+
+    def accept(self, token: int) -> None:
+        """Moves past `token` (sampled from `allowed`); ValueError if the grammar rejects it."""
+        if not self.matcher.accept_token(int(token)):
+            raise ValueError(f"token {token} does not follow the guide")
+        self._refresh()
+
+    def _refresh(self) -> None:
+        # With an end id, terminated = it took that token; without one XGrammar reports a
+        # complete grammar as terminated, and the mask still says whether it may go on.
+        if self.end_id is not None and self.matcher.is_terminated():
+            self.allowed.zero_()
+            self.continues = False
+            return
+        self.matcher.fill_next_token_bitmask(self.bitmask)
+        shifts = torch.arange(32, dtype=torch.int32)
+        bits = (self.bitmask[0].unsqueeze(-1) >> shifts) & 1
+        allowed = bits.reshape(-1)[: self.vocab_size].bool() & ~self.special
+        if self.end_id is None:
+            allowed &= ~self.stop
+        self.allowed = allowed
+        self.continues = bool((allowed & ~self.stop).any())

@@ -1,0 +1,221 @@
+"""Guided decoding (`backend/engine/guided.py`) on the trained default model: the tokens a guide
+allows equal a brute-force reference (partial regular-expression matches over every byte), and
+what the engine generates under a guide follows it, ends where the grammar ends, and leaves
+unguided requests in the same batch unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import regex
+import torch
+from engine_helpers import assert_no_leak
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.guided import Guide
+from backend.engine.request import Request
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+PROMPT_TEXT = '# settings\nuser = {"name": "alice", "age": 31, "admin": false}\nitem = '
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "admin": {"type": "boolean"},
+        "role": {"enum": ["dev", "ops"]},
+    },
+    "required": ["name", "age", "admin", "role"],
+}
+# ASCII-only patterns (no '.', no negated classes): no byte >= 0x80 can ever be allowed.
+REGEXES = [r"[0-9]{1,3}-(yes|no)", r"(ab|a[cd]+)e?[xyz]{2}", r"\(([a-z]+, )*[a-z]+\)",
+           r"-?(0|[1-9][0-9]*)(\.[0-9]+)?"]
+# Bounded ones: every output ends before max_tokens, whatever the model prefers.
+BOUNDED = [r"[0-9]{1,3}-(yes|no)", r"(ab|a[cd]{1,4})e?[xyz]{2}",
+           r"\(([a-z]{1,6}, ){0,3}[a-z]{1,6}\)", r"-?(0|[1-9][0-9]{0,5})(\.[0-9]{1,4})?"]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = Engine.from_model_dir(MODEL_DIR, EngineConfig())
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt(engine):
+    return engine.tokenizer.encode(PROMPT_TEXT)
+
+
+def reference_allowed(pattern: str, prefix: str) -> tuple[set[int], bool]:
+    """The bytes that keep `prefix` a prefix of some match of `pattern`, and whether `prefix`
+    is a whole match: plain `regex` partial matching, one candidate at a time."""
+    allowed = {b for b in range(128)
+               if regex.fullmatch(pattern, prefix + chr(b), partial=True) is not None}
+    return allowed, regex.fullmatch(pattern, prefix) is not None
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_allowed_tokens_equal_a_brute_force_reference(engine, pattern):
+    grammars = engine.grammars()
+    eos = engine.eos_token_id
+    rng = random.Random(0)
+    for walk in range(6):
+        state = grammars.state(Guide("regex", pattern), eos)
+        prefix = ""
+        for _ in range(40):  # patterns with * never force an end
+            allowed = set(state.allowed.nonzero().view(-1).tolist())
+            expected, complete = reference_allowed(pattern, prefix)
+            assert allowed - {eos} == expected, f"walk {walk} after {prefix!r}"
+            assert (eos in allowed) == complete, f"walk {walk} after {prefix!r}"
+            assert state.continues == bool(expected), f"walk {walk} after {prefix!r}"
+            if not expected:
+                break
+            token = rng.choice(sorted(expected))
+            state.accept(token)
+            prefix += chr(token)
+
+
+def test_special_tokens_are_never_allowed(engine):
+    # The special tokens' names spell text a permissive pattern would match.
+    state = engine.grammars().state(Guide("regex", r"[<|a-z_>]{1,20}"), engine.eos_token_id)
+    specials = set(engine.tokenizer.special_tokens.values())
+    assert specials and not specials & set(state.allowed.nonzero().view(-1).tolist())
+
+
+def generate(engine, prompt, guide: Guide, **options):
+    options.setdefault("max_tokens", 96)
+    out = engine.generate(prompt, SamplingParams(guide=guide, **options))
+    return engine.tokenizer.decode(out.new_token_ids), out
+
+
+@pytest.mark.parametrize("pattern", BOUNDED)
+def test_regex_outputs_match_and_end_with_the_grammar(engine, prompt, pattern):
+    for options in ({"top_k": 1}, {"temperature": 1.0, "seed": 1}, {"temperature": 1.3, "seed": 2}):
+        text, out = generate(engine, prompt, Guide("regex", pattern), **options)
+        assert regex.fullmatch(pattern, text), (options, text)
+        assert out.finish_reason in ("stop", "eos") and out.num_output_tokens < 96, options
+
+
+def test_json_schema_outputs_parse_and_follow_the_schema(engine, prompt):
+    guide = Guide("json_schema", json.dumps(SCHEMA))
+    for seed in range(4):
+        text, out = generate(engine, prompt, guide, temperature=1.0, seed=seed)
+        assert out.finish_reason in ("stop", "eos"), text
+        value = json.loads(text)
+        assert list(value) == ["name", "age", "admin", "role"], text
+        assert isinstance(value["name"], str) and len(value["name"]) <= 12
+        assert type(value["age"]) is int and 0 <= value["age"] <= 150
+        assert type(value["admin"]) is bool and value["role"] in ("dev", "ops")
+        assert text == json.dumps(value, ensure_ascii=False), "compact JSON on one line"
+
+
+def test_json_outputs_are_an_object_or_an_array(engine, prompt):
+    for seed in range(3):
+        text, out = generate(engine, prompt, Guide("json"), max_tokens=200, temperature=1.0,
+                             seed=seed)
+        if out.finish_reason == "length":  # an array may go on; what came is its prefix
+            assert text[0] in "[{", text
+            continue
+        assert isinstance(json.loads(text), dict | list), text
+
+
+def test_ebnf_grammar_outputs_follow_the_grammar(engine, prompt):
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [a-z]+ | [0-9]+'
+    for seed in range(3):
+        text, _ = generate(engine, prompt, Guide("ebnf_grammar", grammar), temperature=1.0,
+                           seed=seed)
+        assert regex.fullmatch(r"\(([a-z]+|[0-9]+)(,([a-z]+|[0-9]+))*\)", text), text
+
+
+def test_the_grammar_outranks_min_tokens_and_bad_words(engine, prompt):
+    text, out = generate(engine, prompt, Guide("regex", "[ab]{3}"), top_k=1, min_tokens=20)
+    assert len(text) == 3 and out.finish_reason == "stop"
+    # a bad word removes a choice only where the grammar has another one
+    text, _ = generate(engine, prompt, Guide("regex", "a[ab]{4}"), top_k=1,
+                       bad_words=((ord("a"),),))
+    assert text == "abbbb"
+
+
+def test_without_an_end_token_the_output_stops_at_the_grammar_end(engine, prompt):
+    text, out = generate(engine, prompt, Guide("regex", "(yes|no)!"), top_k=1, end_id=-1)
+    assert text in ("yes!", "no!") and out.finish_reason == "stop"
+    # A grammar that may go on keeps going (no end token to choose) until it cannot.
+    text, out = generate(engine, prompt, Guide("regex", "[0-9]{1,5}"), top_k=1, end_id=-1)
+    assert len(text) == 5 and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("guide, message", [
+    (("regex", "[a-"), "not a valid regex: Regex parsing error"),
+    (("json_schema", '{"type": "intege"}'), "not a valid json_schema"),
+    (("json_schema", "{not json"), "not a valid json_schema"),
+    (("ebnf_grammar", 'root ::= "a" |'), "not a valid ebnf_grammar"),
+    (("ebnf_grammar", 'start ::= "a"'), "not a valid ebnf_grammar"),
+    (("regex", "()"), "allows only an empty output"),
+])
+def test_bad_guides_are_value_errors_and_leak_nothing(engine, prompt, guide, message):
+    with pytest.raises(ValueError, match=regex.escape(message)):
+        engine.submit(Request("bad", prompt, SamplingParams(guide=Guide(*guide))))
+    assert "bad" not in engine._live
+    assert_no_leak_when_idle(engine)
+
+
+@pytest.mark.parametrize("kind, text, message", [
+    ("xml", "", "must be one of json, json_schema, regex, ebnf_grammar"),
+    ("regex", " ", "needs a guided_decoding_guide"),
+])
+def test_bad_guide_fields_are_value_errors(kind, text, message):
+    with pytest.raises(ValueError, match=message):
+        Guide(kind, text)
+
+
+def assert_no_leak_when_idle(engine: Engine) -> None:
+    engine.store.assert_invariants()
+    assert engine.stats()["active_requests"] == 0
+
+
+def test_unguided_requests_beside_guided_ones_are_unchanged(prompt):
+    engine = Engine.from_model_dir(MODEL_DIR, EngineConfig())
+    greedy = SamplingParams(max_tokens=24, top_k=1)
+    alone = engine.generate(prompt, greedy, cache_salt="alone").new_token_ids
+    outputs: dict[str, list[int]] = {"plain": [], "guided": []}
+    finished = []
+
+    def collect(out):
+        outputs[out.request_id].extend(out.new_token_ids)
+        if out.finished:
+            finished.append(out)
+
+    engine.submit(Request("guided", prompt, SamplingParams(
+        max_tokens=24, top_k=1, guide=Guide("regex", "[0-9]{6}")), cache_salt="guided",
+        on_output=collect))
+    engine.submit(Request("plain", prompt, greedy, cache_salt="plain", on_output=collect))
+    while len(finished) < 2:
+        engine.step()
+    assert outputs["plain"] == alone
+    assert regex.fullmatch("[0-9]{6}", engine.tokenizer.decode(outputs["guided"]))
+    assert_no_leak(engine)
+
+
+def test_the_mask_is_applied_before_every_choice(engine):
+    """`sample` draws only allowed tokens whatever the logits say, greedy or not."""
+    from backend.engine.sampling import sample
+
+    V = engine.model_config.vocab_size
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 5
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[10, 20, 30]] = True
+    params = [SamplingParams(top_k=1), SamplingParams(temperature=2.0, seed=3),
+              SamplingParams(top_k=1, bad_words=((10,), (20,), (30,))),
+              SamplingParams(top_k=1)]
+    gens = [None, torch.Generator().manual_seed(3), None, None]
+    for _ in range(20):
+        tokens = sample(logits, params, gens, [0] * 4, [()] * 4, None,
+                        [allowed, allowed, allowed, None]).tolist()
+        assert all(t in (10, 20, 30) for t in tokens[:3]), tokens
+        assert tokens[0] == max((10, 20, 30), key=lambda t: logits[0, t])
+        assert tokens[3] == int(logits[3].argmax())
