@@ -29,6 +29,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from backend.tokenizer import Tokenizer
@@ -135,9 +136,25 @@ def _vocab_type(xgr: Any, tokenizer: Tokenizer) -> Any:
     return xgr.VocabType.RAW
 
 
+def pack_bits(mask: np.ndarray) -> np.ndarray:
+    """[V] bool -> [ceil(V / 32)] int32 words, bit j of word w = token 32 w + j (XGrammar's
+    bitmask layout, little-endian)."""
+    V = mask.shape[0]
+    padded = np.zeros((V + 31) // 32 * 32, dtype=bool)
+    padded[:V] = mask
+    return np.packbits(padded, bitorder="little").view("<i4")
+
+
+def unpack_bits(words: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The inverse of `pack_bits`: [W] int32 -> [vocab_size] bool."""
+    return np.unpackbits(words.view(np.uint8), bitorder="little")[:vocab_size].view(bool)
+
+
 class GuideState:
-    """One sequence's position in its grammar: `allowed` [V] bool holds the tokens it may
-    produce next; `continues` is False once the grammar allows nothing but its end."""
+    """One sequence's position in its grammar. `words` holds the tokens it may produce next
+    (packed in XGrammar's layout, special tokens already cleared), `allowed` unpacks them
+    ([V] bool), `apply` masks a row of logits with them; `continues` is False once the grammar
+    allows nothing but its end."""
 
     def __init__(self, backend: GrammarBackend, compiled: Any, end_id: int | None) -> None:
         xgr = _xgrammar()
@@ -148,15 +165,28 @@ class GuideState:
         else:  # no end token: the grammar's end is where the output stops
             self.matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
         self.bitmask = xgr.allocate_token_bitmask(1, V)
+        self.words = self.bitmask[0].numpy()  # the same memory
         self.vocab_size = V
-        self.stop = torch.zeros(V, dtype=torch.bool)
-        self.stop[[t for t in self.matcher.stop_token_ids if 0 <= t < V]] = True
-        self.special = torch.zeros(V, dtype=torch.bool)
-        self.special[backend.special_ids] = True
-        self.special &= ~self.stop
-        self.allowed = torch.zeros(V, dtype=torch.bool)
+        stop = np.zeros(V, dtype=bool)
+        stop[[t for t in self.matcher.stop_token_ids if 0 <= t < V]] = True
+        never = np.zeros(V, dtype=bool)
+        never[backend.special_ids] = True
+        never &= ~stop
+        if self.end_id is None:
+            never |= stop
+        self.keep = pack_bits(~never)  # cleared from every mask
+        self.not_stop = pack_bits(~stop)
         self.continues = True
         self._refresh()
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens allowed next."""
+        return torch.from_numpy(unpack_bits(self.words, self.vocab_size))
+
+    def apply(self, row: torch.Tensor) -> None:
+        """-inf, in place, on a row of logits [V] for every token not allowed next."""
+        row.masked_fill_(~self.allowed.to(row.device), float("-inf"))
 
     def accept(self, token: int) -> None:
         """Moves past `token` (sampled from `allowed`); ValueError if the grammar rejects it."""
@@ -168,14 +198,9 @@ class GuideState:
         # With an end id, terminated = it took that token; without one XGrammar reports a
         # complete grammar as terminated, and the mask still says whether it may go on.
         if self.end_id is not None and self.matcher.is_terminated():
-            self.allowed.zero_()
+            self.words[:] = 0
             self.continues = False
             return
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        shifts = torch.arange(32, dtype=torch.int32)
-        bits = (self.bitmask[0].unsqueeze(-1) >> shifts) & 1
-        allowed = bits.reshape(-1)[: self.vocab_size].bool() & ~self.special
-        if self.end_id is None:
-            allowed &= ~self.stop
-        self.allowed = allowed
-        self.continues = bool((allowed & ~self.stop).any())
+        np.bitwise_and(self.words, self.keep, out=self.words)
+        self.continues = bool(np.bitwise_and(self.words, self.not_stop).any())

@@ -32,12 +32,17 @@ Rules (TensorRT-LLM semantics where it has them):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from backend.engine.request import SamplingParams
 
 MIN_TEMPERATURE = 1e-6
+
+
+class TokenMask(Protocol):
+    def apply(self, row: torch.Tensor) -> None: ...
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -112,15 +117,16 @@ def sample(
     output_lens: Sequence[int],
     histories: Sequence[Sequence[int]] | None = None,
     counts: Sequence[TokenCounts | None] | None = None,
-    allowed: Sequence[torch.Tensor | None] | None = None,
+    allowed: Sequence[TokenMask | torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row.
 
     logits: [B, V] (any float dtype); params, generators, output_lens: one per row, output_lens
     counting the tokens generated so far; histories: the generated ids per row (needed only for
     multi-token bad words); counts: each row's `TokenCounts`, up to date (needed only for rows
-    with penalties); allowed: per row, None or the [V] bool mask of the tokens a guide allows
-    next (at least one). Returns LongTensor [B] on the logits' device.
+    with penalties); allowed: per row, None or the tokens a guide allows next (at least one):
+    a [V] bool mask or an object whose `apply(row)` sets the others to -inf (`GuideState`).
+    Returns LongTensor [B] on the logits' device.
     """
     B, V = logits.shape
     if not len(params) == len(generators) == len(output_lens) == B:
@@ -143,11 +149,15 @@ def sample(
         if mask is None:
             mask_banned(row, p, output_lens[i], history)
             continue
-        row.masked_fill_(~mask.to(row.device), float("-inf"))
-        guided = row.clone()
-        mask_banned(row, p, output_lens[i], history)
-        if not bool(torch.isfinite(row).any()):  # the grammar's choices stand
-            row.copy_(guided)
+        if isinstance(mask, torch.Tensor):
+            row.masked_fill_(~mask.to(row.device), float("-inf"))
+        else:
+            mask.apply(row)
+        if p.bad_words or (p.end_id is not None and output_lens[i] < p.min_tokens):
+            guided = row.clone()
+            mask_banned(row, p, output_lens[i], history)
+            if not bool(torch.isfinite(row).any()):  # the grammar's choices stand
+                row.copy_(guided)
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:

@@ -306,7 +306,7 @@ class Scheduler:
                       for s, p in zip(seqs, params)]
         allowed = None
         if any(s.guide is not None for s in seqs):
-            allowed = [s.guide.allowed if s.guide is not None else None for s in seqs]
+            allowed = [s.guide for s in seqs]
         tokens = sample(logits, params, [s.generator for s in seqs],
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
                         counts, allowed)

@@ -219,3 +219,27 @@ def test_the_mask_is_applied_before_every_choice(engine):
         assert all(t in (10, 20, 30) for t in tokens[:3]), tokens
         assert tokens[0] == max((10, 20, 30), key=lambda t: logits[0, t])
         assert tokens[3] == int(logits[3].argmax())
+
+
+def test_packed_masks_round_trip_and_match_plain_bit_arithmetic():
+    from backend.engine.guided import pack_bits, unpack_bits
+
+    gen = torch.Generator().manual_seed(0)
+    for V in (1, 31, 32, 33, 260, 1000, 151_936):
+        mask = torch.rand(V, generator=gen) < 0.3
+        words = pack_bits(mask.numpy())
+        assert words.shape == ((V + 31) // 32,) and words.dtype.str == "<i4"
+        assert torch.equal(torch.from_numpy(unpack_bits(words, V).copy()), mask)
+        # bit j of word w is token 32 w + j, as XGrammar lays its bitmask out
+        plain = [bool((int(words[t // 32]) >> (t % 32)) & 1) for t in range(V)]
+        assert plain == mask.tolist()
+
+
+def test_apply_masks_exactly_the_tokens_not_allowed(engine):
+    state = engine.grammars().state(Guide("regex", r"[0-9]{2}|yes"), engine.eos_token_id)
+    row = torch.randn(engine.model_config.vocab_size)
+    masked = row.clone()
+    state.apply(masked)
+    allowed = [ord(c) for c in "0123456789y"]
+    assert torch.isfinite(masked).nonzero().view(-1).tolist() == allowed
+    assert torch.equal(masked[allowed], row[allowed])
