@@ -5,8 +5,8 @@ grammar (TensorRT-LLM's `guided_decoding_guide_type` values `json_schema`, `json
 `GrammarBackend` (one per engine) compiles a request's guide against the model's vocabulary,
 once per distinct guide (XGrammar's compiler caches them); a compile error is a ValueError
 that quotes XGrammar's message. `GuideState` (one per sequence) follows the tokens generated
-so far and gives the set of tokens allowed next as a [V] bool mask, which `sampling.sample`
-applies before any choice.
+so far and holds the tokens allowed next (XGrammar's packed bitmask), which `sampling.sample`
+applies to the row of logits before any choice.
 
 Rules:
 - Special tokens (chat markers, padding) are never allowed inside a guided output; the end id
@@ -94,8 +94,10 @@ class GrammarBackend:
             vocab.append("" if token is None or token in specials else token)
         self.special_ids = [i for i, t in enumerate(vocab) if t == ""]
         eos = tokenizer.eos_token_id
-        info = xgr.TokenizerInfo(vocab, _vocab_type(xgr, tokenizer), vocab_size=vocab_size,
-                                 stop_token_ids=[eos] if eos is not None else None)
+        vocab_type, prefix_space = _vocab_metadata(xgr, tokenizer)
+        info = xgr.TokenizerInfo(vocab, vocab_type, vocab_size=vocab_size,
+                                 stop_token_ids=[eos] if eos is not None else None,
+                                 add_prefix_space=prefix_space)
         self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         self.lock = threading.Lock()  # submit() runs on the callers' threads
 
@@ -123,17 +125,21 @@ class GrammarBackend:
         return state
 
 
-def _vocab_type(xgr: Any, tokenizer: Tokenizer) -> Any:
-    """How the vocabulary's strings spell bytes: GPT-2 byte-level (Qwen, Nemotron, ours),
-    SentencePiece byte fallback (<0x0A> tokens), or raw text."""
-    decoder = tokenizer.tok.decoder
-    name = type(decoder).__name__ if decoder is not None else ""
-    text = repr(decoder) if decoder is not None else ""
-    if name == "ByteLevel" or "ByteLevel" in text:
-        return xgr.VocabType.BYTE_LEVEL
-    if "ByteFallback" in text:
-        return xgr.VocabType.BYTE_FALLBACK
-    return xgr.VocabType.RAW
+def _vocab_metadata(xgr: Any, tokenizer: Tokenizer) -> tuple[Any, bool]:
+    """How the vocabulary's strings spell bytes (GPT-2 byte-level as Qwen's and ours,
+    SentencePiece byte fallback with <0x0A> tokens and "▁" spaces, or raw text) and whether
+    the tokenizer adds a prefix space: XGrammar's own reading of the tokenizer.json (what its
+    `from_huggingface` does), else the decoder's type."""
+    try:
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.tok.to_str())
+        return meta["vocab_type"], bool(meta["add_prefix_space"])
+    except Exception:  # a private helper: fall back on the decoder's name
+        text = repr(tokenizer.tok.decoder)
+        if "ByteLevel" in text:
+            return xgr.VocabType.BYTE_LEVEL, False
+        if "ByteFallback" in text:
+            return xgr.VocabType.BYTE_FALLBACK, False
+        return xgr.VocabType.RAW, False
 
 
 def pack_bits(mask: np.ndarray) -> np.ndarray:

@@ -243,3 +243,36 @@ def test_apply_masks_exactly_the_tokens_not_allowed(engine):
     allowed = [ord(c) for c in "0123456789y"]
     assert torch.isfinite(masked).nonzero().view(-1).tolist() == allowed
     assert torch.equal(masked[allowed], row[allowed])
+
+
+def test_sentencepiece_byte_fallback_vocabularies_spell_their_bytes():
+    """A Llama-style vocabulary ("▁" for spaces, <0xNN> byte tokens): XGrammar reads its
+    tokenizer.json, so tokens are matched by the text they decode to."""
+    import tokenizers
+    from tokenizers import decoders, models, normalizers
+
+    from backend.engine.guided import GrammarBackend
+    from backend.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for word in ("▁b", "a", "b", "▁", "ab", "ba"):
+        vocab[word] = len(vocab)
+    inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True,
+                                            unk_token="<unk>"))
+    inner.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                             normalizers.Replace(" ", "▁")])
+    inner.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    inner.add_special_tokens(["<s>", "</s>"])
+    state = GrammarBackend(Tokenizer(inner, "</s>"), len(vocab)).state(Guide("regex", "a b"), 2)
+    names = {v: k for k, v in vocab.items()}
+
+    def allowed() -> set[str]:
+        return {names[i] for i in state.allowed.nonzero().view(-1).tolist()}
+
+    assert allowed() == {"a", "<0x61>"}
+    state.accept(vocab["a"])
+    assert allowed() == {"▁", "▁b", "<0x20>"}
+    state.accept(vocab["▁b"])
+    assert allowed() == {"</s>"} and not state.continues

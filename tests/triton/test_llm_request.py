@@ -137,3 +137,31 @@ def test_bad_requests_say_what_is_wrong(extra, message):
 def test_stop_flag():
     assert is_stop({"stop": np.array([True])})
     assert not is_stop(tensors())
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def test_guided_decoding_inputs():
+    from backend.engine.guided import Guide
+
+    assert parse_request(tensors(), EOS, exclude_input=True).sampling.guide is None
+    empty = tensors(guided_decoding_guide_type=text(""))
+    assert parse_request(empty, EOS, exclude_input=True).sampling.guide is None
+    req = parse_request(tensors(guided_decoding_guide_type=text("regex"),
+                                guided_decoding_guide=text("[0-9]+")), EOS, exclude_input=True)
+    assert req.sampling.guide == Guide("regex", "[0-9]+")
+    req = parse_request(tensors(guided_decoding_guide_type=text("json")), EOS,
+                        exclude_input=True)
+    assert req.sampling.guide == Guide("json")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"guided_decoding_guide_type": text("xml")}, "must be one of json, json_schema, regex"),
+    ({"guided_decoding_guide_type": text("json_schema")}, "needs a guided_decoding_guide"),
+    ({"guided_decoding_guide": text("[0-9]")}, "guided_decoding_guide_type is not"),
+])
+def test_bad_guided_decoding_inputs(extra, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(tensors(**extra), EOS, exclude_input=True)
