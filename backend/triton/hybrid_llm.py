@@ -75,6 +75,9 @@ class HybridLlm:
             pb_utils, args.get("model_name", "hybrid_llm"), args.get("model_version", "1")
         )
         self.engine.start()
+        if self.settings.guided_decoding_backend == "xgrammar":
+            threading.Thread(target=self._load_grammars, name="hybrid_llm-grammars",
+                             daemon=True).start()
         self.threads = [
             self._loop("cancel-watcher", self.settings.cancellation_check_period_ms, self._poll),
             self._loop("metrics", self.settings.stats_check_period_ms, self._refresh_metrics),
@@ -125,6 +128,10 @@ class HybridLlm:
             self.engine.tokenizer.eos_token_id,
             self.settings.exclude_input_in_output,
         )
+        if parsed.sampling.guide is not None and \
+                self.settings.guided_decoding_backend == "none":
+            raise RequestError("guided decoding is off on this model (parameter "
+                               "guided_decoding_backend is none)")
         request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
         # The watcher polls it: never is_cancelled() after its final response.
         sender = GuardedSender(sender, self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -243,6 +250,14 @@ class HybridLlm:
                 entry.cancelled = True
                 self.engine.cancel(request_id)
                 log(self.pb_utils, f"hybrid_llm: {request_id} cancelled by its client")
+
+    def _load_grammars(self) -> None:
+        """Imports XGrammar and builds the vocabulary's grammar compiler off the request
+        path (seconds: it imports transformers), so the first guided request finds it."""
+        try:
+            self.engine.grammars()
+        except Exception as exc:  # guided requests will say why they fail
+            log(self.pb_utils, f"hybrid_llm: guided decoding unavailable: {exc}", "warn")
 
     def _refresh_metrics(self) -> None:
         stats = self.engine.stats()

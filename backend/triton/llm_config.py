@@ -5,7 +5,10 @@ Serving keys (all optional):
     (default `1/tiny_qwen3_5`);
   exclude_input_in_output: default when a request does not say (TensorRT-LLM's parameter);
   stats_check_period_ms: how often metrics are refreshed from `engine.stats()` (TensorRT-LLM's);
-  cancellation_check_period_ms: how often open requests are polled for cancellation (same).
+  cancellation_check_period_ms: how often open requests are polled for cancellation (same);
+  guided_decoding_backend: `xgrammar` (default; loaded in the background when the model loads,
+    so the first guided request does not wait for it) or `none` (guided requests are
+    INVALID_ARG), TensorRT-LLM's parameter.
 Every other key is handed to `EngineConfig.from_params`, which rejects unknown keys. An empty
 value or an unfilled `${...}` template counts as unset, as in TensorRT-LLM's templates.
 """
@@ -26,7 +29,9 @@ SERVING_KEYS = (
     "exclude_input_in_output",
     "stats_check_period_ms",
     "cancellation_check_period_ms",
+    "guided_decoding_backend",
 )
+GUIDED_BACKENDS = ("xgrammar", "none")
 
 
 @dataclass(frozen=True)
@@ -35,8 +40,13 @@ class ServingSettings:
     exclude_input_in_output: bool = True
     stats_check_period_ms: int = 100
     cancellation_check_period_ms: int = 100
+    guided_decoding_backend: str = "xgrammar"
 
     def __post_init__(self) -> None:
+        if self.guided_decoding_backend not in GUIDED_BACKENDS:
+            raise ConfigError(f"parameter guided_decoding_backend must be one of "
+                              f"{', '.join(GUIDED_BACKENDS)}, got "
+                              f"{self.guided_decoding_backend!r}")
         for name in ("stats_check_period_ms", "cancellation_check_period_ms"):
             value = getattr(self, name)
             if not 1 <= value <= 60_000:
@@ -58,6 +68,8 @@ def serving_settings(config: Mapping[str, Any], model_dir: Path) -> ServingSetti
         exclude_input_in_output=get_bool_param(config, "exclude_input_in_output", True),
         stats_check_period_ms=_int_param(config, "stats_check_period_ms", 100),
         cancellation_check_period_ms=_int_param(config, "cancellation_check_period_ms", 100),
+        guided_decoding_backend=(get_param(config, "guided_decoding_backend", "xgrammar")
+                                 or "xgrammar").lower(),
     )
 
 

@@ -12,6 +12,7 @@ import regex
 
 from backend.triton.server import ServerHandle
 from client.generate import GenerateError, GenerateParams, generate_http, stream_grpc
+from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
 from tests.triton.llm_helpers import idle_pool
 
 PROMPT = '# settings\nuser = {"name": "alice", "age": 31}\nitem = '
@@ -81,3 +82,12 @@ def test_bad_guides_are_invalid_arg(llm_server: ServerHandle, kind, guide, messa
         list(stream_grpc(llm_server.urls.grpc, params))
     assert message in err.value.message, err.value
     assert idle_pool(llm_server)
+
+
+def test_a_model_with_guided_decoding_off_refuses_guides(triton_server):
+    server = triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"],
+                                                       "guided_decoding_backend": "none"}})
+    with pytest.raises(GenerateError) as err:
+        generate_http(server.urls.http, guided("regex", "[0-9]+"))
+    assert err.value.status == "HTTP 400" and "guided decoding is off" in err.value.message
+    assert generate_http(server.urls.http, GenerateParams(PROMPT, max_tokens=4)).text

@@ -37,6 +37,18 @@ def test_missing_model_and_bad_values_name_the_parameter(tmp_path):
         serving_settings(config(model_path=str(tmp_path), stats_check_period_ms="x"), tmp_path)
 
 
+def test_guided_decoding_backend(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    base = {"model_path": str(tmp_path)}
+    assert serving_settings(config(**base), tmp_path).guided_decoding_backend == "xgrammar"
+    off = config(**base, guided_decoding_backend="None")
+    assert serving_settings(off, tmp_path).guided_decoding_backend == "none"
+    with pytest.raises(ConfigError, match="guided_decoding_backend must be one of xgrammar, "
+                                          "none, got 'outlines'"):
+        serving_settings(config(**base, guided_decoding_backend="outlines"), tmp_path)
+    assert "guided_decoding_backend" not in engine_params(off)
+
+
 def test_engine_params_skip_ours_and_unset_values():
     got = engine_params(
         config(model_path="m", page_size="64", ssd_path="", k_max="${k_max}", cache_policy="none")
