@@ -44,6 +44,10 @@ class EngineConfig:
     # default; models not trained on JSON may then fill whitespace until max_tokens), or a
     # number N (at most N whitespace characters at each place).
     guided_json_whitespace: str = "compact"
+    # Jump-forward: tokens a guide forces (the only one its grammar allows next) join the
+    # output without a decode step each; the next step computes them with the sampled token
+    # as one chunk (not for requests that ask for log probabilities, which need their logits).
+    guided_jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -391,6 +391,7 @@ class Engine:
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,
             "prefill_waits": sched.num_prefill_waits,
+            "guided_forced_tokens": sched.num_forced_tokens,
             "replayed_anchors": self.cache.num_replayed_anchors,
             "recomputed_tokens": self.cache.num_recomputed_tokens,
             "live_state_hits": self.cache.num_live_state_hits,

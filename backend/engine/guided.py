@@ -160,7 +160,8 @@ class GuideState:
     """One sequence's position in its grammar. `words` holds the tokens it may produce next
     (packed in XGrammar's layout, special tokens already cleared), `allowed` unpacks them
     ([V] bool), `apply` masks a row of logits with them; `continues` is False once the grammar
-    allows nothing but its end."""
+    allows nothing but its end; `forced` is the token it must produce next when there is
+    exactly one (jump-forward), else None."""
 
     def __init__(self, backend: GrammarBackend, compiled: Any, end_id: int | None) -> None:
         xgr = _xgrammar()
@@ -206,7 +207,20 @@ class GuideState:
         if self.end_id is not None and self.matcher.is_terminated():
             self.words[:] = 0
             self.continues = False
+            self.forced = None
             return
         self.matcher.fill_next_token_bitmask(self.bitmask)
         np.bitwise_and(self.words, self.keep, out=self.words)
         self.continues = bool(np.bitwise_and(self.words, self.not_stop).any())
+        self.forced = self._single_token()
+
+    def _single_token(self) -> int | None:
+        """The token, when the mask allows exactly one (and it is not the end)."""
+        nonzero = np.flatnonzero(self.words)
+        if len(nonzero) != 1:
+            return None
+        word = int(self.words[nonzero[0]]) & 0xFFFFFFFF
+        if word & (word - 1):
+            return None
+        token = 32 * int(nonzero[0]) + word.bit_length() - 1
+        return None if self.end_id is not None and token == self.end_id else token

@@ -78,6 +78,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_num_seqs))
         self.num_preemptions = 0
+        self.num_forced_tokens = 0  # tokens a guide forced, appended without a step each
         self.num_steps = 0
         self.num_finished = 0
         self.num_prefill_waits = 0  # steps queued requests waited for a running prefill
@@ -331,6 +332,9 @@ class Scheduler:
                     error = f"guided decoding: {exc}"
             reason = "error" if error else self._finish_reason(seq)
             new_ids = [] if reason in ("eos", "error") else [token]
+            if reason is None and seq.guide is not None and self.config.guided_jump_forward \
+                    and not seq.request.sampling.return_log_probs:
+                reason = self._jump_forward(seq, new_ids)
             if reason is not None:
                 self._after.append(partial(self._finish, seq))
             out = seq.output(new_ids, reason is not None, reason, error)
@@ -343,6 +347,20 @@ class Scheduler:
                 out.first_logits = logits[row].clone()
             outputs.append(out)
         return outputs
+
+    def _jump_forward(self, seq: Sequence, new_ids: list[int]) -> str | None:
+        """Appends the tokens the guide forces after the one just sampled (each the only
+        token its grammar allows), up to the sequence's end; the next step computes them as
+        one chunk. Returns the finish reason, if one of them ends the sequence."""
+        reason = None
+        while reason is None and seq.guide.forced is not None:
+            token = seq.guide.forced
+            seq.tokens.append(token)
+            seq.guide.accept(token)
+            new_ids.append(token)
+            self.num_forced_tokens += 1
+            reason = self._finish_reason(seq)
+        return reason
 
     def _insert_prompt(self, seq: Sequence, num_tokens: int) -> None:
         self.cache.insert(seq, num_tokens)

@@ -59,6 +59,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Steps a queued request waited for a running request's prefill of its prompt's pages",
         COUNTER,
     ),
+    "suffixreplay_guided_forced_tokens_total": (
+        "Output tokens a guide forced, appended without a decode step each (jump-forward)",
+        COUNTER,
+    ),
     "suffixreplay_ssd_bytes_total": ("Bytes moved to and from the SSD tier", COUNTER),
     "suffixreplay_memory_bytes": (
         "Bytes in use by pool: device KV pages, anchor blocks and saved states, DRAM tier "
@@ -122,6 +126,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_prefetch_started_total", (), "tier:prefetch_started"),
     ("suffixreplay_deferred_admissions_total", (), "tier:deferred_admissions"),
     ("suffixreplay_prefill_waits_total", (), "prefill_waits"),
+    ("suffixreplay_guided_forced_tokens_total", (), "guided_forced_tokens"),
     ("suffixreplay_ssd_bytes_total", (("direction", "read"),), "tier:ssd_bytes_read"),
     ("suffixreplay_ssd_bytes_total", (("direction", "written"),), "tier:ssd_bytes_written"),
     ("suffixreplay_checksum_failures_total", (), "tier:checksum_failures"),

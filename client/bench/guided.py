@@ -4,7 +4,9 @@ and at a Qwen3.5-sized one (151,936 tokens, synthetic byte-level strings).
 
 Engine runs (in-process, the default model): B requests at once, each generating exactly N
 tokens: unguided (min_tokens = N), a regex that allows any N lower-case letters or spaces, and
-a JSON schema of fixed-size fields (outputs of about 118 tokens: the batch stays whole).
+a JSON schema of fixed-size fields (outputs of about 118 tokens: the batch stays whole), with
+jump-forward (the tokens the grammar forces join without a decode step each) and without it
+(`guided_jump_forward` off: a step a token).
 Each way runs `--repeats` times in rotating order on a fresh cache namespace; medians are
 reported (on two shared cores single runs spread by +-25%: the grammar's own time is the
 steadier number). The per-token grammar work (accept the token, compute the next mask) is timed
@@ -62,14 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def guides(max_tokens: int) -> dict[str, Guide | None]:
+    """The ways an engine run is measured (`json_schema_no_jump`: the schema on an engine
+    with `guided_jump_forward` off, one decode step a token)."""
+    schema = Guide("json_schema", json.dumps(SCHEMA))
     return {"unguided": None, "regex": Guide("regex", f"[a-z ]{{{max_tokens}}}"),
-            "json_schema": Guide("json_schema", json.dumps(SCHEMA))}
+            "json_schema": schema, "json_schema_no_jump": schema}
 
 
 def engine_run(engine: Engine, prompt: list[int], guide: Guide | None,
                args: argparse.Namespace) -> dict[str, float]:
-    """B requests at once from a cold prefix; output tokens per second after the first
-    token of each (the decode phase), and the tokens generated."""
+    """B requests at once from a cold prefix: output tokens per second after the first
+    token of each (the decode phase), the mean time from submission to a request's end, the
+    engine steps, and the tokens generated."""
     salt = uuid.uuid4().hex
     first: dict[str, float] = {}
     last: dict[str, float] = {}
@@ -86,6 +92,8 @@ def engine_run(engine: Engine, prompt: list[int], guide: Guide | None,
             done.append(out.request_id)
 
     min_tokens = args.max_tokens if guide is None else 0
+    steps = engine.stats()["steps"]
+    submitted = time.perf_counter()
     for i in range(args.batch):
         engine.submit(Request(f"{salt}-{i}", prompt, SamplingParams(
             max_tokens=args.max_tokens, min_tokens=min_tokens, temperature=1.0, seed=i,
@@ -94,7 +102,9 @@ def engine_run(engine: Engine, prompt: list[int], guide: Guide | None,
         engine.step()
     start, end = min(first.values()), max(last.values())
     tokens = sum(counts.values()) - len(counts)  # those after each request's first
-    return {"decode_tokens_per_s": tokens / (end - start), "output_tokens": sum(counts.values())}
+    return {"decode_tokens_per_s": tokens / (end - start),
+            "request_done_ms": 1000 * statistics.mean(t - submitted for t in last.values()),
+            "steps": engine.stats()["steps"] - steps, "output_tokens": sum(counts.values())}
 
 
 def mask_cost(backend: GrammarBackend, guide: Guide, steps: int, seed: int = 0) -> float:
@@ -147,18 +157,23 @@ def timed_compile(backend: GrammarBackend, guide: Guide) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     engine = Engine.from_model_dir(args.model, EngineConfig())
+    stepwise = Engine.from_model_dir(args.model, EngineConfig(guided_jump_forward=False))
     prompt = engine.tokenizer.encode(PROMPT)
     ways = guides(args.max_tokens)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in ways}
     names = list(ways)
-    engine_run(engine, prompt, None, args)  # warm-up
+    for warm in (engine, stepwise):
+        engine_run(warm, prompt, ways["json_schema"], args)
     for r in tqdm(range(args.repeats), desc="engine runs"):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(engine_run(engine, prompt, ways[name], args))
-    throughput = {name: round(statistics.median(x["decode_tokens_per_s"] for x in rows), 1)
-                  for name, rows in runs.items()}
-    tokens = {name: statistics.median(x["output_tokens"] for x in rows)
-              for name, rows in runs.items()}
+            runner = stepwise if name == "json_schema_no_jump" else engine
+            runs[name].append(engine_run(runner, prompt, ways[name], args))
+
+    def median(key: str, digits: int = 1) -> dict[str, float]:
+        return {name: round(statistics.median(x[key] for x in rows), digits)
+                for name, rows in runs.items()}
+
+    throughput = median("decode_tokens_per_s")
     vocabularies = {"model": GrammarBackend(engine.tokenizer, engine.model_config.vocab_size)}
     big = synthetic_tokenizer(args.large_vocab)
     vocabularies["large"] = GrammarBackend(big, args.large_vocab)
@@ -167,6 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         entry: dict[str, float] = {"vocab_size": backend.vocab_size}
         for name in ("regex", "json_schema"):
             guide = ways[name]
+            assert guide is not None
             entry[f"{name}_compile_ms"] = round(timed_compile(backend, guide) * 1000, 2)
             entry[f"{name}_compile_cached_ms"] = round(timed_compile(backend, guide) * 1000, 3)
             entry[f"{name}_per_token_us"] = round(mask_cost(backend, guide, 128) * 1e6, 1)
@@ -176,7 +192,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_tokens_per_s": throughput,
         "guided_over_unguided": {name: round(throughput[name] / throughput["unguided"], 3)
                                  for name in ways if name != "unguided"},
-        "output_tokens": tokens,
+        "jump_forward": {
+            "request_done_ms": {k: v for k, v in median("request_done_ms").items()
+                                if k.startswith("json")},
+            "steps": {k: v for k, v in median("steps", 0).items() if k.startswith("json")},
+            "speedup": round(statistics.median(x["request_done_ms"]
+                                               for x in runs["json_schema_no_jump"])
+                             / statistics.median(x["request_done_ms"]
+                                                 for x in runs["json_schema"]), 3),
+        },
+        "output_tokens": median("output_tokens", 0),
         "grammar_work": costs,
         "unguided_step_us": round(step_us, 1),
         "config": config_of(args),

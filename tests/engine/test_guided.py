@@ -276,3 +276,37 @@ def test_sentencepiece_byte_fallback_vocabularies_spell_their_bytes():
     assert allowed() == {"▁", "▁b", "<0x20>"}
     state.accept(vocab["▁b"])
     assert allowed() == {"</s>"} and not state.continues
+
+
+def test_jump_forward_gives_the_same_outputs_in_fewer_steps(prompt):
+    """Forced tokens (the only one the grammar allows) join without a decode step each:
+    greedy outputs equal those of one token per step, in fewer steps."""
+    results = {}
+    for jump in (False, True):
+        engine = Engine.from_model_dir(MODEL_DIR, EngineConfig(guided_jump_forward=jump))
+        rows = []
+        for guide in (Guide("json_schema", json.dumps(SCHEMA)),
+                      Guide("regex", r"(ab|a[cd]{1,4})e?[xyz]{2}")):
+            steps = engine.stats()["steps"]
+            out = engine.generate(prompt, SamplingParams(max_tokens=96, top_k=1, guide=guide))
+            rows.append((out.new_token_ids, out.finish_reason, engine.stats()["steps"] - steps))
+        results[jump] = (rows, engine.stats()["guided_forced_tokens"])
+        assert_no_leak(engine)
+    (plain, none_forced), (jumped, forced) = results[False], results[True]
+    assert none_forced == 0 and forced > 10
+    for (ids, reason, steps), (jump_ids, jump_reason, jump_steps) in zip(plain, jumped):
+        assert jump_ids == ids and jump_reason == reason
+        assert steps == len(ids)  # one decode step a token (the first after the prefill)
+        assert jump_steps <= steps
+    json_steps, json_jump_steps = plain[0][2], jumped[0][2]
+    assert json_jump_steps <= json_steps - forced // 2, (json_steps, json_jump_steps, forced)
+
+
+def test_jump_forward_leaves_requests_with_log_probs_a_step_a_token(engine, prompt):
+    forced = engine.stats()["guided_forced_tokens"]
+    out = engine.generate(prompt, SamplingParams(
+        max_tokens=96, top_k=1, return_log_probs=True, guide=Guide("json_schema",
+                                                                   json.dumps(SCHEMA))))
+    assert engine.stats()["guided_forced_tokens"] == forced
+    assert len(out.log_probs) == len(out.new_token_ids) > 20
+    assert all(lp <= 0 for lp in out.log_probs)

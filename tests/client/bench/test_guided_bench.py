@@ -14,7 +14,12 @@ def test_a_short_run_measures_every_way(tmp_path):
     tokens = summary["output_tokens"]
     assert tokens["unguided"] == tokens["regex"] == 2 * 16  # the regex asks for 16 letters
     assert 2 <= tokens["json_schema"] <= 2 * 16
-    assert set(summary["guided_over_unguided"]) == {"regex", "json_schema"}
+    assert set(summary["guided_over_unguided"]) == {"regex", "json_schema",
+                                                    "json_schema_no_jump"}
+    assert tokens["json_schema_no_jump"] == tokens["json_schema"]  # 16 tokens: cut alike
+    jump = summary["jump_forward"]
+    # the schema's first 16 tokens ('{"name": "' and six sampled ones) take fewer steps
+    assert jump["steps"]["json_schema"] < jump["steps"]["json_schema_no_jump"], jump
     assert all(v > 0 for v in summary["decode_tokens_per_s"].values())
     work = summary["grammar_work"]
     assert work["model"]["vocab_size"] == 260 and work["large"]["vocab_size"] == 4000
