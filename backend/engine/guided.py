@@ -1,6 +1,7 @@
 """Guided decoding: outputs that follow a JSON schema, any JSON, a regular expression or an EBNF
 grammar (TensorRT-LLM's `guided_decoding_guide_type` values `json_schema`, `json`, `regex`,
-`ebnf_grammar`), through XGrammar, as TensorRT-LLM, vLLM and SGLang do.
+`ebnf_grammar`, `structural_tag`: free text with tagged JSON sections, as tool calls are),
+through XGrammar, as TensorRT-LLM, vLLM and SGLang do.
 
 `GrammarBackend` (one per engine) compiles a request's guide against the model's vocabulary,
 once per distinct guide (XGrammar's compiler caches them); a compile error is a ValueError
@@ -24,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from dataclasses import dataclass
@@ -34,7 +36,7 @@ import torch
 
 from backend.tokenizer import Tokenizer
 
-GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar")
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
 ANY_JSON = '{"type": ["object", "array"]}'  # `json`: any object or array
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
@@ -42,7 +44,8 @@ _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: (Check failed: \(.*?\) is 
 @dataclass(frozen=True)
 class Guide:
     """What a request's output must follow: `kind` in GUIDE_TYPES and its text (a JSON schema,
-    a regular expression, an EBNF grammar whose start rule is `root`; none for `json`)."""
+    a regular expression, an EBNF grammar whose start rule is `root`, a structural tag's JSON;
+    none for `json`)."""
 
     kind: str
     text: str = ""
@@ -54,6 +57,24 @@ class Guide:
         if self.kind != "json" and not self.text.strip():
             raise ValueError(f"guided_decoding_guide_type {self.kind!r} needs a "
                              "guided_decoding_guide (the schema, regex or grammar), got none")
+
+
+def structural_tag(text: str) -> str:
+    """A structural tag in XGrammar's form ({"type": "structural_tag", "format": ...}); the
+    older form of OpenAI-style servers ({"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}: free text until a trigger, then a tagged JSON object of that schema)
+    is rewritten into it. Anything else is passed on for XGrammar to judge."""
+    try:
+        tag = json.loads(text)
+    except ValueError:
+        return text
+    if not isinstance(tag, dict) or "format" in tag or "structures" not in tag:
+        return text
+    tags = [{"begin": s.get("begin", ""), "end": s.get("end", ""),
+             "content": {"type": "json_schema", "json_schema": s.get("schema", {})}}
+            for s in tag["structures"] if isinstance(s, dict)]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": tag.get("triggers", []), "tags": tags}})
 
 
 def _xgrammar() -> Any:
@@ -112,6 +133,8 @@ class GrammarBackend:
                     return self.compiler.compile_json_schema(guide.text, **self.json_options)
                 if guide.kind == "regex":
                     return self.compiler.compile_regex(guide.text)
+                if guide.kind == "structural_tag":
+                    return self.compiler.compile_structural_tag(structural_tag(guide.text))
                 return self.compiler.compile_grammar(guide.text)
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ValueError(f"guided_decoding_guide is not a valid {guide.kind}: "

@@ -10,7 +10,8 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
   cache_salt, session_id [1] BYTES (ours); guided_decoding_guide_type, guided_decoding_guide
-  [1] BYTES (`json`, `json_schema`, `regex`, `ebnf_grammar` and the schema / regex / grammar,
+  [1] BYTES (`json`, `json_schema`, `regex`, `ebnf_grammar`, `structural_tag` and the schema /
+  regex / grammar / tag,
   as TensorRT-LLM's; `backend/engine/guided.py`);
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
@@ -140,7 +141,7 @@ def guide_of(inputs: Tensors) -> Guide | None:
     if not kind:
         if text.strip():
             raise RequestError("guided_decoding_guide is set but guided_decoding_guide_type is "
-                               "not (json, json_schema, regex or ebnf_grammar)")
+                               "not (json, json_schema, regex, ebnf_grammar or structural_tag)")
         return None
     return Guide(kind, text)  # ValueError: caught by sampling_of
 

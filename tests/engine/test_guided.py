@@ -165,7 +165,7 @@ def test_bad_guides_are_value_errors_and_leak_nothing(engine, prompt, guide, mes
 
 
 @pytest.mark.parametrize("kind, text, message", [
-    ("xml", "", "must be one of json, json_schema, regex, ebnf_grammar"),
+    ("xml", "", "must be one of json, json_schema, regex, ebnf_grammar, structural_tag"),
     ("regex", " ", "needs a guided_decoding_guide"),
 ])
 def test_bad_guide_fields_are_value_errors(kind, text, message):
@@ -310,3 +310,45 @@ def test_jump_forward_leaves_requests_with_log_probs_a_step_a_token(engine, prom
     assert engine.stats()["guided_forced_tokens"] == forced
     assert len(out.log_probs) == len(out.new_token_ids) > 20
     assert all(lp <= 0 for lp in out.log_probs)
+
+
+TOOL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+               "required": ["city"]}
+
+
+@pytest.mark.parametrize("form", ["xgrammar", "older"])
+def test_structural_tags_guide_tagged_json_after_a_trigger(engine, prompt, form):
+    """Free text until a trigger, then the tag's JSON and its end (a tool call): with the
+    trigger in the prompt's continuation forced by a regex-like start, the call is valid."""
+    if form == "xgrammar":
+        tag = {"type": "structural_tag", "format": {
+            "type": "triggered_tags", "triggers": ["<call="],
+            "tags": [{"begin": "<call=weather>", "end": "</call>",
+                      "content": {"type": "json_schema", "json_schema": TOOL_SCHEMA}}]}}
+    else:
+        tag = {"type": "structural_tag", "triggers": ["<call="], "structures": [
+            {"begin": "<call=weather>", "schema": TOOL_SCHEMA, "end": "</call>"}]}
+    state = engine.grammars().state(Guide("structural_tag", json.dumps(tag)),
+                                    engine.eos_token_id)
+    text = "I will check. <call=weather>"
+    for ch in text:  # free text, then the trigger and the tag's begin
+        assert bool(state.allowed[ord(ch)]), f"{ch!r} refused after {text[:text.index(ch)]!r}"
+        state.accept(ord(ch))
+    # Inside the tag only the schema's JSON may come: '{' and nothing else.
+    assert state.allowed.nonzero().view(-1).tolist() == [ord("{")]
+    for ch in '{"city": "oslo"}</call>':
+        assert bool(state.allowed[ord(ch)]), ch
+        state.accept(ord(ch))
+    assert state.continues and bool(state.allowed[engine.eos_token_id])  # text may go on
+    # Served through the engine, every tagged section it writes parses.
+    for seed in range(3):
+        out_text, _ = generate(engine, prompt + engine.tokenizer.encode("<call=weather>"),
+                               Guide("structural_tag", json.dumps(tag)), temperature=1.0,
+                               seed=seed, max_tokens=64)
+        for body in regex.findall(r"<call=weather>(.*?)</call>", out_text):
+            assert isinstance(json.loads(body)["city"], str), out_text
+
+
+def test_a_bad_structural_tag_is_a_value_error(engine, prompt):
+    with pytest.raises(ValueError, match="not a valid structural_tag: .*format"):
+        engine.grammars().compile(Guide("structural_tag", '{"type": "structural_tag"}'))
