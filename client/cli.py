@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     guide.add_argument("--grammar", metavar="EBNF",
                        help="guided: the output follows this EBNF grammar with rule root "
                             "(its text, or @FILE)")
+    guide.add_argument("--structural-tag", metavar="TAG",
+                       help="guided: free text with tagged JSON sections after triggers "
+                            "(the tag's JSON, or @FILE)")
     chat = commands.add_parser("chat", help="multi-turn chat; the history is re-sent each turn")
     chat.add_argument("--system", default="You are a helpful assistant.")
     health = commands.add_parser("health", help="server and model readiness")
@@ -105,7 +108,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
 
 def guide_options(args: argparse.Namespace) -> dict:
     """guide_type / guide for the generate command's --json / --json-schema / --regex /
-    --grammar (text, or @FILE for a schema or grammar)."""
+    --grammar / --structural-tag (text, or @FILE for a schema, grammar or tag)."""
     def text(value: str) -> str:
         return Path(value[1:]).read_text() if value.startswith("@") else value
 
@@ -117,6 +120,8 @@ def guide_options(args: argparse.Namespace) -> dict:
         return {"guide_type": "regex", "guide": args.regex}
     if args.grammar is not None:
         return {"guide_type": "ebnf_grammar", "guide": text(args.grammar)}
+    if args.structural_tag is not None:
+        return {"guide_type": "structural_tag", "guide": text(args.structural_tag)}
     return {}
 
 

@@ -56,6 +56,21 @@ def test_generate_with_penalties_reports_the_log_probability(llm_server: ServerH
     assert printed == pytest.approx(sum(expected.log_probs), abs=1e-3) and printed < 0
 
 
+def test_generate_guided_by_a_schema_file_and_a_regex(llm_server: ServerHandle, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer", '
+                      '"minimum": 0, "maximum": 99}}, "required": ["n"]}')
+    result = run_client("generate", PROMPT, "--url", llm_server.urls.grpc, *GREEDY,
+                        "--max-tokens", "32", "--json-schema", f"@{schema}")
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(r'\{"n": \d{1,2}\}\n', result.stdout), result.stdout
+    result = run_client("generate", PROMPT, "--http", "--url", llm_server.urls.http, *GREEDY,
+                        "--regex", "(sea|sky)-[0-9]")
+    assert result.returncode == 0 and re.fullmatch(r"(sea|sky)-[0-9]\n", result.stdout), result
+    result = run_client("generate", PROMPT, "--url", llm_server.urls.grpc, "--regex", "[0-")
+    assert result.returncode != 0 and "not a valid regex" in result.stderr
+
+
 def test_generate_several_sequences_prints_each(llm_server: ServerHandle):
     options = dict(max_tokens=10, temperature=0.9, seed=4, cache_salt="cli-n")
     expected = generate_http(llm_server.urls.http,
