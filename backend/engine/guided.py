@@ -68,7 +68,8 @@ def structural_tag(text: str) -> str:
         tag = json.loads(text)
     except ValueError:
         return text
-    if not isinstance(tag, dict) or "format" in tag or "structures" not in tag:
+    if not isinstance(tag, dict) or "format" in tag or \
+            not isinstance(tag.get("structures"), list):
         return text
     tags = [{"begin": s.get("begin", ""), "end": s.get("end", ""),
              "content": {"type": "json_schema", "json_schema": s.get("schema", {})}}

@@ -349,6 +349,7 @@ def test_structural_tags_guide_tagged_json_after_a_trigger(engine, prompt, form)
             assert isinstance(json.loads(body)["city"], str), out_text
 
 
-def test_a_bad_structural_tag_is_a_value_error(engine, prompt):
-    with pytest.raises(ValueError, match="not a valid structural_tag: .*format"):
-        engine.grammars().compile(Guide("structural_tag", '{"type": "structural_tag"}'))
+@pytest.mark.parametrize("tag", ['{"type": "structural_tag"}', '{"structures": 5}', "[]"])
+def test_a_bad_structural_tag_is_a_value_error(engine, tag):
+    with pytest.raises(ValueError, match="not a valid structural_tag: Invalid structural tag"):
+        engine.grammars().compile(Guide("structural_tag", tag))
