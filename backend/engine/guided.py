@@ -207,7 +207,6 @@ class GuideState:
             never |= stop
         self.keep = pack_bits(~never)  # cleared from every mask
         self.not_stop = pack_bits(~stop)
-        self.continues = True
         self._refresh()
 
     @property

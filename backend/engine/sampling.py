@@ -117,15 +117,15 @@ def sample(
     output_lens: Sequence[int],
     histories: Sequence[Sequence[int]] | None = None,
     counts: Sequence[TokenCounts | None] | None = None,
-    allowed: Sequence[TokenMask | torch.Tensor | None] | None = None,
+    masks: Sequence[TokenMask | None] | None = None,
 ) -> torch.Tensor:
     """Next token per row.
 
     logits: [B, V] (any float dtype); params, generators, output_lens: one per row, output_lens
     counting the tokens generated so far; histories: the generated ids per row (needed only for
     multi-token bad words); counts: each row's `TokenCounts`, up to date (needed only for rows
-    with penalties); allowed: per row, None or the tokens a guide allows next (at least one):
-    a [V] bool mask or an object whose `apply(row)` sets the others to -inf (`GuideState`).
+    with penalties); masks: per row, None or what a guide allows next (at least one token):
+    an object whose `apply(row)` sets the other tokens' logits to -inf (`GuideState`).
     Returns LongTensor [B] on the logits' device.
     """
     B, V = logits.shape
@@ -138,21 +138,18 @@ def sample(
         raise ValueError(f"sample got {B} rows of logits but {len(histories)} histories")
     if counts is not None and len(counts) != B:
         raise ValueError(f"sample got {B} rows of logits but {len(counts)} token counts")
-    if allowed is not None and len(allowed) != B:
-        raise ValueError(f"sample got {B} rows of logits but {len(allowed)} allowed masks")
+    if masks is not None and len(masks) != B:
+        raise ValueError(f"sample got {B} rows of logits but {len(masks)} masks")
     logits = logits.float().clone()
     for i, p in enumerate(params):
         row = logits[i]
         adjust_logits(row, p, counts[i] if counts is not None else None)
         history = histories[i] if histories is not None else ()
-        mask = allowed[i] if allowed is not None else None
+        mask = masks[i] if masks is not None else None
         if mask is None:
             mask_banned(row, p, output_lens[i], history)
             continue
-        if isinstance(mask, torch.Tensor):
-            row.masked_fill_(~mask.to(row.device), float("-inf"))
-        else:
-            mask.apply(row)
+        mask.apply(row)
         if p.bad_words or (p.end_id is not None and output_lens[i] < p.min_tokens):
             guided = row.clone()
             mask_banned(row, p, output_lens[i], history)

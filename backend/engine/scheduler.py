@@ -305,12 +305,12 @@ class Scheduler:
         if any(p.penalized for p in params):
             counts = [s.counts(logits.shape[-1]) if p.penalized else None
                       for s, p in zip(seqs, params)]
-        allowed = None
+        masks = None
         if any(s.guide is not None for s in seqs):
-            allowed = [s.guide for s in seqs]
+            masks = [s.guide for s in seqs]
         tokens = sample(logits, params, [s.generator for s in seqs],
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
-                        counts, allowed)
+                        counts, masks)
         log_probs: dict[int, float] = {}
         wanted = [row for row, p in enumerate(params) if p.return_log_probs]
         if wanted:

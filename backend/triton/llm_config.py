@@ -68,8 +68,8 @@ def serving_settings(config: Mapping[str, Any], model_dir: Path) -> ServingSetti
         exclude_input_in_output=get_bool_param(config, "exclude_input_in_output", True),
         stats_check_period_ms=_int_param(config, "stats_check_period_ms", 100),
         cancellation_check_period_ms=_int_param(config, "cancellation_check_period_ms", 100),
-        guided_decoding_backend=(get_param(config, "guided_decoding_backend", "xgrammar")
-                                 or "xgrammar").lower(),
+        guided_decoding_backend=str(get_param(config, "guided_decoding_backend",
+                                              "xgrammar")).lower(),
     )
 
 

@@ -11,8 +11,7 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
   cache_salt, session_id [1] BYTES (ours); guided_decoding_guide_type, guided_decoding_guide
   [1] BYTES (`json`, `json_schema`, `regex`, `ebnf_grammar`, `structural_tag` and the schema /
-  regex / grammar / tag,
-  as TensorRT-LLM's; `backend/engine/guided.py`);
+  regex / grammar / tag, as TensorRT-LLM's; `backend/engine/guided.py`);
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
 

@@ -207,8 +207,9 @@ def test_the_mask_is_applied_before_every_choice(engine):
 
     V = engine.model_config.vocab_size
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(0)) * 5
-    allowed = torch.zeros(V, dtype=torch.bool)
-    allowed[[10, 20, 30]] = True
+
+    allowed = engine.grammars().state(Guide("regex", r"\n|\x14|\x1e"), engine.eos_token_id)
+    assert allowed.allowed.nonzero().view(-1).tolist() == [10, 20, 30]
     params = [SamplingParams(top_k=1), SamplingParams(temperature=2.0, seed=3),
               SamplingParams(top_k=1, bad_words=((10,), (20,), (30,))),
               SamplingParams(top_k=1)]
