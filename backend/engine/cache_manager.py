@@ -231,9 +231,13 @@ class CacheManager:
             return None
         return self.layout.capture_plan(start, end, seq.anchor_blocks)
 
-    def after_forward(self, seq: Sequence) -> None:
-        """Saves states where planned (checkpoints, page-boundary live state)."""
+    def after_forward(self, seq: Sequence, caught_up: bool | None = None) -> None:
+        """Saves states where planned (checkpoints, page-boundary live state). `caught_up`:
+        the step computed every token but those it sampled (default: num_computed is the
+        sequence's length, as before sampling)."""
         pos = seq.num_computed
+        if caught_up is None:
+            caught_up = pos >= len(seq.tokens)
         if not self.snapshots:
             return
         is_checkpoint = pos in seq.capture_positions
@@ -242,7 +246,7 @@ class CacheManager:
                 pos > seq.num_prompt_tokens
         else:
             at_boundary = pos % self.page_size == 0 and pos > seq.num_tree_pages * self.page_size
-        if not (is_checkpoint or (at_boundary and pos >= len(seq.tokens))):
+        if not (is_checkpoint or (at_boundary and caught_up)):
             return
         slots = self.store.alloc_state_slots(1) or self._give_up_shallowest(seq, pos)
         if slots is None:

@@ -8,11 +8,13 @@ import torch
 
 from backend.cache.config import CACHE_POLICIES, CacheConfig
 from backend.cache.tier_config import TierConfig
+from backend.engine.speculative import SPECULATIVE_METHODS
 from backend.replay.budget import SAMPLINGS, ReplayConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+MAX_SPECULATIVE_TOKENS = 32
 
 # Placeholder until `Engine.from_model_dir` hashes the weights (TierConfig.model_fingerprint).
 FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
@@ -48,6 +50,14 @@ class EngineConfig:
     # output without a decode step each; the next step computes them with the sampled token
     # as one chunk (not for requests that ask for log probabilities, which need their logits).
     guided_jump_forward: bool = True
+    # Speculative decoding: "ngram" drafts up to `num_speculative_tokens` tokens a step by
+    # prompt lookup (`backend/engine/speculative.py`: the tokens that followed the longest
+    # earlier match, `prompt_lookup_min`..`prompt_lookup_max` tokens, of the sequence's
+    # last ones) and verifies them in one forward; "none": a token a step.
+    speculative_method: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 3
+    prompt_lookup_max: int = 8
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -70,6 +80,20 @@ class EngineConfig:
         if ws not in ("compact", "any") and not (ws.isdigit() and int(ws) >= 1):
             raise ValueError("guided_json_whitespace must be 'compact', 'any' or a number >= 1, "
                              f"got {ws!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, got "
+                             f"{self.speculative_method!r}")
+        if self.speculative_method != "none":
+            if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"num_speculative_tokens must be in 1..{MAX_SPECULATIVE_TOKENS}"
+                                 f", got {self.num_speculative_tokens}")
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError("prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min "
+                                 f"<= max, got {self.prompt_lookup_min} / "
+                                 f"{self.prompt_lookup_max}")
+            if self.executor == "compiled":
+                raise ValueError("speculative decoding runs on executor 'torch' (the AOT step "
+                                 "graphs return one position's logits a sequence)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (

@@ -392,6 +392,8 @@ class Engine:
             "preemptions": sched.num_preemptions,
             "prefill_waits": sched.num_prefill_waits,
             "guided_forced_tokens": sched.num_forced_tokens,
+            "spec_draft_tokens": sched.num_draft_tokens,
+            "spec_accepted_tokens": sched.num_accepted_tokens,
             "replayed_anchors": self.cache.num_replayed_anchors,
             "recomputed_tokens": self.cache.num_recomputed_tokens,
             "live_state_hits": self.cache.num_live_state_hits,

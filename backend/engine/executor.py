@@ -34,6 +34,7 @@ class ExecutorBuffers:
     # it cannot, the scheduler ends a step wherever a state is to be saved.
     supports_snapshots = False
     max_snapshots_per_row: int | None = None  # None: as many as asked
+    _stash: StateSlots | None = None  # run-state copies for speculative steps
 
     def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device, num_kv_pages: int,
                   page_size: int, num_run_slots: int, num_saved_slots: int,
@@ -94,18 +95,25 @@ class TorchExecutor(ExecutorBuffers):
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
         capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
         snapshots: list[tuple[int, int, int]] | None = None,
+        num_logits: list[int] | None = None,
     ) -> torch.Tensor:
         """One batched step; returns last-token logits [B, V] (fp32).
 
         snapshots: (row, offset, saved slot): after the row's first `offset` new tokens (a
         multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot.
+        num_logits: per row, how many of its last tokens' logits to return (speculative
+        verification); then [B, L, V] with L = max(num_logits), row b's in [b, :n_b] in
+        token order (the rest zeros).
 
         The eager model pads a step's sequences to its longest one, so a step whose rows
         differ much in length runs as several forwards (`split_rows`): decode rows beside a
         prefill chunk (the model's decode path), a short chunk beside a long one."""
+        if num_logits is not None and max(num_logits) == 1:
+            num_logits = None
         parts = split_rows(seqs)
         if parts is None:
-            return self._forward(seqs, capture_src, capture_dst, layer_hooks, snapshots)
+            return self._forward(seqs, capture_src, capture_dst, layer_hooks, snapshots,
+                                 num_logits)
         T = max(len(s.token_ids) for s in seqs)
         logits = None
         for i, rows in enumerate(parts):
@@ -115,13 +123,20 @@ class TorchExecutor(ExecutorBuffers):
             # New KV is copied out (offload) once every part has written it: the earlier
             # part only waits for its layers' loads.
             hooks = layer_hooks if last or layer_hooks is None else _LoadOnly(layer_hooks)
-            out = self._forward(*sub[:3], hooks, sub[3])
+            counts = None if num_logits is None else [num_logits[b] for b in rows]
+            out = self._forward(*sub[:3], hooks, sub[3], counts)
             if logits is None:
-                logits = out.new_empty(len(seqs), out.shape[-1])
-            logits[rows] = out
+                shape = (len(seqs), out.shape[-1]) if num_logits is None else \
+                    (len(seqs), max(num_logits), out.shape[-1])
+                logits = out.new_zeros(shape)
+            if num_logits is None:
+                logits[rows] = out
+            else:
+                logits[rows, :out.shape[1]] = out if out.dim() == 3 else out.unsqueeze(1)
         return logits
 
-    def _forward(self, seqs, capture_src, capture_dst, layer_hooks, snapshots):
+    def _forward(self, seqs, capture_src, capture_dst, layer_hooks, snapshots,
+                 num_logits=None):
         capture = None
         if capture_src is not None and capture_src.numel():
             capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
@@ -132,7 +147,38 @@ class TorchExecutor(ExecutorBuffers):
             rows, offsets, slots = (torch.tensor(v, device=self.model.device)
                                     for v in zip(*snapshots))
             batch.snapshots = Snapshots(rows, offsets, slots, self.saved_states)
-        return self.model.forward_batch(batch).float()
+        if num_logits is None or max(num_logits) == 1:
+            return self.model.forward_batch(batch).float()
+        T = batch.input_ids.shape[1]
+        index, place = [], []
+        for b, (s, n) in enumerate(zip(seqs, num_logits)):
+            end = len(s.token_ids)
+            index += range(b * T + end - n, b * T + end)
+            place += [(b, i) for i in range(n)]
+        out = self.model.forward_batch(
+            batch, logit_index=torch.tensor(index, device=self.model.device)).float()
+        logits = out.new_zeros(len(seqs), max(num_logits), out.shape[-1])
+        b, i = zip(*place)
+        logits[list(b), list(i)] = out
+        return logits
+
+    def stash_states(self, slots: list[int]) -> None:
+        """Copies the run slots' linear states aside (before a speculative step: a rejected
+        draft puts them back with `restore_states`)."""
+        if self._stash is None:
+            n = self.run_states.conv[0].shape[0] if self.run_states.conv else 0
+            self._stash = StateSlots.allocate(self.config, n, self.dtype, self.device)
+        index = torch.tensor(slots, device=self.device)
+        for src, dst in zip(self.run_states.conv + self.run_states.rec,
+                            self._stash.conv + self._stash.rec):
+            dst.index_copy_(0, index, src.index_select(0, index))
+
+    def restore_states(self, slots: list[int]) -> None:
+        """The run slots' linear states as `stash_states` last saw them."""
+        index = torch.tensor(slots, device=self.device)
+        for src, dst in zip(self._stash.conv + self._stash.rec,
+                            self.run_states.conv + self.run_states.rec):
+            dst.index_copy_(0, index, src.index_select(0, index))
 
     def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:
         """Rebuilds linear states into run slots `slots` from anchor rows, one packed batch

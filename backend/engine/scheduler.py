@@ -27,6 +27,7 @@ from backend.engine.executor import TorchExecutor
 from backend.engine.request import RequestOutput
 from backend.engine.sampling import finish_reason, make_generator, sample, token_log_probs
 from backend.engine.sequence import SeqStatus, Sequence
+from backend.engine.speculative import NgramDrafter
 from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
 from backend.model.batch import SNAPSHOT_ALIGN
@@ -38,6 +39,9 @@ class Chunk:
     start: int
     end: int
     snapshots: list[tuple[int, int]] = field(default_factory=list)  # (position, saved slot)
+    # Speculative tokens computed after [start, end) (end: the sequence's length); each is
+    # verified against the token sampled before it.
+    draft: list[int] = field(default_factory=list)
 
 
 # Budget-cut prefill chunks of at least this many tokens end on a SNAPSHOT_ALIGN boundary when
@@ -79,6 +83,12 @@ class Scheduler:
         self.free_slots = list(range(config.max_num_seqs))
         self.num_preemptions = 0
         self.num_forced_tokens = 0  # tokens a guide forced, appended without a step each
+        self.drafter = None
+        if config.speculative_method == "ngram":
+            self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
+                                        config.prompt_lookup_max)
+        self.num_draft_tokens = 0  # speculative tokens verified
+        self.num_accepted_tokens = 0  # ... and kept (each a token without a step of its own)
         self.num_steps = 0
         self.num_finished = 0
         self.num_prefill_waits = 0  # steps queued requests waited for a running prefill
@@ -109,7 +119,8 @@ class Scheduler:
         done = [c for c in chunks if c.end == len(c.seq.tokens)]
         for c in chunks:
             c.seq.num_computed = c.end
-            self.cache.after_forward(c.seq)
+            if not c.draft:  # a draft's states are settled after sampling (`_settle`)
+                self.cache.after_forward(c.seq)
             if c.end < len(c.seq.tokens):
                 # A prefill chunk that is not the prompt's last: its whole pages join the
                 # store after this step, so requests admitted from the next step on share
@@ -117,7 +128,12 @@ class Scheduler:
                 self._after.append(partial(self.cache.insert, c.seq, c.end, with_states=False))
         if done:
             rows = [chunks.index(c) for c in done]
-            outputs.extend(self._sample([c.seq for c in done], logits[rows]))
+            drafts = [c.draft for c in done] if any(c.draft for c in done) else None
+            sampled = self._sample([c.seq for c in done], logits[rows], drafts)
+            outputs.extend(sampled)
+            if drafts is not None:
+                finished = {id(c.seq) for c, out in zip(done, sampled) if out.finished}
+                self._settle([c for c in done if c.draft], finished)
         self.last_step_seconds = time.perf_counter() - start
         return outputs
 
@@ -239,6 +255,9 @@ class Scheduler:
                 chunks.append(Chunk(seq, seq.num_computed, end))
                 budget -= 1
         chunks = [c for c in chunks if c.seq.status is SeqStatus.RUNNING]
+        if self.drafter is not None:
+            for c in chunks:
+                budget -= self._draft(c, budget)
         for seq in prefills:
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
@@ -253,9 +272,54 @@ class Scheduler:
             end = self.cache.ensure_pages(seq, end)
             end, snapshots = self.cache.plan_snapshots(seq, seq.num_computed, end)
             if end > seq.num_computed:
-                chunks.append(Chunk(seq, seq.num_computed, end, snapshots))
+                chunk = Chunk(seq, seq.num_computed, end, snapshots)
+                chunks.append(chunk)
                 budget -= end - seq.num_computed
+                if self.drafter is not None:
+                    budget -= self._draft(chunk, budget)
         return chunks
+
+    def _draft(self, chunk: Chunk, budget: int) -> int:
+        """Adds a speculative draft to a chunk that computes a generating sequence's last
+        tokens (within the step's budget, the request's max_tokens, the context and the
+        pages to be had without preempting anyone); returns its length."""
+        seq = chunk.seq
+        if chunk.end != len(seq.tokens) or seq.num_output_tokens == 0:
+            return 0  # a prompt's chunks: its last one samples the first token
+        limit = min(budget, seq.request.sampling.max_tokens - seq.num_output_tokens - 1,
+                    self.config.max_context_len - len(seq.tokens) - 1)
+        draft = self.drafter.propose(seq, limit)
+        if draft:
+            covered = self.cache.ensure_pages(seq, chunk.end + len(draft))
+            draft = draft[:covered - chunk.end]
+        chunk.draft = draft
+        return len(draft)
+
+    def _settle(self, chunks: list[Chunk], finished: set[int]) -> None:
+        """After sampling a speculative step's chunks: a sequence whose tokens now start with
+        its whole draft has computed it (its states are past it, where a step a token would
+        have left them). One that rejected a draft token gets back the states it had before
+        the step and computes the tokens it kept again in its next step (their KV and
+        anchors are rewritten the same). A sequence that `finished` keeps the KV of every
+        token it kept (its states are not used again)."""
+        restore = []
+        for c in chunks:
+            seq = c.seq
+            kept = 0
+            while kept < len(c.draft) and c.end + kept < len(seq.tokens) and \
+                    seq.tokens[c.end + kept] == c.draft[kept]:
+                kept += 1
+            self.num_draft_tokens += len(c.draft)
+            self.num_accepted_tokens += kept
+            if kept == len(c.draft) or id(seq) in finished:
+                seq.num_computed = c.end + kept
+                if id(seq) not in finished:
+                    self.cache.after_forward(seq, caught_up=True)
+            else:
+                seq.num_computed = c.start
+                restore.append(seq.run_slot)
+        if restore:
+            self.executor.restore_states(restore)
 
     def _grow(self, seq: Sequence, end: int) -> int | None:
         """Pages for a decode step; preempts the youngest other sequence when none are free."""
@@ -279,12 +343,13 @@ class Scheduler:
 
     def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
         seqs, src, dst, snapshots = [], [], [], []
-        T = max(c.end - c.start for c in chunks)
+        T = max(c.end + len(c.draft) - c.start for c in chunks)
         for b, c in enumerate(chunks):
             table = torch.tensor(c.seq.page_table)
-            seqs.append(SeqInput(c.seq.tokens[c.start:c.end], c.start, table, c.seq.run_slot))
+            seqs.append(SeqInput(c.seq.tokens[c.start:c.end] + c.draft, c.start, table,
+                                 c.seq.run_slot))
             snapshots += [(b, pos - c.start, slot) for pos, slot in c.snapshots]
-            plan = self.cache.capture_plan(c.seq, c.start, c.end)
+            plan = self.cache.capture_plan(c.seq, c.start, c.end + len(c.draft))
             if plan is not None:
                 src.append(plan[0] + b * T)
                 dst.append(plan[1])
@@ -293,13 +358,76 @@ class Scheduler:
             pages = [p for c in chunks for p in self.cache.offload_pages(c.seq, c.end)]
             transfers = LayerTransfers(self.cache.tiers, pages)
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
+        num_logits = None
+        if any(c.draft for c in chunks):  # speculative: logits at each draft token too
+            num_logits = [1 + len(c.draft) for c in chunks]
+            self.executor.stash_states([c.seq.run_slot for c in chunks if c.draft])
         logits = self.executor.forward(seqs, *capture, layer_hooks=transfers,
-                                       snapshots=snapshots)
+                                       snapshots=snapshots, num_logits=num_logits)
         if transfers is not None:  # the rest of the copies after the outputs
             self._after.append(transfers.finish)
         return logits
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[RequestOutput]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
+                drafts: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Samples each sequence's next token from logits [B, V]; with `drafts`, logits
+        [B, L, V] hold row b's logits after its last computed token and after each of its
+        draft tokens: a row goes on to its next position while the token it drew equals the
+        draft's (and it does not finish), so it emits the tokens a step a token would have
+        drawn, from the same distributions, in one step."""
+        if logits.dim() == 2:
+            logits = logits.unsqueeze(1)
+        drafts = drafts or [[] for _ in seqs]
+        emitted: list[list[int]] = [[] for _ in seqs]
+        log_probs: list[list[float]] = [[] for _ in seqs]
+        reasons: list[str | None] = [None] * len(seqs)
+        errors: list[str | None] = [None] * len(seqs)
+        now = time.perf_counter()
+        first = [s.first_token_time is None for s in seqs]
+        active = list(range(len(seqs)))
+        for i in range(logits.shape[1]):
+            rows, active = active, []
+            tokens, lps = self._draw([seqs[r] for r in rows], logits[rows, i])
+            for r, token, lp in zip(rows, tokens, lps):
+                seq = seqs[r]
+                if seq.first_token_time is None:
+                    if not seq.prefix_inserted:
+                        self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
+                    seq.first_token_time = now
+                seq.tokens.append(token)
+                if seq.guide is not None:
+                    try:
+                        seq.guide.accept(token)
+                    except ValueError as exc:  # a grammar fault: this request fails, not the step
+                        errors[r] = f"guided decoding: {exc}"
+                reason = reasons[r] = "error" if errors[r] else self._finish_reason(seq)
+                if reason not in ("eos", "error"):  # an end id is not output
+                    emitted[r].append(token)
+                    if lp is not None:
+                        log_probs[r].append(lp)
+                if reason is None and i < len(drafts[r]) and token == drafts[r][i]:
+                    active.append(r)  # the draft's token: its logits are next
+        outputs = []
+        for r, seq in enumerate(seqs):
+            reason = reasons[r]
+            if reason is None and seq.guide is not None and self.config.guided_jump_forward \
+                    and not seq.request.sampling.return_log_probs:
+                reason = self._jump_forward(seq, emitted[r])
+            if reason is not None:
+                self._after.append(partial(self._finish, seq))
+            out = seq.output(emitted[r], reason is not None, reason, errors[r])
+            if seq.request.sampling.return_log_probs:
+                seq.cum_log_prob += sum(log_probs[r])
+                out.log_probs = log_probs[r]
+                out.cum_log_prob = seq.cum_log_prob
+            if first[r] and seq.request.return_first_logits:
+                out.first_logits = logits[r, 0].clone()
+            outputs.append(out)
+        return outputs
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list]:
+        """One token per row from logits [B, V] (penalties, guides and the sampling
+        parameters applied), and its log probability for rows that return them (else None)."""
         params = [s.request.sampling for s in seqs]
         counts = None
         if any(p.penalized for p in params):
@@ -311,42 +439,13 @@ class Scheduler:
         tokens = sample(logits, params, [s.generator for s in seqs],
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
                         counts, masks)
-        log_probs: dict[int, float] = {}
+        lps: list[float | None] = [None] * len(seqs)
         wanted = [row for row, p in enumerate(params) if p.return_log_probs]
         if wanted:
-            log_probs = dict(zip(wanted, token_log_probs(logits[wanted], tokens[wanted]).tolist()))
-        now = time.perf_counter()
-        outputs = []
-        for row, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            first = seq.first_token_time is None
-            if not seq.prefix_inserted:
-                self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
-            seq.tokens.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            error = None
-            if seq.guide is not None:
-                try:
-                    seq.guide.accept(token)
-                except ValueError as exc:  # a grammar fault: this request fails, not the step
-                    error = f"guided decoding: {exc}"
-            reason = "error" if error else self._finish_reason(seq)
-            new_ids = [] if reason in ("eos", "error") else [token]
-            if reason is None and seq.guide is not None and self.config.guided_jump_forward \
-                    and not seq.request.sampling.return_log_probs:
-                reason = self._jump_forward(seq, new_ids)
-            if reason is not None:
-                self._after.append(partial(self._finish, seq))
-            out = seq.output(new_ids, reason is not None, reason, error)
-            if row in log_probs:
-                if new_ids:  # an end id that is not output has no log probability either
-                    seq.cum_log_prob += log_probs[row]
-                    out.log_probs = [log_probs[row]]
-                out.cum_log_prob = seq.cum_log_prob
-            if first and seq.request.return_first_logits:
-                out.first_logits = logits[row].clone()
-            outputs.append(out)
-        return outputs
+            values = token_log_probs(logits[wanted], tokens[wanted]).tolist()
+            for row, value in zip(wanted, values):
+                lps[row] = value
+        return tokens.tolist(), lps
 
     def _jump_forward(self, seq: Sequence, new_ids: list[int]) -> str | None:
         """Appends the tokens the guide forces after the one just sampled (each the only

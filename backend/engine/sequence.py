@@ -12,6 +12,7 @@ from backend.cache.radix import encode_tokens
 from backend.engine.guided import GuideState
 from backend.engine.request import Request, RequestOutput
 from backend.engine.sampling import TokenCounts
+from backend.engine.speculative import NgramIndex
 
 
 class SeqStatus(Enum):
@@ -57,6 +58,7 @@ class Sequence:
     token_counts: TokenCounts | None = None  # for penalties, built on first use
     cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
     guide: GuideState | None = None  # where a guided request is in its grammar
+    ngram_index: NgramIndex | None = field(default=None, repr=False)  # speculative drafts
     _key: tuple[int, bytes] | None = field(default=None, repr=False)
 
     def prefix_key(self) -> bytes:

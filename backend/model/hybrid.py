@@ -166,15 +166,20 @@ class HybridForCausalLM(nn.Module):
 
     # Cached, batched forward ------------------------------------------------------------
     @torch.inference_mode()
-    def forward_batch(self, batch: ForwardBatch, last_only: bool = True) -> torch.Tensor:
+    def forward_batch(self, batch: ForwardBatch, last_only: bool = True,
+                      logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """Runs one step over variable-length sequences reading/writing paged KV and states.
 
-        Returns logits [B, V] at each sequence's last new token (or [B, T, V] if not last_only).
+        Returns logits [B, V] at each sequence's last new token (or [B, T, V] if not last_only;
+        [N, V] at `logit_index`, N flat indices into the right-padded [B, T] tokens).
         Decode steps on the CPU take `fast_decode` when the model has one (same arithmetic).
         """
-        if self.fast_decode is not None and last_only and self.fast_decode.accepts(batch):
+        if self.fast_decode is not None and last_only and logit_index is None and \
+                self.fast_decode.accepts(batch):
             return self.lm_head(self.fast_decode.run(batch))
         hidden = self._run_layers(batch.input_ids, batch.positions, batch)
+        if logit_index is not None:
+            return self.lm_head(hidden.flatten(0, 1).index_select(0, logit_index))
         if last_only:
             hidden = hidden[torch.arange(batch.batch_size, device=hidden.device), batch.lengths - 1]
         return self.lm_head(hidden)

@@ -52,7 +52,15 @@ CONFIGS = {
     # model's; outputs, finish reasons and the pages are still checked.
     "budgeted+tiers": dict(replay=ReplayConfig(anchor_density=0.25, budget_fraction=0.5,
                                                k_max=8, anchor_dtype="int8"), tiers=True),
+    # Speculative decoding (n-gram drafts from a single matching token, so that the random
+    # models' outputs get drafts, kept and rejected): every token is still the model's.
+    "replay+spec": dict(replay=ReplayConfig.exact(), spec=True),
+    "checkpoint+spec": dict(policy="checkpoint", interval=32, num_checkpoint_slots=12,
+                            spec=True),
+    "replay+tiers+spec": dict(replay=ReplayConfig.exact(), tiers=True, spec=True),
 }
+SPECULATIVE = dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
+                   prompt_lookup_max=4)
 APPROXIMATE = {"budgeted+tiers"}  # the rest keep exact states
 
 
@@ -67,13 +75,16 @@ def _engine(model, name: str, tmp_path, engine_dir=None) -> Engine:
     executor of that engine directory."""
     options = dict(CONFIGS[name])
     with_tiers = options.pop("tiers", False)
+    spec = options.pop("spec", False)
     # 32 pages of 16 tokens: four running prompts of up to 360 tokens do not fit (preemption);
     # what finished requests leave is evicted soon after.
     engine = make_engine(model, num_kv_pages=32, max_tokens_per_step=128, max_num_seqs=4,
                          **options)
-    if not with_tiers and engine_dir is None:
+    if not with_tiers and engine_dir is None and not spec:
         return engine
     config = engine.config
+    if spec:
+        config = replace(config, **SPECULATIVE)
     if with_tiers:
         states = 8 if options.get("policy") == "checkpoint" else 0
         tiers = TierConfig(host_pages=8, ssd_path=str(tmp_path / "ssd"), ssd_bytes=1 << 30,
@@ -208,6 +219,8 @@ def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
         if engine.tiers is not None:
             assert stats["cache"]["hit_tokens_by_tier"]["host"] > 0, stats["cache"]
             assert engine.tiers.ssd is None or stats["tiers"]["ssd_reads"] > 0, stats["tiers"]
+        if engine.config.speculative_method != "none":  # drafts kept and drafts rejected
+            assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
     if engine.tiers is not None:
         engine.tiers.drain()
     assert_no_leak(engine)
