@@ -108,8 +108,12 @@ class TorchExecutor(ExecutorBuffers):
         The eager model pads a step's sequences to its longest one, so a step whose rows
         differ much in length runs as several forwards (`split_rows`): decode rows beside a
         prefill chunk (the model's decode path), a short chunk beside a long one."""
-        if num_logits is not None and max(num_logits) == 1:
-            num_logits = None
+        if num_logits is not None:
+            if any(not 1 <= n <= len(s.token_ids) for s, n in zip(seqs, num_logits)):
+                raise ValueError(f"num_logits {num_logits}: each row's logits are of 1 to all "
+                                 f"of its new tokens ({[len(s.token_ids) for s in seqs]})")
+            if max(num_logits) == 1:
+                num_logits = None
         parts = split_rows(seqs)
         if parts is None:
             return self._forward(seqs, capture_src, capture_dst, layer_hooks, snapshots,
@@ -132,7 +136,8 @@ class TorchExecutor(ExecutorBuffers):
             if num_logits is None:
                 logits[rows] = out
             else:
-                logits[rows, :out.shape[1]] = out if out.dim() == 3 else out.unsqueeze(1)
+                out = out if out.dim() == 3 else out.unsqueeze(1)  # [rows, L_part, V]
+                logits[rows, :out.shape[1]] = out
         return logits
 
     def _forward(self, seqs, capture_src, capture_dst, layer_hooks, snapshots,

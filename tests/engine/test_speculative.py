@@ -1,0 +1,246 @@
+"""Speculative decoding (n-gram prompt lookup, `backend/engine/speculative.py`): drafts are
+what a brute-force search proposes, and the engine's outputs with drafts are those without:
+greedy tokens and their log probabilities, every stop rule, guides, bad words, seeded
+sampling. The random
+workloads (`test_random_workloads.py`, configurations `*+spec`) check every token against the
+model under preemption, tiers and the checkpoint baseline."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import assert_no_leak
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.guided import Guide
+from backend.engine.request import Request
+from backend.engine.speculative import NgramDrafter, NgramIndex
+from backend.model import SeqInput
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+            prompt_lookup_max=6)
+PROMPTS = [
+    "The cat sat on the mat. The cat sat on the mat. The cat sat on the",
+    "Once upon a time there was a little girl. Once upon a time there",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "Q: What is the capital of France?\nA: Paris.\nQ: What is the capital of Spain?\nA:",
+    "zqx vbn plm",  # little to look up
+]
+
+
+def reference_draft(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The longest earlier match (min_n..max_n tokens, the latest among equals) of the
+    sequence's last tokens, found by comparing every position; the k tokens after it, read
+    on into the draft itself where the match runs up to the end."""
+    L = len(tokens)
+    best, best_len = None, 0
+    for i in range(L - 1, 0, -1):  # i: the position after the earlier occurrence
+        m = 0
+        while m < max_n and i - m - 1 >= 0 and tokens[i - m - 1] == tokens[L - m - 1]:
+            m += 1
+        if m >= min_n and m > best_len:
+            best, best_len = i, m
+    if best is None:
+        return []
+    seq = list(tokens)
+    for j in range(k):
+        seq.append(seq[best + j])
+    return seq[L:]
+
+
+def test_ngram_drafts_are_the_brute_force_ones():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(400):
+        vocab = rng.choice((2, 3, 5, 20))
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 6)
+        k = rng.randint(1, 5)
+        index = NgramIndex(min_n)
+        # Built incrementally as a sequence grows, then asked: the same as built at once.
+        for cut in sorted({rng.randint(0, len(tokens)), len(tokens)}):
+            got = index.propose(tokens[:cut], max_n, k)
+            assert got == reference_draft(tokens[:cut], min_n, max_n, k), (tokens[:cut], min_n,
+                                                                           max_n, k)
+            checked += bool(got)
+    assert checked > 100
+
+
+def test_a_periodic_sequence_drafts_its_period():
+    index = NgramIndex(2)
+    assert index.propose([7, 8, 9, 7, 8, 9, 7, 8], max_n=8, k=5) == [9, 7, 8, 9, 7]
+    assert index.propose([1, 1], max_n=4, k=3) == []  # the key's only occurrence is the end
+    assert NgramIndex(1).propose([1, 1], max_n=4, k=3) == [1, 1, 1]
+
+
+class _Seq:
+    def __init__(self, tokens):
+        self.tokens, self.ngram_index = tokens, None
+
+
+def test_drafter_respects_its_limit():
+    drafter = NgramDrafter(num_tokens=4, min_n=1, max_n=3)
+    seq = _Seq([1, 2, 3, 1, 2, 3, 1])
+    assert drafter.propose(seq, limit=10) == [2, 3, 1, 2]
+    assert drafter.propose(seq, limit=2) == [2, 3]
+    assert drafter.propose(seq, limit=0) == []
+
+
+@pytest.fixture(scope="module")
+def engines():
+    plain = Engine.from_model_dir(MODEL_DIR, EngineConfig())
+    spec = Engine.from_model_dir(MODEL_DIR, EngineConfig(**SPEC))
+    yield plain, spec
+    for e in (plain, spec):
+        assert_no_leak(e)
+
+
+def _run_batch(engine: Engine, prompts: list[list[int]],
+               params: list[SamplingParams]) -> list[dict]:
+    """Submits every request at once (one batch) and steps the engine to the end; each
+    request's token ids, log probabilities, finish reason and output count."""
+    results = [dict(tokens=[], log_probs=[], reason=None, outputs=0) for _ in prompts]
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        def collect(out, r=results[i]):
+            r["tokens"] += out.new_token_ids
+            r["log_probs"] += out.log_probs
+            r["outputs"] += 1
+            if out.finished:
+                r["reason"], r["cum"] = out.finish_reason, out.cum_log_prob
+        engine.submit(Request(f"r{i}-{random.random()}", prompt, p, on_output=collect))
+    while engine.has_work:
+        engine.step()
+    engine.scheduler.after_outputs()
+    return results
+
+
+def _spec_stats(engine: Engine) -> tuple[int, int]:
+    s = engine.stats()
+    return s["spec_draft_tokens"], s["spec_accepted_tokens"]
+
+
+def test_greedy_outputs_and_log_probs_equal_a_token_a_step(engines):
+    plain, spec = engines
+    prompts = [plain.tokenizer.encode(t) for t in PROMPTS]
+    params = [SamplingParams(max_tokens=m, top_k=1, return_log_probs=True)
+              for m in (80, 64, 96, 40, 50)]
+    drafts0, kept0 = _spec_stats(spec)
+    steps0 = spec.stats()["steps"]
+    want = _run_batch(plain, prompts, params)
+    got = _run_batch(spec, prompts, params)
+    drafts, kept = _spec_stats(spec)
+    assert 0 < kept - kept0 < drafts - drafts0  # drafts kept and rejected
+    for w, g in zip(want, got):
+        assert g["tokens"] == w["tokens"] and g["reason"] == w["reason"] == "length"
+        torch.testing.assert_close(g["log_probs"], w["log_probs"], atol=1e-4, rtol=1e-4)
+        assert g["cum"] == pytest.approx(w["cum"], abs=1e-3)
+    # Several tokens an output: fewer steps than tokens (80 + 64 + ... in 5 requests).
+    assert spec.stats()["steps"] - steps0 < max(p.max_tokens for p in params) - 10
+
+
+@pytest.mark.parametrize("case", ["stop_words", "end_id", "min_tokens", "max_tokens",
+                                  "penalties", "bad_words"])
+def test_stop_rules_and_logit_controls_are_those_of_a_token_a_step(engines, case):
+    plain, spec = engines
+    enc = plain.tokenizer.encode
+    prompts = [enc(t) for t in PROMPTS[:3]]
+    if case == "stop_words":  # words the greedy outputs reach after drafts were kept
+        p = SamplingParams(max_tokens=90, top_k=1, stop_words=(enc(" the caths"),
+                                                                enc("\n\nclass")))
+    elif case == "end_id":
+        p = SamplingParams(max_tokens=90, top_k=1, end_id=enc("s")[0], min_tokens=5)
+    elif case == "min_tokens":
+        p = SamplingParams(max_tokens=90, top_k=1, end_id=enc(" ")[0], min_tokens=30)
+    elif case == "max_tokens":  # a limit that falls inside a draft
+        p = SamplingParams(max_tokens=23, top_k=1)
+    elif case == "penalties":
+        p = SamplingParams(max_tokens=60, top_k=1, repetition_penalty=1.1,
+                           frequency_penalty=0.05, logit_bias=((enc("e")[0], 0.5),))
+    else:
+        p = SamplingParams(max_tokens=60, top_k=1, bad_words=(enc("cat"), enc("a +")))
+    want = _run_batch(plain, prompts, [p] * len(prompts))
+    got = _run_batch(spec, prompts, [p] * len(prompts))
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    assert [g["reason"] for g in got] == [w["reason"] for w in want]
+    if case in ("stop_words", "end_id"):
+        assert {"stop", "eos"} & {w["reason"] for w in want}  # the rule did end some
+
+
+def test_guided_outputs_with_drafts_follow_the_grammar_and_equal_a_token_a_step(engines):
+    plain, spec = engines
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "city": {"type": "string", "maxLength": 16}},
+              "required": ["name", "city"]}
+    prompt = plain.tokenizer.encode('{"name": "Alice Smith", "city": "Paris"}\n'
+                                    '{"name": "Alice Smith", "city": "Paris"}\n')
+    p = SamplingParams(max_tokens=60, top_k=1, guide=Guide("json_schema", json.dumps(schema)))
+    out = [_run_batch(engine, [prompt], [p])[0] for engine in (plain, spec)]
+    assert out[1]["tokens"] == out[0]["tokens"]
+    json.loads(plain.tokenizer.decode(out[1]["tokens"]))
+
+
+def test_seeded_sampling_draws_what_a_token_a_step_draws(engines):
+    """A row draws once a token from its own generator, position by position, whether the
+    positions come in one step or several: seeded outputs are the same tokens with drafts and
+    without (so a draft token is kept with exactly its probability under the model)."""
+    plain, spec = engines
+    prompts = [plain.tokenizer.encode(t) for t in PROMPTS[:3]] * 16
+    params = [SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=1000 + s)
+              for s, (t, p) in enumerate([(1.0, 1.0), (0.7, 0.9), (1.3, 1.0)] * 16)]
+    drafts0, kept0 = _spec_stats(spec)
+    want = _run_batch(plain, prompts, params)
+    got = _run_batch(spec, prompts, params)
+    drafts, kept = _spec_stats(spec)
+    assert 0 < kept - kept0 < drafts - drafts0
+    assert [g["tokens"] for g in got] == [w["tokens"] for w in want]
+    assert len({tuple(w["tokens"]) for w in want}) > 10  # they did sample
+
+
+def test_speculative_settings_are_checked():
+    with pytest.raises(ValueError, match="speculative_method"):
+        EngineConfig(speculative_method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_method="ngram", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        EngineConfig(speculative_method="ngram", prompt_lookup_min=4, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="executor 'torch'"):
+        EngineConfig(speculative_method="ngram", executor="compiled")
+    config = EngineConfig.from_params({"speculative_method": "ngram",
+                                       "num_speculative_tokens": "6"})
+    assert (config.speculative_method, config.num_speculative_tokens) == ("ngram", 6)
+
+
+def test_executor_logits_at_several_positions_are_the_full_forward_ones(engines):
+    """`forward(num_logits=...)`: each row's last n positions, batched with one-token rows
+    and split by length, equal a plain forward's logits at those positions."""
+    plain, _ = engines
+    model, ex = plain.model, plain.executor
+    rng = random.Random(3)
+    rows = [[rng.randrange(200) for _ in range(n)] for n in (5, 1, 130, 9)]
+    num_logits = [4, 1, 3, 2]  # at most the step's tokens (all but the first)
+    # Pages and slots no request holds (the engine is idle): prefill each row's first
+    # token, then the rest as one step.
+    seqs0, seqs = [], []
+    for b, row in enumerate(rows):
+        table = torch.tensor(plain.store.alloc_pages(3, with_anchors=False).kv_pages)
+        ex.reset_state(b)
+        seqs0.append(SeqInput(row[:1], 0, table, b))
+        seqs.append(SeqInput(row[1:] if len(row) > 1 else [7], 1, table, b))
+    try:
+        ex.forward(seqs0)
+        got = ex.forward(seqs, num_logits=num_logits)
+        for b, (row, n) in enumerate(zip(rows, num_logits)):
+            full = row if len(row) > 1 else row + [7]
+            want = model.logits(torch.tensor([full]))[0, -n:].float()
+            torch.testing.assert_close(got[b, :n], want, atol=1e-4, rtol=1e-4)
+            assert not got[b, n:].any(), (b, n, got.shape)
+        with pytest.raises(ValueError, match="logits"):
+            ex.forward(seqs, num_logits=[5, 1, 3, 2])
+    finally:
+        plain.store.free_pages([p for s in seqs for p in s.page_table.tolist()], [])
