@@ -63,6 +63,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Output tokens a guide forced, appended without a decode step each (jump-forward)",
         COUNTER,
     ),
+    "suffixreplay_spec_decode_tokens_total": (
+        "Speculative decoding: draft tokens verified (kind=draft) and kept (kind=accepted); "
+        "each kept token is one output token without a step of its own",
+        COUNTER,
+    ),
     "suffixreplay_ssd_bytes_total": ("Bytes moved to and from the SSD tier", COUNTER),
     "suffixreplay_memory_bytes": (
         "Bytes in use by pool: device KV pages, anchor blocks and saved states, DRAM tier "
@@ -127,6 +132,8 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_deferred_admissions_total", (), "tier:deferred_admissions"),
     ("suffixreplay_prefill_waits_total", (), "prefill_waits"),
     ("suffixreplay_guided_forced_tokens_total", (), "guided_forced_tokens"),
+    ("suffixreplay_spec_decode_tokens_total", (("kind", "draft"),), "spec_draft_tokens"),
+    ("suffixreplay_spec_decode_tokens_total", (("kind", "accepted"),), "spec_accepted_tokens"),
     ("suffixreplay_ssd_bytes_total", (("direction", "read"),), "tier:ssd_bytes_read"),
     ("suffixreplay_ssd_bytes_total", (("direction", "written"),), "tier:ssd_bytes_written"),
     ("suffixreplay_checksum_failures_total", (), "tier:checksum_failures"),

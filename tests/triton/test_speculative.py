@@ -1,0 +1,57 @@
+"""Speculative decoding served (`speculative_method: ngram` in hybrid_llm's parameters): the
+ensemble's outputs are the server's without it (greedy, seeded sampling, streamed or not,
+several sequences of one prompt), a streamed response may carry several tokens, and the draft
+counters reach Prometheus."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.triton.server import ServerHandle
+from client.generate import GenerateParams, generate_http, stream_grpc
+from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
+from tests.triton.llm_helpers import idle_pool, scrape, value
+
+MODEL = {"model": "hybrid_llm", "version": "1"}
+PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the",
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"]
+SPEC = {"speculative_method": "ngram", "num_speculative_tokens": "4", "prompt_lookup_min": "2"}
+
+
+@pytest.fixture(scope="module")
+def spec_server(triton_server) -> ServerHandle:
+    return triton_server(LLM_MODELS, {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], **SPEC}})
+
+
+def _drafts(server: ServerHandle) -> tuple[float, float]:
+    m = scrape(server)
+    return (value(m, "suffixreplay_spec_decode_tokens_total", kind="draft", **MODEL),
+            value(m, "suffixreplay_spec_decode_tokens_total", kind="accepted", **MODEL))
+
+
+@pytest.mark.parametrize("options", [dict(top_k=1), dict(temperature=0.9, top_p=0.95, seed=7),
+                                     dict(top_k=1, num_return_sequences=2)])
+def test_outputs_are_the_plain_servers(llm_server: ServerHandle, spec_server: ServerHandle,
+                                       options):
+    drafts0, kept0 = _drafts(spec_server)
+    for prompt in PROMPTS:
+        params = GenerateParams(prompt, max_tokens=64, **options)
+        want = generate_http(llm_server.urls.http, params).texts
+        assert generate_http(spec_server.urls.http, params).texts == want
+        chunks = list(stream_grpc(spec_server.urls.grpc, params))
+        for k, text in enumerate(want):
+            mine = [c for c in chunks if c.sequence_index == k]
+            assert "".join(c.text for c in mine) == text
+            assert sum(c.counts.get("num_output_tokens", 0) for c in mine) == \
+                len(text.encode())
+    drafts, kept = _drafts(spec_server)
+    assert 0 < kept - kept0 <= drafts - drafts0
+    idle_pool(spec_server)
+
+
+def test_a_streamed_response_carries_the_tokens_kept(spec_server: ServerHandle):
+    """Greedy tokens of a repetitive prompt: drafts kept, so fewer responses than tokens."""
+    params = GenerateParams(PROMPTS[1], max_tokens=64, top_k=1)
+    chunks = [c for c in stream_grpc(spec_server.urls.grpc, params) if c.text]
+    assert len(chunks) < 40
+    assert max(c.counts.get("num_output_tokens", 0) for c in chunks) > 1
