@@ -33,6 +33,8 @@ import os
 
 import torch
 import torch.nn.functional as F
+from typing import NamedTuple
+
 from torch import nn
 
 from backend.model.linear import packing_available
@@ -84,6 +86,38 @@ def _mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None)
         x = F.pad(x, (0, 0, 0, bucket - rows))
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")[:rows]
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+# Steps of up to this many tokens a row (speculative verification, jump-forward chunks, short
+# suffixes) take the fused path too, the recurrence a token at a time (`multi`); longer ones
+# the chunked general path.
+MAX_FAST_TOKENS = 16
+
+
+class _Steps(NamedTuple):
+    """A multi-token step's padding: keep [B, T] (None: no row padded), lengths [B]."""
+
+    keep: torch.Tensor | None
+    lengths: torch.Tensor
+
+
+def _conv_steps(conv_state: torch.Tensor, xin: torch.Tensor, taps: torch.Tensor,
+                bias: torch.Tensor | None, steps: _Steps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The causal conv over T new inputs xin [B, T, C] after conv_state [B, C, W - 1]: the
+    outputs before the activation [B, T, C] and each row's new state, the last W - 1 inputs
+    up to its length."""
+    B, T, C = xin.shape
+    W = taps.shape[1]
+    full = torch.cat((conv_state, xin.transpose(1, 2)), -1)  # [B, C, W - 1 + T]
+    mixed = (full.unfold(-1, W, 1) * taps.unsqueeze(1)).sum(-1)  # [B, C, T]
+    if bias is not None:
+        mixed = mixed + bias.unsqueeze(-1)
+    if steps.keep is None:
+        new = full[:, :, T:]
+    else:
+        at = steps.lengths.view(B, 1, 1) + torch.arange(W - 1, device=xin.device).view(1, 1, -1)
+        new = full.gather(-1, at.expand(B, C, W - 1))
+    return mixed.transpose(1, 2), new
 
 
 class _Fused:
@@ -167,6 +201,47 @@ class _LinearLayer(_FusedLayer):
         x = x + _mm(y.view(B, hv * dv), self.w_out)
         return self.ffn(x), window[:, :, 1:], S.view(B, hv, dk, dv)
 
+    def multi(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor,
+              steps: _Steps):
+        """`__call__` over T tokens a row (x [B, T, D]): the products over all B * T rows
+        at once, the conv as one windowed sum, the recurrence a token at a time (the decode
+        step's arithmetic, T times); a row's padding leaves its states as they were."""
+        B, T, D = x.shape
+        hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
+        h = F.rms_norm(x, (D,), self.n_in, self.eps)
+        xin, z, b, a = _mm(h.view(B * T, D), self.w_in).split(self.in_sizes, -1)
+        mixed, new_conv = _conv_steps(conv_state.to(x.dtype), xin.view(B, T, -1), self.taps,
+                                      None, steps)
+        qk, v = F.silu(mixed).split(self.qk_sizes, -1)
+        qk = qk.reshape(B, T, 2 * hk, dk)
+        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
+        if hv != hk:
+            qk = qk.view(B, T, 2 * hk, 1, dk).expand(B, T, 2 * hk, hv // hk, dk)
+            qk = qk.reshape(B, T, 2 * hv, dk)
+        decay = (self.neg_a * F.softplus(a + self.dt_bias)).exp().view(B, T, hv)
+        beta = b.sigmoid().view(B, T, hv)
+        if steps.keep is not None:  # padding: no decay, no update
+            decay = decay.masked_fill(~steps.keep.unsqueeze(-1), 1.0)
+            beta = beta * steps.keep.unsqueeze(-1)
+        BH = B * hv
+        S = rec.view(BH, dk, dv)  # rec: this step's copy, updated in place
+        q = qk[:, :, :hv].transpose(1, 2).reshape(BH, T, dk)
+        k = qk[:, :, hv:].transpose(1, 2).reshape(BH, T, dk)
+        v = v.reshape(B, T, hv, dv).transpose(1, 2).reshape(BH, T, dv)
+        decay = decay.transpose(1, 2).reshape(BH, T, 1)
+        beta = beta.transpose(1, 2).reshape(BH, T, 1)
+        outs = []
+        for t in range(T):
+            S.mul_(decay[:, t:t + 1])
+            k_t = k[:, t:t + 1]
+            delta = (v[:, t:t + 1] - torch.bmm(k_t, S)) * beta[:, t:t + 1]
+            S.baddbmm_(k_t.transpose(1, 2), delta)
+            outs.append(torch.bmm(q[:, t:t + 1], S))
+        o = torch.cat(outs, 1).view(B, hv, T, dv).transpose(1, 2) * self.scale
+        y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, T, hv, dv))
+        x = x + _mm(y.reshape(B * T, hv * dv), self.w_out).view(B, T, D)
+        return self.ffn(x.view(B * T, D)).view(B, T, D), new_conv, S.view(B, hv, dk, dv)
+
 
 class _AttentionLayer(_FusedLayer):
     """A decoder layer with full attention over paged KV."""
@@ -198,24 +273,43 @@ class _AttentionLayer(_FusedLayer):
         out = out * torch.sigmoid(qg[..., dh:].reshape(B, h * dh))
         return self.ffn(x + _mm(out, self.w_o, self.b_o))
 
+    def multi(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch):
+        """`__call__` over T tokens a row: x [B, T, D]; cos, sin [B, T, R]."""
+        B, T, D = x.shape
+        N, h, hkv, dh = B * T, self.h, self.hkv, self.dh
+        qg, k, v = _mm(F.rms_norm(x.view(N, D), (D,), self.n_in, self.eps), self.w_qkv,
+                       self.b_qkv).split(self.qkv_sizes, -1)
+        qg = qg.view(N, h, 2 * dh)
+        qk = torch.cat((qg[..., :dh], k.view(N, hkv, dh)), 1)
+        qk = F.rms_norm(qk, (dh,), None, self.qk_eps) * self.qk_norm
+        qk = apply_rotary(qk, cos.reshape(N, -1), sin.reshape(N, -1))
+        out = _attend(self.attn, batch, qk[:, :h], qk[:, h:], v.view(N, hkv, dh), T)
+        out = out * torch.sigmoid(qg[..., dh:].reshape(N, h * dh))
+        return self.ffn(x.view(N, D) + _mm(out, self.w_o, self.b_o)).view(B, T, D)
+
 
 def _attend(attn: nn.Module, batch, q: torch.Tensor, k: torch.Tensor,
-            v: torch.Tensor) -> torch.Tensor:
-    """Writes the step's k, v [B, Hkv, Dh] into the paged KV (with the tiered store's layer
-    hooks) and attends q [B, H, Dh] over each row's context -> [B, H * Dh]."""
+            v: torch.Tensor, T: int = 1) -> torch.Tensor:
+    """Writes the step's k, v [B * T, Hkv, Dh] (T tokens a row; a padded row's padding is
+    not written) into the paged KV (with the tiered store's layer hooks) and attends q
+    [B * T, H, Dh] over each row's context -> [B * T, H * Dh]."""
     kv, a = batch.kv, attn.attn_index
     slots = batch.write_slots
+    if T > 1:
+        k, v = k.index_select(0, batch.write_rows), v.index_select(0, batch.write_rows)
     kv.k[a].index_copy_(0, slots, k)
     kv.v[a].index_copy_(0, slots, v)
     if batch.layer_hooks is not None:
         batch.layer_hooks.after_write(a)
         batch.layer_hooks.before_read(a)
     k_ctx, v_ctx = attn._context(kv, batch)  # [B, Ctx, Hkv, Dh]
-    B = q.shape[0]
+    N, H, Dh = q.shape
+    B = N // T
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
-        attn_mask=None if B == 1 else batch.attn_mask, enable_gqa=True)  # [B, H, 1, Dh]
-    return out.reshape(B, -1)
+        q.view(B, T, H, Dh).transpose(1, 2), k_ctx.transpose(1, 2), v_ctx.transpose(1, 2),
+        attn_mask=None if B == 1 and T == 1 else batch.attn_mask,
+        enable_gqa=True)  # [B, H, T, Dh]
+    return out.transpose(1, 2).reshape(N, -1)
 
 
 def _bias(linear: nn.Module) -> torch.Tensor | None:
@@ -266,6 +360,36 @@ class _MambaBlock(_Fused):
         y = F.rms_norm(y, (self.g_size,), None, self.g_eps).view(B, H * P) * self.g_norm
         return x + _mm(y, self.w_out, self.b_out), window[:, :, 1:], S
 
+    def multi(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor,
+              steps: _Steps):
+        """`__call__` over T tokens a row (x [B, T, D]), as `_LinearLayer.multi`."""
+        B, T, D = x.shape
+        M = B * T
+        H, P, G, N = self.h, self.p, self.g, self.n
+        z, xbc, dt = _mm(F.rms_norm(x.view(M, D), (D,), self.norm_w, self.eps), self.w_in,
+                         self.b_in).split(self.in_sizes, -1)
+        mixed, new_conv = _conv_steps(conv_state.to(x.dtype), xbc.view(B, T, -1), self.taps,
+                                      self.conv_bias, steps)
+        xs, b, c = F.silu(mixed).split(self.xbc_sizes, -1)
+        dt = F.softplus(dt.view(B, T, H) + self.dt_bias).clamp(min=self.dt_min)
+        decay = (dt * self.neg_a).exp()
+        if steps.keep is not None:  # padding: no decay, no update
+            decay = decay.masked_fill(~steps.keep.unsqueeze(-1), 1.0)
+            dt = dt * steps.keep.unsqueeze(-1)
+        bc = torch.stack((b, c), 2).view(B, T, 2, G, 1, N).expand(B, T, 2, G, H // G, N)
+        bc = bc.reshape(B, T, 2, H, N)
+        xs = xs.reshape(B, T, H, P)
+        S = rec  # this step's copy, updated in place
+        ys = []
+        for t in range(T):
+            S.mul_(decay[:, t].view(B, H, 1, 1))
+            S.add_(bc[:, t, 0].unsqueeze(-1) * (xs[:, t] * dt[:, t].unsqueeze(-1)).unsqueeze(-2))
+            ys.append(torch.matmul(bc[:, t, 1].unsqueeze(-2), S).squeeze(-2))
+        y = torch.stack(ys, 1) + xs * self.skip  # [B, T, H, P]
+        y = (y.reshape(M, H * P) * F.silu(z)).view(M, -1, self.g_size)
+        y = F.rms_norm(y, (self.g_size,), None, self.g_eps).view(M, H * P) * self.g_norm
+        return x + _mm(y, self.w_out, self.b_out).view(B, T, D), new_conv, S
+
 
 class _PlainAttentionBlock(_Fused):
     """A Nemotron-H attention block: norm, one q/k/v product, attention without positional
@@ -290,6 +414,15 @@ class _PlainAttentionBlock(_Fused):
         out = _attend(self.attn, batch, q.view(B, self.h, self.dh),
                       k.view(B, self.hkv, self.dh), v.view(B, self.hkv, self.dh))
         return x + _mm(out, self.w_o, self.b_o)
+
+    def multi(self, x: torch.Tensor, cos, sin, batch) -> torch.Tensor:
+        B, T, D = x.shape
+        N = B * T
+        q, k, v = _mm(F.rms_norm(x.view(N, D), (D,), self.norm_w, self.eps), self.w_qkv,
+                      self.b_qkv).split(self.sizes, -1)
+        out = _attend(self.attn, batch, q.view(N, self.h, self.dh),
+                      k.view(N, self.hkv, self.dh), v.view(N, self.hkv, self.dh), T)
+        return x + _mm(out, self.w_o, self.b_o).view(B, T, D)
 
 
 class _MlpBlock(_Fused):
@@ -349,15 +482,19 @@ class FastDecode:
 
     @staticmethod
     def accepts(batch) -> bool:
-        """A decode step over cached sequences: one token each, KV and states given, no row
-        starting fresh, no mid-forward snapshots."""
-        return (batch.input_ids.shape[1] == 1 and batch.kv is not None
+        """A step over cached sequences of at most MAX_FAST_TOKENS tokens a row (a decode
+        step: one each), KV and states given, no row starting fresh, no mid-forward
+        snapshots."""
+        return (batch.input_ids.shape[1] <= MAX_FAST_TOKENS and batch.kv is not None
                 and batch.states is not None and batch.read_pages is not None
                 and batch.fresh_rows is None and batch.snapshots is None
-                and batch.valid is None and batch.input_ids.is_cpu)
+                and batch.input_ids.is_cpu)
 
     def run(self, batch) -> torch.Tensor:
-        """The final-normed hidden states [B, D] of the step's tokens."""
+        """The final-normed hidden states of the step's tokens: [B, D] for a decode step,
+        [B, T, D] for T > 1 tokens a row."""
+        if batch.input_ids.shape[1] > 1:
+            return self._run_multi(batch)
         model = self.model
         x = model.model.embed_tokens(batch.input_ids[:, 0])
         cos, sin = ((None, None) if model.rotary is None  # [B, 1, R]
@@ -377,6 +514,34 @@ class FastDecode:
                 x = fused(x)
             else:
                 x = fused(x, cos, sin, batch)
+        return self._final_norm(x)
+
+    def _run_multi(self, batch) -> torch.Tensor:
+        model = self.model
+        B, T = batch.input_ids.shape
+        x = model.model.embed_tokens(batch.input_ids)  # [B, T, D]
+        D = x.shape[-1]
+        cos, sin = ((None, None) if model.rotary is None  # [B, T, R]
+                    else model.rotary.cos_sin(batch.positions, x.dtype))
+        steps = _Steps(batch.valid, batch.lengths)
+        slots, states, capture = batch.state_slots, batch.states, batch.capture
+        for i, fused in enumerate(self.layers):
+            if not fused.current():
+                fused = self.layers[i] = self._fuse(model.model.layers[i])
+            if capture is not None and i in self.entry_to_group:
+                capture.write(self.entry_to_group[i], x)
+            if isinstance(fused, (_LinearLayer, _MambaBlock)):
+                j = fused.state_index
+                x, conv, rec = fused.multi(x, states.conv[j].index_select(0, slots),
+                                           states.rec[j].index_select(0, slots), steps)
+                states.scatter(j, slots, conv, rec)
+            elif isinstance(fused, (_MlpBlock, _MoEBlock)):
+                x = fused(x.view(B * T, D)).view(B, T, D)
+            else:
+                x = fused.multi(x, cos, sin, batch)
+        return self._final_norm(x)
+
+    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         w = self.final_norm.weight
         if self._final is None or self._final[0] is not w or self._final[1] != w._version:
             self._final = (w, w._version, (self._norm_offset + w).detach())

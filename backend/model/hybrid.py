@@ -172,12 +172,19 @@ class HybridForCausalLM(nn.Module):
 
         Returns logits [B, V] at each sequence's last new token (or [B, T, V] if not last_only;
         [N, V] at `logit_index`, N flat indices into the right-padded [B, T] tokens).
-        Decode steps on the CPU take `fast_decode` when the model has one (same arithmetic).
+        Steps of a few tokens a row on the CPU (decode, verification) take `fast_decode`
+        when the model has one (same arithmetic, the recurrences a token at a time).
         """
-        if self.fast_decode is not None and last_only and logit_index is None and \
-                self.fast_decode.accepts(batch):
+        fast = (self.fast_decode is not None and (last_only or logit_index is not None)
+                and self.fast_decode.accepts(batch))
+        if fast and batch.input_ids.shape[1] == 1 and logit_index is None:
             return self.lm_head(self.fast_decode.run(batch))
-        hidden = self._run_layers(batch.input_ids, batch.positions, batch)
+        if fast:
+            hidden = self.fast_decode.run(batch)
+            if hidden.dim() == 2:
+                hidden = hidden.unsqueeze(1)
+        else:
+            hidden = self._run_layers(batch.input_ids, batch.positions, batch)
         if logit_index is not None:
             return self.lm_head(hidden.flatten(0, 1).index_select(0, logit_index))
         if last_only:

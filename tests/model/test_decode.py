@@ -10,7 +10,7 @@ from hf_oracle import NEMOTRON_H_CONFIGS, make_nemotron_h_checkpoint
 
 from backend.model import load_model
 from backend.model.batch import Capture, ForwardBatch, SeqInput
-from backend.model.decode import FastDecode
+from backend.model.decode import MAX_FAST_TOKENS, FastDecode
 from backend.model.generate import PagedSession
 from backend.model.hybrid import HybridForCausalLM
 from backend.model.linear import unpack_linears
@@ -73,19 +73,33 @@ def model(request, tmp_path_factory):
     return loaded
 
 
-def _run(model, fast, batch: int, steps: int, seed: int = 0):
-    """Prefill ragged prompts, then `steps` decode steps; logits of every step and the final
+def _run(model, fast, batch: int, steps: int, seed: int = 0, max_chunk: int = 1):
+    """Prefill ragged prompts, then `steps` steps of 1..max_chunk tokens a row (ragged, with
+    logits at every row's tokens where max_chunk > 1); logits of every step and the final
     KV / states buffers."""
     saved = model.fast_decode
     model.fast_decode = fast
     try:
         g = torch.Generator().manual_seed(seed)
-        session = PagedSession(model, batch, 200, page_size=16)
+        session = PagedSession(model, batch, 400, page_size=16)
         session.step([torch.randint(0, 250, (n,), generator=g).tolist()
                       for n in (37, 5, 64, 90, 1, 17, 33, 48)[:batch]])
-        toks = torch.randint(0, 250, (steps, batch), generator=g)
-        logits = [session.step([[int(t)] for t in row]) for row in toks]
-        return torch.stack(logits), session
+        logits = []
+        for _ in range(steps):
+            sizes = torch.randint(1, max_chunk + 1, (batch,), generator=g).tolist()
+            chunks = [torch.randint(0, 250, (n,), generator=g).tolist() for n in sizes]
+            if max_chunk == 1:
+                logits.append(session.step(chunks))
+                continue
+            T = max(sizes)  # every token's logits, through forward_batch's logit_index
+            index = torch.tensor([b * T + t for b, n in enumerate(sizes) for t in range(n)])
+            seqs = [SeqInput(c, session.lengths[b], session.page_tables[b], b)
+                    for b, c in enumerate(chunks)]
+            fb = ForwardBatch.build(seqs, session.kv, session.states)
+            logits.append(model.forward_batch(fb, logit_index=index))
+            for b, n in enumerate(sizes):
+                session.lengths[b] += n
+        return torch.cat(logits), session
     finally:
         model.fast_decode = saved
 
@@ -102,7 +116,21 @@ def test_fast_decode_matches_the_general_layers(model, batch):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_fast_decode_takes_only_decode_steps(model, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 5])
+def test_fast_steps_of_several_tokens_match_the_general_layers(model, batch):
+    """Steps of 1..6 tokens a row (ragged: padded rows), every token's logits: the fused
+    layers' recurrences a token at a time against the general path's chunked forms."""
+    ref, ref_s = _run(model, None, batch, 12, seed=1, max_chunk=6)
+    out, out_s = _run(model, model.fast_decode, batch, 12, seed=1, max_chunk=6)
+    scale = ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= 1e-5 * scale
+    for a, b in zip(ref_s.states.rec + ref_s.states.conv, out_s.states.rec + out_s.states.conv):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(ref_s.kv.k + ref_s.kv.v, out_s.kv.k + out_s.kv.v):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_decode_takes_only_short_steps_of_cached_sequences(model, monkeypatch):
     calls = []
     real = FastDecode.run
     monkeypatch.setattr(FastDecode, "run", lambda self, b: calls.append(b) or real(self, b))
@@ -112,11 +140,13 @@ def test_fast_decode_takes_only_decode_steps(model, monkeypatch):
     session.step([[6], [7]])
     assert len(calls) == 1
     session.step([[8, 9], [10]])  # two tokens in one row
-    assert len(calls) == 1
+    assert len(calls) == 2
+    session.step([list(range(MAX_FAST_TOKENS + 1)), [10]])  # a long chunk: the general path
+    assert len(calls) == 2
     fresh = PagedSession(model, 2, 100)
     fresh.step([[1, 2]], rows=[0])
     fresh.step([[3], [4]])  # row 1 starts from zero state
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_weights_edited_after_loading_are_seen(model):
