@@ -58,6 +58,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 3
     prompt_lookup_max: int = 8
+    # On: a step's drafts are cut to the length worth its measured cost (`DraftPolicy`);
+    # off: every proposal goes out whole (up to num_speculative_tokens).
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

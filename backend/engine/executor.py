@@ -23,6 +23,7 @@ from backend.model import (
     Snapshots,
     StateSlots,
 )
+from backend.model.decode import StateLog
 from backend.model.kernels import fla_available
 from backend.model.quant import dequantize_int8
 
@@ -35,6 +36,7 @@ class ExecutorBuffers:
     supports_snapshots = False
     max_snapshots_per_row: int | None = None  # None: as many as asked
     _stash: StateSlots | None = None  # run-state copies for speculative steps
+    _logs: list = []  # (rows, StateLog) of the last forward's parts (speculative steps)
 
     def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device, num_kv_pages: int,
                   page_size: int, num_run_slots: int, num_saved_slots: int,
@@ -103,11 +105,13 @@ class TorchExecutor(ExecutorBuffers):
         multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot.
         num_logits: per row, how many of its last tokens' logits to return (speculative
         verification); then [B, L, V] with L = max(num_logits), row b's in [b, :n_b] in
-        token order (the rest zeros).
+        token order (the rest zeros), and the step's recurrences are logged where the fast
+        path ran them (`rewind`).
 
         The eager model pads a step's sequences to its longest one, so a step whose rows
         differ much in length runs as several forwards (`split_rows`): decode rows beside a
         prefill chunk (the model's decode path), a short chunk beside a long one."""
+        self._logs = []
         if num_logits is not None:
             if any(not 1 <= n <= len(s.token_ids) for s, n in zip(seqs, num_logits)):
                 raise ValueError(f"num_logits {num_logits}: each row's logits are of 1 to all "
@@ -128,7 +132,7 @@ class TorchExecutor(ExecutorBuffers):
             # part only waits for its layers' loads.
             hooks = layer_hooks if last or layer_hooks is None else _LoadOnly(layer_hooks)
             counts = None if num_logits is None else [num_logits[b] for b in rows]
-            out = self._forward(*sub[:3], hooks, sub[3], counts)
+            out = self._forward(*sub[:3], hooks, sub[3], counts, rows)
             if logits is None:
                 shape = (len(seqs), out.shape[-1]) if num_logits is None else \
                     (len(seqs), max(num_logits), out.shape[-1])
@@ -141,7 +145,7 @@ class TorchExecutor(ExecutorBuffers):
         return logits
 
     def _forward(self, seqs, capture_src, capture_dst, layer_hooks, snapshots,
-                 num_logits=None):
+                 num_logits=None, rows=None):
         capture = None
         if capture_src is not None and capture_src.numel():
             capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
@@ -154,6 +158,8 @@ class TorchExecutor(ExecutorBuffers):
             batch.snapshots = Snapshots(rows, offsets, slots, self.saved_states)
         if num_logits is None or max(num_logits) == 1:
             return self.model.forward_batch(batch).float()
+        batch.state_log = StateLog()
+        self._logs.append((list(range(len(seqs))) if rows is None else rows, batch.state_log))
         T = batch.input_ids.shape[1]
         index, place = [], []
         for b, (s, n) in enumerate(zip(seqs, num_logits)):
@@ -177,6 +183,25 @@ class TorchExecutor(ExecutorBuffers):
         for src, dst in zip(self.run_states.conv + self.run_states.rec,
                             self._stash.conv + self._stash.rec):
             dst.index_copy_(0, index, src.index_select(0, index))
+
+    def rewind(self, requests: list[tuple[int, int, int]]) -> set[int]:
+        """After a speculative step (`forward` with num_logits): (row, run slot, n) gives
+        the row's slot the linear states after its first n new tokens, rebuilt from its
+        stashed states (`stash_states`) through the recurrences the step logged. Returns the
+        rows done; the others (their part of the step ran the general path, which logs
+        nothing) need `restore_states` and their tokens computed again."""
+        done: set[int] = set()
+        for rows, log in self._logs:
+            if not log.layers:
+                continue
+            local = {b: i for i, b in enumerate(rows)}
+            mine = [(local[b], slot, n) for b, slot, n in requests if b in local]
+            if not mine:
+                continue
+            index, slots, counts = (torch.tensor(v, device=self.device) for v in zip(*mine))
+            log.rewind(self.run_states, self._stash, index, slots, counts)
+            done.update(b for b, _, _ in requests if b in local)
+        return done
 
     def restore_states(self, slots: list[int]) -> None:
         """The run slots' linear states as `stash_states` last saw them."""

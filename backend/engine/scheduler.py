@@ -27,7 +27,7 @@ from backend.engine.executor import TorchExecutor
 from backend.engine.request import RequestOutput
 from backend.engine.sampling import finish_reason, make_generator, sample, token_log_probs
 from backend.engine.sequence import SeqStatus, Sequence
-from backend.engine.speculative import NgramDrafter
+from backend.engine.speculative import DraftPolicy, NgramDrafter
 from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
 from backend.model.batch import SNAPSHOT_ALIGN
@@ -87,8 +87,10 @@ class Scheduler:
         if config.speculative_method == "ngram":
             self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
                                         config.prompt_lookup_max)
+            self.draft_policy = DraftPolicy(config.num_speculative_tokens)
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # ... and kept (each a token without a step of its own)
+        self.num_rewinds = 0  # rejected drafts whose states the executor rebuilt
         self.num_steps = 0
         self.num_finished = 0
         self.num_prefill_waits = 0  # steps queued requests waited for a running prefill
@@ -114,6 +116,10 @@ class Scheduler:
         chunks = self._plan()
         if not chunks:
             return outputs
+        # A step of decoding rows only (no prompt chunk): its time tells what verifying
+        # drafts of its length costs at its number of rows.
+        decoding = self.drafter is not None and all(
+            c.end == len(c.seq.tokens) and c.seq.num_output_tokens for c in chunks)
         logits = self._forward(chunks)
         self.num_steps += 1
         done = [c for c in chunks if c.end == len(c.seq.tokens)]
@@ -133,8 +139,11 @@ class Scheduler:
             outputs.extend(sampled)
             if drafts is not None:
                 finished = {id(c.seq) for c, out in zip(done, sampled) if out.finished}
-                self._settle([c for c in done if c.draft], finished)
+                self._settle([(chunks.index(c), c) for c in done if c.draft], finished)
         self.last_step_seconds = time.perf_counter() - start
+        if decoding:
+            self.draft_policy.record(len(chunks), max(c.end + len(c.draft) - c.start
+                                                      for c in chunks), self.last_step_seconds)
         return outputs
 
     def after_outputs(self) -> None:
@@ -255,9 +264,6 @@ class Scheduler:
                 chunks.append(Chunk(seq, seq.num_computed, end))
                 budget -= 1
         chunks = [c for c in chunks if c.seq.status is SeqStatus.RUNNING]
-        if self.drafter is not None:
-            for c in chunks:
-                budget -= self._draft(c, budget)
         for seq in prefills:
             if budget <= 0 or seq.status is not SeqStatus.RUNNING:
                 continue
@@ -272,38 +278,53 @@ class Scheduler:
             end = self.cache.ensure_pages(seq, end)
             end, snapshots = self.cache.plan_snapshots(seq, seq.num_computed, end)
             if end > seq.num_computed:
-                chunk = Chunk(seq, seq.num_computed, end, snapshots)
-                chunks.append(chunk)
+                chunks.append(Chunk(seq, seq.num_computed, end, snapshots))
                 budget -= end - seq.num_computed
-                if self.drafter is not None:
-                    budget -= self._draft(chunk, budget)
+        if self.drafter is not None and budget > 0:
+            self._draft(chunks, budget)
         return chunks
 
-    def _draft(self, chunk: Chunk, budget: int) -> int:
-        """Adds a speculative draft to a chunk that computes a generating sequence's last
-        tokens (within the step's budget, the request's max_tokens, the context and the
-        pages to be had without preempting anyone); returns its length."""
-        seq = chunk.seq
-        if chunk.end != len(seq.tokens) or seq.num_output_tokens == 0:
-            return 0  # a prompt's chunks: its last one samples the first token
-        limit = min(budget, seq.request.sampling.max_tokens - seq.num_output_tokens - 1,
-                    self.config.max_context_len - len(seq.tokens) - 1)
-        draft = self.drafter.propose(seq, limit)
-        if draft:
-            covered = self.cache.ensure_pages(seq, chunk.end + len(draft))
-            draft = draft[:covered - chunk.end]
-        chunk.draft = draft
-        return len(draft)
-
-    def _settle(self, chunks: list[Chunk], finished: set[int]) -> None:
-        """After sampling a speculative step's chunks: a sequence whose tokens now start with
-        its whole draft has computed it (its states are past it, where a step a token would
-        have left them). One that rejected a draft token gets back the states it had before
-        the step and computes the tokens it kept again in its next step (their KV and
-        anchors are rewritten the same). A sequence that `finished` keeps the KV of every
-        token it kept (its states are not used again)."""
-        restore = []
+    def _draft(self, chunks: list[Chunk], budget: int) -> None:
+        """Speculative drafts for the chunks that compute a generating sequence's last tokens
+        (within the step's remaining budget, each request's max_tokens, the context and the
+        pages to be had without preempting anyone), cut to the length `DraftPolicy` finds
+        worth its cost."""
+        proposals = []
         for c in chunks:
+            seq = c.seq
+            if c.end != len(seq.tokens) or seq.num_output_tokens == 0:
+                continue  # a prompt's chunks: its last one samples the first token
+            limit = min(seq.request.sampling.max_tokens - seq.num_output_tokens - 1,
+                        self.config.max_context_len - len(seq.tokens) - 1)
+            draft = self.drafter.propose(seq, limit)
+            if draft:
+                proposals.append((c, draft))
+        if not proposals:
+            return
+        cap = self.config.num_speculative_tokens
+        if self.config.speculative_adaptive:
+            policy = self.draft_policy
+            cap = policy.choose(len(chunks), [(len(d), policy.accept_rate(c.seq))
+                                              for c, d in proposals])
+        for c, draft in proposals:
+            draft = draft[:min(cap, budget)]
+            if draft:
+                covered = self.cache.ensure_pages(c.seq, c.end + len(draft))
+                draft = draft[:covered - c.end]
+            c.draft = draft
+            budget -= len(draft)
+
+    def _settle(self, chunks: list[tuple[int, Chunk]], finished: set[int]) -> None:
+        """After sampling a speculative step's (row, chunk)s: a sequence whose tokens now
+        start with its whole draft has computed it (its states are past it, where a step a
+        token would have left them). One that rejected a draft token keeps the tokens before
+        it: the executor rebuilds its states after them from the states before the step
+        (`rewind`: the step's recurrences, stopped there), or where it cannot, gives the
+        states before the step back and the sequence computes those tokens again in its next
+        step (their KV and anchors are rewritten the same). A sequence that `finished` keeps
+        the KV of every token it kept (its states are not used again)."""
+        rewind = []
+        for row, c in chunks:
             seq = c.seq
             kept = 0
             while kept < len(c.draft) and c.end + kept < len(seq.tokens) and \
@@ -311,15 +332,28 @@ class Scheduler:
                 kept += 1
             self.num_draft_tokens += len(c.draft)
             self.num_accepted_tokens += kept
+            self.draft_policy.settled(seq, kept, kept < len(c.draft))
             if kept == len(c.draft) or id(seq) in finished:
                 seq.num_computed = c.end + kept
                 if id(seq) not in finished:
                     self.cache.after_forward(seq, caught_up=True)
             else:
-                seq.num_computed = c.start
-                restore.append(seq.run_slot)
+                rewind.append((row, c, kept))
+        if not rewind:
+            return
+        done = self.executor.rewind([(row, c.seq.run_slot, c.end - c.start + kept)
+                                     for row, c, kept in rewind])
+        restore = []
+        for row, c, kept in rewind:
+            if row in done:
+                c.seq.num_computed = c.end + kept
+                self.cache.after_forward(c.seq, caught_up=True)
+            else:
+                c.seq.num_computed = c.start
+                restore.append(c.seq.run_slot)
         if restore:
             self.executor.restore_states(restore)
+        self.num_rewinds += len(done)
 
     def _grow(self, seq: Sequence, end: int) -> int | None:
         """Pages for a decode step; preempts the youngest other sequence when none are free."""

@@ -59,6 +59,8 @@ class Sequence:
     cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
     guide: GuideState | None = None  # where a guided request is in its grammar
     ngram_index: NgramIndex | None = field(default=None, repr=False)  # speculative drafts
+    draft_kept: int = 0  # speculative draft tokens kept ...
+    draft_rejections: int = 0  # ... and drafts cut short by a rejected token
     _key: tuple[int, bytes] | None = field(default=None, repr=False)
 
     def prefix_key(self) -> bytes:

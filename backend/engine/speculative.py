@@ -11,9 +11,20 @@ The engine verifies a draft of k tokens in one step of k + 1 tokens (`scheduler.
 token sampled at each position is kept while it equals the draft's, so the output is the
 one the model would have sampled token by token (greedy: the same tokens; sampled: drawn
 from the same distribution, a draft token kept with exactly its probability).
+
+A verification step costs more than a decode step, by how much depends on the hardware, the
+batch and the draft length (a GPU's small-batch decode is bound by reading the weights:
+extra tokens are nearly free; a CPU's is bound by operator calls at one row and by
+arithmetic at eight). `DraftPolicy` measures it: the drafts of a step are cut to the length
+that gives the most expected tokens per second, from each sequence's record of kept drafts
+and the measured step times.
 """
 
 from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
 
 SPECULATIVE_METHODS = ("none", "ngram")
 # Candidate positions of the `min_n`-token key examined per draft (the most recent first):
@@ -79,3 +90,92 @@ class NgramDrafter:
         if seq.ngram_index is None:
             seq.ngram_index = NgramIndex(self.min_n)
         return seq.ngram_index.propose(seq.tokens, self.max_n, k)
+
+
+# A step time's estimate: the median of its last COST_WINDOW measurements (interference from
+# other processes only ever adds time: a median forgets it); the first measurement of each is
+# left out (a new shape's first step builds its kernels).
+COST_WINDOW = 9
+# Every so many decisions the longest drafts go out whatever the estimates say, so that a
+# step time measured on a bad moment (other processes, a cold cache) is measured again.
+REPROBE_EVERY = 64
+# How many rejections' worth of the engine's record a sequence's own record starts from.
+PRIOR_DRAFTS = 2
+
+
+class DraftPolicy:
+    """How many draft tokens a step verifies (one cap for every row: a step costs what its
+    longest row costs, shorter rows are padded to it).
+
+    A sequence keeps each draft token with an estimated probability p (`accept_rate`: its
+    kept tokens over kept tokens and rejections, drafts being kept in runs that end at a
+    rejection, starting from the engine's rate), so a draft of d tokens gives
+    1 + p + ... + p^d tokens in expectation; a row without a draft gives one. The cap d
+    maximises the expected tokens of the step over its estimated time, for the step's
+    number of rows and 1 + d tokens a row: the median of its recent measured steps (steps
+    of decoding rows only), and where a length was never measured, the time of one token a
+    row (so it is tried, then known). Until a step of one token a row was measured at this
+    number of rows, there are no drafts."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.times: dict[tuple[int, int], deque[float]] = {}
+        self.decisions = 0
+        self.kept = self.rejections = 0  # over every sequence
+
+    def settled(self, seq, kept: int, rejected: bool) -> None:
+        """A draft of `seq` was verified: `kept` tokens kept, then one `rejected` (or not)."""
+        seq.draft_kept += kept
+        seq.draft_rejections += rejected
+        self.kept += kept
+        self.rejections += rejected
+
+    def accept_rate(self, seq) -> float:
+        """The estimated probability that the sequence's next draft token is kept (after
+        the ones before it): kept over kept and rejections, the sequence's own added to
+        PRIOR_DRAFTS rejections at the engine's rate (itself from one kept, one rejected)."""
+        p = (self.kept + 1) / (self.kept + self.rejections + 2)
+        kept = seq.draft_kept + PRIOR_DRAFTS * p / (1 - p)
+        return kept / (kept + seq.draft_rejections + PRIOR_DRAFTS)
+
+    @staticmethod
+    def _bucket(rows: int) -> int:
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def estimate(self, rows: int, tokens: int) -> float | None:
+        times = self.times.get((self._bucket(rows), tokens))
+        return statistics.median(times) if times else None
+
+    def record(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of `rows` decoding rows, the longest `tokens` tokens, took `seconds`."""
+        key = (self._bucket(rows), tokens)
+        if key not in self.times:
+            self.times[key] = deque(maxlen=COST_WINDOW)  # the first one left out
+        else:
+            self.times[key].append(seconds)
+
+    def choose(self, rows: int, drafts: list[tuple[int, float]]) -> int:
+        """The cap for a step of `rows` rows, `drafts` (proposal length, p) of those with a
+        proposal."""
+        longest = min(self.max_tokens, max(n for n, _ in drafts))
+        self.decisions += 1
+        base = self.estimate(rows, 1)
+        if base is None:
+            return 0  # a step without drafts first: what every draft is measured against
+        if self.decisions % REPROBE_EVERY == 0:
+            return longest
+        best, best_rate = 0, rows / base
+        for d in range(1, longest + 1):
+            seconds = self.estimate(rows, 1 + d) or base
+            tokens = rows - len(drafts) + sum(expected_tokens(p, min(d, n)) for n, p in drafts)
+            if tokens / seconds > best_rate:
+                best, best_rate = d, tokens / seconds
+        return best
+
+
+def expected_tokens(p: float, d: int) -> float:
+    """1 + p + ... + p^d: the tokens a step gives a row with a draft of d tokens each kept
+    (after the ones before it) with probability p."""
+    if p >= 1.0:
+        return d + 1.0
+    return (1.0 - math.pow(p, d + 1)) / (1.0 - p)

@@ -88,7 +88,10 @@ class ForwardBatch:
     layer_hooks: object | None = None
     fresh_rows: torch.Tensor | None = None  # [B] bool: rows that start from zero state
     snapshots: Snapshots | None = None  # states saved mid-forward
-
+    # Set by the caller to record the inputs of a multi-token step's recurrences (the CPU
+    # fast path's `decode.StateLog`), from which a row's states after fewer of its tokens
+    # can be rebuilt (speculative decoding's rejected drafts).
+    state_log: object | None = None
 
     @property
     def fresh(self) -> bool:

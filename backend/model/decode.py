@@ -30,11 +30,10 @@ Set SUFFIXREPLAY_FAST_DECODE=0 to turn the path off (e.g. to compare against it)
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from typing import NamedTuple
-
 from torch import nn
 
 from backend.model.linear import packing_available
@@ -102,22 +101,88 @@ class _Steps(NamedTuple):
 
 
 def _conv_steps(conv_state: torch.Tensor, xin: torch.Tensor, taps: torch.Tensor,
-                bias: torch.Tensor | None, steps: _Steps) -> tuple[torch.Tensor, torch.Tensor]:
+                bias: torch.Tensor | None, steps: _Steps):
     """The causal conv over T new inputs xin [B, T, C] after conv_state [B, C, W - 1]: the
-    outputs before the activation [B, T, C] and each row's new state, the last W - 1 inputs
-    up to its length."""
+    outputs before the activation [B, T, C], each row's new state (the last W - 1 inputs up
+    to its length) and the inputs, state first, [B, C, W - 1 + T]."""
     B, T, C = xin.shape
     W = taps.shape[1]
     full = torch.cat((conv_state, xin.transpose(1, 2)), -1)  # [B, C, W - 1 + T]
     mixed = (full.unfold(-1, W, 1) * taps.unsqueeze(1)).sum(-1)  # [B, C, T]
     if bias is not None:
         mixed = mixed + bias.unsqueeze(-1)
-    if steps.keep is None:
-        new = full[:, :, T:]
-    else:
-        at = steps.lengths.view(B, 1, 1) + torch.arange(W - 1, device=xin.device).view(1, 1, -1)
-        new = full.gather(-1, at.expand(B, C, W - 1))
-    return mixed.transpose(1, 2), new
+    new = full[:, :, T:] if steps.keep is None else _conv_state_at(full, steps.lengths, W - 1)
+    return mixed.transpose(1, 2), new, full
+
+
+def _conv_state_at(full: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """The conv state (the last `width` inputs) after each row's first counts[b] new inputs,
+    from its inputs `full` [B, C, width + T] (state first)."""
+    B, C, _ = full.shape
+    at = counts.view(B, 1, 1) + torch.arange(width, device=full.device).view(1, 1, -1)
+    return full.gather(-1, at.expand(B, C, width))
+
+
+def _upto(counts: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, T] bool: token t is among row b's first counts[b]."""
+    return torch.arange(T, device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
+
+
+def _rewind_delta_rule(S: torch.Tensor, terms: list[torch.Tensor], counts: torch.Tensor):
+    """S [R, H, K, V] (updated in place) through each row's first counts tokens of the
+    gated delta rule's terms decay, beta [R, H, T], k [R, H, T, K], v [R, H, T, V]."""
+    decay, beta, k, v = terms
+    R, H, T, K = k.shape
+    upto = _upto(counts, T).unsqueeze(1)  # [R, 1, T]
+    decay = decay.masked_fill(~upto, 1.0).reshape(R * H, T, 1)
+    beta = (beta * upto).reshape(R * H, T, 1)
+    k, v = k.reshape(R * H, T, K), v.reshape(R * H, T, -1)
+    S = S.view(R * H, K, -1)
+    for t in range(int(counts.max())):
+        S.mul_(decay[:, t:t + 1])
+        k_t = k[:, t:t + 1]
+        delta = (v[:, t:t + 1] - torch.bmm(k_t, S)) * beta[:, t:t + 1]
+        S.baddbmm_(k_t.transpose(1, 2), delta)
+
+
+def _rewind_ssd(S: torch.Tensor, terms: list[torch.Tensor], counts: torch.Tensor):
+    """S [R, H, N, P] (updated in place) through each row's first counts tokens of Mamba2's
+    terms decay [R, T, H], b [R, T, H, N], xdt [R, T, H, P]."""
+    decay, b, xdt = terms
+    R, T, H = decay.shape
+    upto = _upto(counts, T).unsqueeze(-1)  # [R, T, 1]
+    decay = decay.masked_fill(~upto, 1.0)
+    xdt = xdt * upto.unsqueeze(-1)
+    for t in range(int(counts.max())):
+        S.mul_(decay[:, t].view(R, H, 1, 1))
+        S.add_(b[:, t].unsqueeze(-1) * xdt[:, t].unsqueeze(-2))
+
+
+class StateLog:
+    """What a multi-token step's recurrences read, layer by layer (`multi` records it when
+    the batch carries one): each linear layer's conv inputs and the recurrence's per-token
+    terms. `rewind` rebuilds a row's states after any number of its new tokens from the
+    states it had before the step, the recurrence alone (no product, no other layer): the
+    exact arithmetic the step ran, stopped earlier. Speculative decoding keeps a rejected
+    draft's states this way without computing the tokens it kept again."""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple] = []  # (state index, conv kernel width, kind, tensors)
+
+    def rewind(self, states, before, rows: torch.Tensor, slots: torch.Tensor,
+               counts: torch.Tensor) -> None:
+        """Rows `rows` of the step (run slots `slots`, whose states before the step are in
+        `before` at the same slots) get in `states` the states after their first `counts`
+        new tokens."""
+        for index, kind, terms in self.layers:
+            full = terms[0].index_select(0, rows)
+            conv = _conv_state_at(full, counts, before.conv[index].shape[-1])
+            rec = before.rec[index].index_select(0, slots).clone()
+            if kind == "gdn":
+                _rewind_delta_rule(rec, [t.index_select(0, rows) for t in terms[1:]], counts)
+            else:
+                _rewind_ssd(rec, [t.index_select(0, rows) for t in terms[1:]], counts)
+            states.scatter(index, slots, conv, rec)
 
 
 class _Fused:
@@ -202,16 +267,17 @@ class _LinearLayer(_FusedLayer):
         return self.ffn(x), window[:, :, 1:], S.view(B, hv, dk, dv)
 
     def multi(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor,
-              steps: _Steps):
+              steps: _Steps, log: StateLog | None = None):
         """`__call__` over T tokens a row (x [B, T, D]): the products over all B * T rows
         at once, the conv as one windowed sum, the recurrence a token at a time (the decode
-        step's arithmetic, T times); a row's padding leaves its states as they were."""
+        step's arithmetic, T times); a row's padding leaves its states as they were. With
+        `log`, what the recurrences read is recorded there."""
         B, T, D = x.shape
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         h = F.rms_norm(x, (D,), self.n_in, self.eps)
         xin, z, b, a = _mm(h.view(B * T, D), self.w_in).split(self.in_sizes, -1)
-        mixed, new_conv = _conv_steps(conv_state.to(x.dtype), xin.view(B, T, -1), self.taps,
-                                      None, steps)
+        mixed, new_conv, full = _conv_steps(conv_state.to(x.dtype), xin.view(B, T, -1),
+                                            self.taps, None, steps)
         qk, v = F.silu(mixed).split(self.qk_sizes, -1)
         qk = qk.reshape(B, T, 2 * hk, dk)
         qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)
@@ -230,6 +296,10 @@ class _LinearLayer(_FusedLayer):
         v = v.reshape(B, T, hv, dv).transpose(1, 2).reshape(BH, T, dv)
         decay = decay.transpose(1, 2).reshape(BH, T, 1)
         beta = beta.transpose(1, 2).reshape(BH, T, 1)
+        if log is not None:
+            log.layers.append((self.state_index, "gdn", (
+                full, decay.view(B, hv, T), beta.view(B, hv, T), k.view(B, hv, T, dk),
+                v.view(B, hv, T, dv))))
         outs = []
         for t in range(T):
             S.mul_(decay[:, t:t + 1])
@@ -361,15 +431,15 @@ class _MambaBlock(_Fused):
         return x + _mm(y, self.w_out, self.b_out), window[:, :, 1:], S
 
     def multi(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor,
-              steps: _Steps):
+              steps: _Steps, log: StateLog | None = None):
         """`__call__` over T tokens a row (x [B, T, D]), as `_LinearLayer.multi`."""
         B, T, D = x.shape
         M = B * T
         H, P, G, N = self.h, self.p, self.g, self.n
         z, xbc, dt = _mm(F.rms_norm(x.view(M, D), (D,), self.norm_w, self.eps), self.w_in,
                          self.b_in).split(self.in_sizes, -1)
-        mixed, new_conv = _conv_steps(conv_state.to(x.dtype), xbc.view(B, T, -1), self.taps,
-                                      self.conv_bias, steps)
+        mixed, new_conv, full = _conv_steps(conv_state.to(x.dtype), xbc.view(B, T, -1),
+                                            self.taps, self.conv_bias, steps)
         xs, b, c = F.silu(mixed).split(self.xbc_sizes, -1)
         dt = F.softplus(dt.view(B, T, H) + self.dt_bias).clamp(min=self.dt_min)
         decay = (dt * self.neg_a).exp()
@@ -379,11 +449,14 @@ class _MambaBlock(_Fused):
         bc = torch.stack((b, c), 2).view(B, T, 2, G, 1, N).expand(B, T, 2, G, H // G, N)
         bc = bc.reshape(B, T, 2, H, N)
         xs = xs.reshape(B, T, H, P)
+        xdt = xs * dt.unsqueeze(-1)
+        if log is not None:
+            log.layers.append((self.state_index, "ssd", (full, decay, bc[:, :, 0], xdt)))
         S = rec  # this step's copy, updated in place
         ys = []
         for t in range(T):
             S.mul_(decay[:, t].view(B, H, 1, 1))
-            S.add_(bc[:, t, 0].unsqueeze(-1) * (xs[:, t] * dt[:, t].unsqueeze(-1)).unsqueeze(-2))
+            S.add_(bc[:, t, 0].unsqueeze(-1) * xdt[:, t].unsqueeze(-2))
             ys.append(torch.matmul(bc[:, t, 1].unsqueeze(-2), S).squeeze(-2))
         y = torch.stack(ys, 1) + xs * self.skip  # [B, T, H, P]
         y = (y.reshape(M, H * P) * F.silu(z)).view(M, -1, self.g_size)
@@ -533,7 +606,8 @@ class FastDecode:
             if isinstance(fused, (_LinearLayer, _MambaBlock)):
                 j = fused.state_index
                 x, conv, rec = fused.multi(x, states.conv[j].index_select(0, slots),
-                                           states.rec[j].index_select(0, slots), steps)
+                                           states.rec[j].index_select(0, slots), steps,
+                                           batch.state_log)
                 states.scatter(j, slots, conv, rec)
             elif isinstance(fused, (_MlpBlock, _MoEBlock)):
                 x = fused(x.view(B * T, D)).view(B, T, D)

@@ -18,12 +18,19 @@ from engine_helpers import assert_no_leak
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.guided import Guide
 from backend.engine.request import Request
-from backend.engine.speculative import NgramDrafter, NgramIndex
+from backend.engine.speculative import (
+    REPROBE_EVERY,
+    DraftPolicy,
+    NgramDrafter,
+    NgramIndex,
+    expected_tokens,
+)
 from backend.model import SeqInput
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+# Every proposal verified whole (the adaptive cut depends on measured times: tested apart).
 SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
-            prompt_lookup_max=6)
+            prompt_lookup_max=6, speculative_adaptive=False)
 PROMPTS = [
     "The cat sat on the mat. The cat sat on the mat. The cat sat on the",
     "Once upon a time there was a little girl. Once upon a time there",
@@ -144,6 +151,21 @@ def test_greedy_outputs_and_log_probs_equal_a_token_a_step(engines):
     assert spec.stats()["steps"] - steps0 < max(p.max_tokens for p in params) - 10
 
 
+def test_adaptive_drafts_keep_the_outputs(engines):
+    """The default engine (drafts cut to what the measured step times make worth it): the
+    lengths it verifies change from step to step, its outputs do not."""
+    plain, _ = engines
+    adaptive = Engine.from_model_dir(MODEL_DIR, EngineConfig(speculative_method="ngram"))
+    prompts = [plain.tokenizer.encode(t) for t in PROMPTS]
+    params = [SamplingParams(max_tokens=80, top_k=1)] * len(prompts)
+    want = _run_batch(plain, prompts, params)
+    for _ in range(2):
+        assert [g["tokens"] for g in _run_batch(adaptive, prompts, params)] == \
+            [w["tokens"] for w in want]
+    assert _spec_stats(adaptive)[1] > 0  # lengths never measured are tried
+    assert_no_leak(adaptive)
+
+
 @pytest.mark.parametrize("case", ["stop_words", "end_id", "min_tokens", "max_tokens",
                                   "penalties", "bad_words"])
 def test_stop_rules_and_logit_controls_are_those_of_a_token_a_step(engines, case):
@@ -244,3 +266,48 @@ def test_executor_logits_at_several_positions_are_the_full_forward_ones(engines)
             ex.forward(seqs, num_logits=[5, 1, 3, 2])
     finally:
         plain.store.free_pages([p for s in seqs for p in s.page_table.tolist()], [])
+
+
+class _Record:
+    draft_kept = draft_rejections = 0
+
+
+def test_the_draft_policy_verifies_what_pays_for_itself():
+    policy = DraftPolicy(max_tokens=4)
+    good, bad = _Record(), _Record()
+    assert policy.choose(8, [(4, 0.9)]) == 0  # nothing measured: a plain step first
+    for tokens, ms in ((1, 10.0), (1, 10.0), (2, 11.0), (2, 11.0), (3, 30.0), (3, 30.0),
+                       (4, 40.0), (4, 40.0), (5, 50.0), (5, 50.0)):
+        policy.record(8, tokens, ms / 1000)  # each length's first time is left out
+    assert policy.estimate(8, 1) == pytest.approx(0.010)
+    assert policy.estimate(4, 1) is None  # other row counts are measured apart
+    # Two tokens a row cost 10% more: worth it for a row that keeps most of its drafts;
+    # three or more cost 3-5x: not worth it for one row in eight.
+    policy.settled(good, kept=9, rejected=True)
+    assert policy.accept_rate(good) > 0.7
+    assert policy.choose(8, [(4, policy.accept_rate(good))]) == 1
+    for _ in range(12):
+        policy.settled(bad, kept=0, rejected=True)
+    assert policy.accept_rate(bad) < 0.3
+    assert policy.choose(8, [(4, policy.accept_rate(bad))]) == 0
+    # A length never measured is tried (as if it cost what one token does).
+    policy.record(1, 1, 0.010)
+    policy.record(1, 1, 0.010)
+    assert policy.choose(1, [(4, 0.5)]) == 4
+    # Every REPROBE_EVERY-th decision sends the longest drafts, whatever the estimates.
+    while policy.decisions % REPROBE_EVERY != REPROBE_EVERY - 1:
+        policy.choose(8, [(4, 0.1)])
+    assert policy.choose(8, [(3, 0.1)]) == 3
+
+
+def test_a_measured_step_time_is_the_median_of_recent_ones():
+    policy = DraftPolicy(max_tokens=2)
+    for ms in (500.0, 10.0, 11.0, 300.0, 12.0):  # 500: the first, left out
+        policy.record(2, 3, ms / 1000)
+    assert policy.estimate(2, 3) == pytest.approx(0.0115)
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4.0

@@ -14,7 +14,8 @@ from tests.triton.llm_helpers import idle_pool, scrape, value
 
 MODEL = {"model": "hybrid_llm", "version": "1"}
 PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the",
-           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"]
+           "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
+           "def mul(a, b):\n"]
 SPEC = {"speculative_method": "ngram", "num_speculative_tokens": "4", "prompt_lookup_min": "2"}
 
 
