@@ -143,12 +143,30 @@ def test_greedy_outputs_and_log_probs_equal_a_token_a_step(engines):
     got = _run_batch(spec, prompts, params)
     drafts, kept = _spec_stats(spec)
     assert 0 < kept - kept0 < drafts - drafts0  # drafts kept and rejected
+    assert spec.scheduler.num_rewinds > 0  # rejections' states rebuilt from the step's log
     for w, g in zip(want, got):
         assert g["tokens"] == w["tokens"] and g["reason"] == w["reason"] == "length"
         torch.testing.assert_close(g["log_probs"], w["log_probs"], atol=1e-4, rtol=1e-4)
         assert g["cum"] == pytest.approx(w["cum"], abs=1e-3)
     # Several tokens an output: fewer steps than tokens (80 + 64 + ... in 5 requests).
     assert spec.stats()["steps"] - steps0 < max(p.max_tokens for p in params) - 10
+
+
+def test_without_the_fast_path_rejected_drafts_are_computed_again(engines):
+    """Where a step runs the general layers (no recurrence log: CUDA, bfloat16, long rows), a
+    rejected draft's sequence gets its states from before the step back and computes the
+    tokens it kept again: the same outputs."""
+    plain, _ = engines
+    general = Engine.from_model_dir(MODEL_DIR, EngineConfig(**SPEC))
+    general.model.fast_decode = None
+    prompts = [plain.tokenizer.encode(t) for t in PROMPTS]
+    params = [SamplingParams(max_tokens=60, top_k=1)] * len(prompts)
+    want = _run_batch(plain, prompts, params)
+    assert [g["tokens"] for g in _run_batch(general, prompts, params)] == \
+        [w["tokens"] for w in want]
+    drafts, kept = _spec_stats(general)
+    assert 0 < kept < drafts and general.scheduler.num_rewinds == 0
+    assert_no_leak(general)
 
 
 def test_adaptive_drafts_keep_the_outputs(engines):
