@@ -101,6 +101,11 @@ COST_WINDOW = 9
 REPROBE_EVERY = 64
 # How many rejections' worth of the engine's record a sequence's own record starts from.
 PRIOR_DRAFTS = 2
+# Drafts go out only where their expected tokens per second beat a step without them by this
+# factor: the estimates are noisy (step times on shared cores, acceptance from few drafts),
+# and a draft that only breaks even costs the stash, the position-by-position sampling and
+# the rewinds for nothing.
+MIN_GAIN = 1.1
 
 
 class DraftPolicy:
@@ -111,7 +116,8 @@ class DraftPolicy:
     kept tokens over kept tokens and rejections, drafts being kept in runs that end at a
     rejection, starting from the engine's rate), so a draft of d tokens gives
     1 + p + ... + p^d tokens in expectation; a row without a draft gives one. The cap d
-    maximises the expected tokens of the step over its estimated time, for the step's
+    maximises the expected tokens of the step over its estimated time (d = 0 unless that
+    beats a step without drafts by MIN_GAIN), for the step's
     number of rows and 1 + d tokens a row: the median of its recent measured steps (steps
     of decoding rows only), and where a length was never measured, the time of one token a
     row (so it is tried, then known). Until a step of one token a row was measured at this
@@ -164,7 +170,7 @@ class DraftPolicy:
             return 0  # a step without drafts first: what every draft is measured against
         if self.decisions % REPROBE_EVERY == 0:
             return longest
-        best, best_rate = 0, rows / base
+        best, best_rate = 0, MIN_GAIN * rows / base
         for d in range(1, longest + 1):
             seconds = self.estimate(rows, 1 + d) or base
             tokens = rows - len(drafts) + sum(expected_tokens(p, min(d, n)) for n, p in drafts)

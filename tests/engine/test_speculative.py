@@ -294,20 +294,20 @@ def test_the_draft_policy_verifies_what_pays_for_itself():
     policy = DraftPolicy(max_tokens=4)
     good, bad = _Record(), _Record()
     assert policy.choose(8, [(4, 0.9)]) == 0  # nothing measured: a plain step first
-    for tokens, ms in ((1, 10.0), (1, 10.0), (2, 11.0), (2, 11.0), (3, 30.0), (3, 30.0),
+    for tokens, ms in ((1, 10.0), (1, 10.0), (2, 10.5), (2, 10.5), (3, 11.0), (3, 11.0),
                        (4, 40.0), (4, 40.0), (5, 50.0), (5, 50.0)):
         policy.record(8, tokens, ms / 1000)  # each length's first time is left out
     assert policy.estimate(8, 1) == pytest.approx(0.010)
     assert policy.estimate(4, 1) is None  # other row counts are measured apart
-    # Two tokens a row cost 10% more: worth it for a row that keeps most of its drafts;
-    # three or more cost 3-5x: not worth it for one row in eight.
+    # Two or three tokens a row cost 5-10% more: worth it for rows that keep most of their
+    # drafts (the longer the better); four or more cost 4-5x: not worth it.
     policy.settled(good, kept=9, rejected=True)
     assert policy.accept_rate(good) > 0.7
-    assert policy.choose(8, [(4, policy.accept_rate(good))]) == 1
+    assert policy.choose(8, [(4, policy.accept_rate(good))] * 4) == 2
     for _ in range(12):
         policy.settled(bad, kept=0, rejected=True)
     assert policy.accept_rate(bad) < 0.3
-    assert policy.choose(8, [(4, policy.accept_rate(bad))]) == 0
+    assert policy.choose(8, [(4, policy.accept_rate(bad))] * 4) == 0
     # A length never measured is tried (as if it cost what one token does).
     policy.record(1, 1, 0.010)
     policy.record(1, 1, 0.010)
