@@ -36,7 +36,7 @@ class ExecutorBuffers:
     supports_snapshots = False
     max_snapshots_per_row: int | None = None  # None: as many as asked
     _stash: StateSlots | None = None  # run-state copies for speculative steps
-    _logs: list = []  # (rows, StateLog) of the last forward's parts (speculative steps)
+    _logs: list | tuple = ()  # (rows, StateLog) of the last forward's parts (speculative)
 
     def _allocate(self, cfg: ModelConfig, dtype: torch.dtype, device, num_kv_pages: int,
                   page_size: int, num_run_slots: int, num_saved_slots: int,

@@ -392,12 +392,12 @@ class Scheduler:
             pages = [p for c in chunks for p in self.cache.offload_pages(c.seq, c.end)]
             transfers = LayerTransfers(self.cache.tiers, pages)
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
-        num_logits = None
+        extra = {}
         if any(c.draft for c in chunks):  # speculative: logits at each draft token too
-            num_logits = [1 + len(c.draft) for c in chunks]
+            extra["num_logits"] = [1 + len(c.draft) for c in chunks]
             self.executor.stash_states([c.seq.run_slot for c in chunks if c.draft])
         logits = self.executor.forward(seqs, *capture, layer_hooks=transfers,
-                                       snapshots=snapshots, num_logits=num_logits)
+                                       snapshots=snapshots, **extra)
         if transfers is not None:  # the rest of the copies after the outputs
             self._after.append(transfers.finish)
         return logits
@@ -424,9 +424,9 @@ class Scheduler:
             tokens, lps = self._draw([seqs[r] for r in rows], logits[rows, i])
             for r, token, lp in zip(rows, tokens, lps):
                 seq = seqs[r]
+                if i == 0 and not seq.prefix_inserted:
+                    self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
                 if seq.first_token_time is None:
-                    if not seq.prefix_inserted:
-                        self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
                     seq.first_token_time = now
                 seq.tokens.append(token)
                 if seq.guide is not None:
