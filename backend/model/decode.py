@@ -1,5 +1,5 @@
-"""The CPU fast path for decode steps: one new token per sequence, fused weights, few calls
-(every family: Qwen3.5 / Qwen3-Next decoder layers, Nemotron-H's Mamba2 / attention / MLP
+"""The CPU fast path for decode steps (one new token a sequence, or a few): fused weights, few
+calls (every family: Qwen3.5 / Qwen3-Next decoder layers, Nemotron-H's Mamba2 / attention / MLP
 blocks; mixture-of-experts MLPs run their own code inside the step).
 
 A decode step of a small model on the CPU is bound by the number of operator calls, not by
@@ -19,9 +19,15 @@ The arithmetic is the general path's (same operations in the same precision; sum
 associate differently, within fp32 rounding: `tests/model/test_decode.py` holds it to the
 general path and the oracle tests to transformers).
 
+Steps of a few tokens a row (up to MAX_FAST_TOKENS: speculative verification, jump-forward
+chunks, short suffixes) run the same fused layers over all B * T rows (`multi`), padded rows
+masked, the conv as one windowed sum and the recurrences a token at a time (the decode
+step's arithmetic, T times); with a `StateLog` on the batch, what the recurrences read is
+kept, so a row's states after fewer of its tokens can be rebuilt afterwards (`rewind`).
+
 Used by `HybridForCausalLM.forward_batch` when the model was loaded for CPU inference in
-float32 with packed linears (`load_model`), the step is a decode step over cached sequences
-(one token each, no fresh row, no mid-forward snapshots). Anchor capture and
+float32 with packed linears (`load_model`), the step is one over cached sequences (at most
+MAX_FAST_TOKENS tokens a row, no fresh row, no mid-forward snapshots). Anchor capture and
 the tiered KV's layer hooks are honoured. A weight replaced or edited in place after the
 snapshot (its `_version` moves) is seen: that layer's fused copy is rebuilt before use.
 Set SUFFIXREPLAY_FAST_DECODE=0 to turn the path off (e.g. to compare against it).
