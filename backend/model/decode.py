@@ -571,38 +571,14 @@ class FastDecode:
 
     def run(self, batch) -> torch.Tensor:
         """The final-normed hidden states of the step's tokens: [B, D] for a decode step,
-        [B, T, D] for T > 1 tokens a row."""
-        if batch.input_ids.shape[1] > 1:
-            return self._run_multi(batch)
-        model = self.model
-        x = model.model.embed_tokens(batch.input_ids[:, 0])
-        cos, sin = ((None, None) if model.rotary is None  # [B, 1, R]
-                    else model.rotary.cos_sin(batch.positions, x.dtype))
-        slots, states, capture = batch.state_slots, batch.states, batch.capture
-        for i, fused in enumerate(self.layers):
-            if not fused.current():
-                fused = self.layers[i] = self._fuse(model.model.layers[i])
-            if capture is not None and i in self.entry_to_group:
-                capture.write(self.entry_to_group[i], x)
-            if isinstance(fused, (_LinearLayer, _MambaBlock)):
-                j = fused.state_index
-                x, conv, rec = fused(x, states.conv[j].index_select(0, slots),
-                                     states.rec[j].index_select(0, slots))
-                states.scatter(j, slots, conv, rec)
-            elif isinstance(fused, (_MlpBlock, _MoEBlock)):
-                x = fused(x)
-            else:
-                x = fused(x, cos, sin, batch)
-        return self._final_norm(x)
-
-    def _run_multi(self, batch) -> torch.Tensor:
+        [B, T, D] for T > 1 tokens a row (each layer's `multi`)."""
         model = self.model
         B, T = batch.input_ids.shape
-        x = model.model.embed_tokens(batch.input_ids)  # [B, T, D]
-        D = x.shape[-1]
+        multi = T > 1
+        x = model.model.embed_tokens(batch.input_ids if multi else batch.input_ids[:, 0])
         cos, sin = ((None, None) if model.rotary is None  # [B, T, R]
                     else model.rotary.cos_sin(batch.positions, x.dtype))
-        steps = _Steps(batch.valid, batch.lengths)
+        steps = _Steps(batch.valid, batch.lengths) if multi else None
         slots, states, capture = batch.state_slots, batch.states, batch.capture
         for i, fused in enumerate(self.layers):
             if not fused.current():
@@ -611,14 +587,15 @@ class FastDecode:
                 capture.write(self.entry_to_group[i], x)
             if isinstance(fused, (_LinearLayer, _MambaBlock)):
                 j = fused.state_index
-                x, conv, rec = fused.multi(x, states.conv[j].index_select(0, slots),
-                                           states.rec[j].index_select(0, slots), steps,
-                                           batch.state_log)
+                conv = states.conv[j].index_select(0, slots)
+                rec = states.rec[j].index_select(0, slots)
+                x, conv, rec = (fused.multi(x, conv, rec, steps, batch.state_log) if multi
+                                else fused(x, conv, rec))
                 states.scatter(j, slots, conv, rec)
             elif isinstance(fused, (_MlpBlock, _MoEBlock)):
-                x = fused(x.view(B * T, D)).view(B, T, D)
+                x = fused(x.view(-1, x.shape[-1])).view(x.shape)
             else:
-                x = fused.multi(x, cos, sin, batch)
+                x = fused.multi(x, cos, sin, batch) if multi else fused(x, cos, sin, batch)
         return self._final_norm(x)
 
     def _final_norm(self, x: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -58,3 +59,30 @@ def bench_main(parse_args: Callable[[list[str] | None], argparse.Namespace],
     summary = run(args)
     write_summary(args.out, summary)
     return summary
+
+
+class OutputTimes:
+    """An in-process engine's outputs as they arrive (`on_output`): each request's first and
+    last token times, its token count, and the requests finished."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, float] = {}
+        self.last: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self.done: list[str] = []
+
+    def on_output(self, out) -> None:
+        now = time.perf_counter()
+        if out.new_token_ids:
+            self.first.setdefault(out.request_id, now)
+            self.last[out.request_id] = now
+            self.counts[out.request_id] = self.counts.get(out.request_id, 0) + \
+                len(out.new_token_ids)
+        if out.finished:
+            self.done.append(out.request_id)
+
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after each request's first, over the time from the first first token to
+        the last token."""
+        tokens = sum(self.counts.values()) - len(self.counts)
+        return tokens / (max(self.last.values()) - min(self.first.values()))

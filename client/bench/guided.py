@@ -33,7 +33,7 @@ from tqdm import tqdm
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
 from backend.engine.guided import GrammarBackend, Guide
 from backend.tokenizer import Tokenizer
-from client.bench.common import DEFAULT_MODEL, bench_main, config_of, machine
+from client.bench.common import DEFAULT_MODEL, OutputTimes, bench_main, config_of, machine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "guided"
 QWEN_VOCAB = 151_936
@@ -77,34 +77,21 @@ def engine_run(engine: Engine, prompt: list[int], guide: Guide | None,
     token of each (the decode phase), the mean time from submission to a request's end, the
     engine steps, and the tokens generated."""
     salt = uuid.uuid4().hex
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    done: list[str] = []
-
-    def on_output(out) -> None:
-        now = time.perf_counter()
-        if out.new_token_ids:
-            first.setdefault(out.request_id, now)
-            last[out.request_id] = now
-            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-        if out.finished:
-            done.append(out.request_id)
-
+    times = OutputTimes()
     min_tokens = args.max_tokens if guide is None else 0
     steps = engine.stats()["steps"]
     submitted = time.perf_counter()
     for i in range(args.batch):
         engine.submit(Request(f"{salt}-{i}", prompt, SamplingParams(
             max_tokens=args.max_tokens, min_tokens=min_tokens, temperature=1.0, seed=i,
-            guide=guide), cache_salt=salt, on_output=on_output))
-    while len(done) < args.batch:
+            guide=guide), cache_salt=salt, on_output=times.on_output))
+    while len(times.done) < args.batch:
         engine.step()
-    start, end = min(first.values()), max(last.values())
-    tokens = sum(counts.values()) - len(counts)  # those after each request's first
-    return {"decode_tokens_per_s": tokens / (end - start),
-            "request_done_ms": 1000 * statistics.mean(t - submitted for t in last.values()),
-            "steps": engine.stats()["steps"] - steps, "output_tokens": sum(counts.values())}
+    return {"decode_tokens_per_s": times.decode_tokens_per_s(),
+            "request_done_ms": 1000 * statistics.mean(t - submitted
+                                                      for t in times.last.values()),
+            "steps": engine.stats()["steps"] - steps,
+            "output_tokens": sum(times.counts.values())}
 
 
 def mask_cost(backend: GrammarBackend, guide: Guide, steps: int, seed: int = 0) -> float:

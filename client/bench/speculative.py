@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 from tqdm import tqdm
 
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
-from client.bench.common import DEFAULT_MODEL, bench_main, config_of, machine
+from client.bench.common import DEFAULT_MODEL, OutputTimes, bench_main, config_of, machine
 from client.bench.workloads import TextSource
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative"
@@ -71,36 +70,22 @@ def engine_run(engine: Engine, batch: list[list[int]], workload: str,
     """The batch at once from a cold prefix: decode-phase output tokens per second, the
     engine steps and the drafts proposed and kept."""
     salt = uuid.uuid4().hex
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    counts: dict[str, int] = {}
-    done: list[str] = []
-
-    def on_output(out) -> None:
-        now = time.perf_counter()
-        if out.new_token_ids:
-            first.setdefault(out.request_id, now)
-            last[out.request_id] = now
-            counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
-        if out.finished:
-            done.append(out.request_id)
-
+    times = OutputTimes()
     greedy = workload != "sampled"
     before = engine.stats()
     for i, prompt in enumerate(batch):
         engine.submit(Request(f"{salt}-{i}", prompt, SamplingParams(
             max_tokens=args.max_tokens, min_tokens=args.max_tokens, top_k=1 if greedy else 0,
-            temperature=1.0 if greedy else 0.8, seed=i), cache_salt=salt, on_output=on_output))
-    while len(done) < len(batch):
+            temperature=1.0 if greedy else 0.8, seed=i), cache_salt=salt,
+            on_output=times.on_output))
+    while len(times.done) < len(batch):
         engine.step()
     after = engine.stats()
-    start, end = min(first.values()), max(last.values())
-    tokens = sum(counts.values()) - len(counts)  # those after each request's first
-    return {"decode_tokens_per_s": tokens / (end - start),
+    return {"decode_tokens_per_s": times.decode_tokens_per_s(),
             "steps": after["steps"] - before["steps"],
             "drafted": after["spec_draft_tokens"] - before["spec_draft_tokens"],
             "kept": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
-            "output_tokens": sum(counts.values())}
+            "output_tokens": sum(times.counts.values())}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -104,30 +104,28 @@ def _run(model, fast, batch: int, steps: int, seed: int = 0, max_chunk: int = 1)
         model.fast_decode = saved
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
-def test_fast_decode_matches_the_general_layers(model, batch):
-    ref, ref_s = _run(model, None, batch, 40)
-    out, out_s = _run(model, model.fast_decode, batch, 40)
+def _assert_same(model, batch: int, steps: int, **options) -> None:
+    """The fast path's logits, states and KV against the general layers'."""
+    ref, ref_s = _run(model, None, batch, steps, **options)
+    out, out_s = _run(model, model.fast_decode, batch, steps, **options)
     scale = ref.abs().max().item()
     assert (out - ref).abs().max().item() <= 1e-5 * scale
     for a, b in zip(ref_s.states.rec + ref_s.states.conv, out_s.states.rec + out_s.states.conv):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
     for a, b in zip(ref_s.kv.k + ref_s.kv.v, out_s.kv.k + out_s.kv.v):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fast_decode_matches_the_general_layers(model, batch):
+    _assert_same(model, batch, 40)
 
 
 @pytest.mark.parametrize("batch", [1, 5])
 def test_fast_steps_of_several_tokens_match_the_general_layers(model, batch):
     """Steps of 1..6 tokens a row (ragged: padded rows), every token's logits: the fused
     layers' recurrences a token at a time against the general path's chunked forms."""
-    ref, ref_s = _run(model, None, batch, 12, seed=1, max_chunk=6)
-    out, out_s = _run(model, model.fast_decode, batch, 12, seed=1, max_chunk=6)
-    scale = ref.abs().max().item()
-    assert (out - ref).abs().max().item() <= 1e-5 * scale
-    for a, b in zip(ref_s.states.rec + ref_s.states.conv, out_s.states.rec + out_s.states.conv):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(ref_s.kv.k + ref_s.kv.v, out_s.kv.k + out_s.kv.v):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    _assert_same(model, batch, 12, seed=1, max_chunk=6)
 
 
 def test_fast_decode_takes_only_short_steps_of_cached_sequences(model, monkeypatch):
