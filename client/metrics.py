@@ -58,7 +58,8 @@ def _mib(n: float) -> str:
 
 def cache_report(metrics: Metrics) -> list[str]:
     """What `python -m client stats` prints: the prefix cache's hits by tier, pages, bytes in
-    use, prefetches and requests, from hybrid_llm's `suffixreplay_*` families. Lines whose
+    use, prefetches, speculative drafts and requests, from hybrid_llm's `suffixreplay_*`
+    families. Lines whose
     families the server does not export (no tiers, no prefetcher) are left out."""
     lines = []
     queried = total(metrics, "suffixreplay_queried_tokens_total")
@@ -95,6 +96,11 @@ def cache_report(metrics: Metrics) -> list[str]:
     if ssd:
         lines.append(f"SSD: {_mib(ssd.get('read', 0))} read, {_mib(ssd.get('written', 0))} "
                      "written")
+    spec = by_label(metrics, "suffixreplay_spec_decode_tokens_total", "kind")
+    if spec.get("draft"):
+        kept = spec.get("accepted", 0)
+        lines.append(f"speculative drafts: {spec['draft']:.0f} tokens verified, {kept:.0f} kept "
+                     f"({kept / spec['draft']:.1%})")
     done = total(metrics, "suffixreplay_requests_total")
     if done is not None:
         ended = by_label(metrics, "suffixreplay_unfinished_requests_total", "reason")

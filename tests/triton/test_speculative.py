@@ -1,9 +1,14 @@
 """Speculative decoding served (`speculative_method: ngram` in hybrid_llm's parameters): the
 ensemble's outputs are the server's without it (greedy, seeded sampling, streamed or not,
 several sequences of one prompt), a streamed response may carry several tokens, and the draft
-counters reach Prometheus."""
+counters reach Prometheus and `python -m client stats`."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +17,7 @@ from client.generate import GenerateParams, generate_http, stream_grpc
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
 from tests.triton.llm_helpers import idle_pool, scrape, value
 
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"model": "hybrid_llm", "version": "1"}
 PROMPTS = ["The cat sat on the mat. The cat sat on the mat. The cat sat on the",
            "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -50,6 +56,18 @@ def test_outputs_are_the_plain_servers(llm_server: ServerHandle, spec_server: Se
     drafts, kept = _drafts(spec_server)
     assert 0 < kept - kept0 <= drafts - drafts0
     idle_pool(spec_server)
+
+
+def test_client_stats_report_the_drafts(spec_server: ServerHandle):
+    generate_http(spec_server.urls.http, GenerateParams(PROMPTS[0], max_tokens=32, top_k=1))
+    time.sleep(0.5)  # the metrics thread refreshes every 100 ms
+    drafts, kept = _drafts(spec_server)
+    result = subprocess.run([sys.executable, "-m", "client", "stats", "--metrics-url",
+                             spec_server.urls.metrics], capture_output=True, text=True,
+                            cwd=ROOT, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert f"speculative drafts: {drafts:.0f} tokens verified, {kept:.0f} kept" in \
+        result.stdout, result.stdout
 
 
 def test_a_streamed_response_carries_the_tokens_kept(spec_server: ServerHandle):
