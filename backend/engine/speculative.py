@@ -116,11 +116,11 @@ class DraftPolicy:
     kept tokens over kept tokens and rejections, drafts being kept in runs that end at a
     rejection, starting from the engine's rate), so a draft of d tokens gives
     1 + p + ... + p^d tokens in expectation; a row without a draft gives one. The cap d
-    maximises the expected tokens of the step over its estimated time (d = 0 unless that
-    beats a step without drafts by MIN_GAIN), for the step's
-    number of rows and 1 + d tokens a row: the median of its recent measured steps (steps
-    of decoding rows only), and where a length was never measured, the time of one token a
-    row (so it is tried, then known). Until a step of one token a row was measured at this
+    maximises the expected tokens of the step over its estimated time (no drafts unless
+    they beat a step without them by MIN_GAIN). A step's time is estimated for its number
+    of rows and 1 + d tokens a row: the median of its recent measured steps (steps of
+    decoding rows only), and where a length was never measured, the time of one token a row
+    (so it is tried, then known). Until a step of one token a row was measured at this
     number of rows, there are no drafts."""
 
     def __init__(self, max_tokens: int) -> None:
