@@ -173,7 +173,7 @@ class StateLog:
     draft's states this way without computing the tokens it kept again."""
 
     def __init__(self) -> None:
-        self.layers: list[tuple] = []  # (state index, conv kernel width, kind, tensors)
+        self.layers: list[tuple] = []  # (state index, "gdn" | "ssd", (conv inputs, terms...))
 
     def rewind(self, states, before, rows: torch.Tensor, slots: torch.Tensor,
                counts: torch.Tensor) -> None:
