@@ -235,11 +235,11 @@ class CacheManager:
         """Saves states where planned (checkpoints, page-boundary live state). `caught_up`:
         the step computed every token but those it sampled (default: num_computed is the
         sequence's length, as before sampling)."""
+        if not self.snapshots:
+            return
         pos = seq.num_computed
         if caught_up is None:
             caught_up = pos >= len(seq.tokens)
-        if not self.snapshots:
-            return
         is_checkpoint = pos in seq.capture_positions
         if self.sglang_placement:  # decode: at multiples of the track interval only
             at_boundary = pos % self.config.cache.checkpoint_interval == 0 and \

@@ -153,9 +153,9 @@ class TorchExecutor(ExecutorBuffers):
                                    device=self.model.device)
         batch.layer_hooks = layer_hooks
         if snapshots:
-            rows, offsets, slots = (torch.tensor(v, device=self.model.device)
-                                    for v in zip(*snapshots))
-            batch.snapshots = Snapshots(rows, offsets, slots, self.saved_states)
+            snap_rows, offsets, slots = (torch.tensor(v, device=self.model.device)
+                                         for v in zip(*snapshots))
+            batch.snapshots = Snapshots(snap_rows, offsets, slots, self.saved_states)
         if num_logits is None or max(num_logits) == 1:
             return self.model.forward_batch(batch).float()
         batch.state_log = StateLog()
@@ -179,10 +179,7 @@ class TorchExecutor(ExecutorBuffers):
         if self._stash is None:
             n = self.run_states.conv[0].shape[0] if self.run_states.conv else 0
             self._stash = StateSlots.allocate(self.config, n, self.dtype, self.device)
-        index = torch.tensor(slots, device=self.device)
-        for src, dst in zip(self.run_states.conv + self.run_states.rec,
-                            self._stash.conv + self._stash.rec):
-            dst.index_copy_(0, index, src.index_select(0, index))
+        _copy_slots(self.run_states, self._stash, slots)
 
     def rewind(self, requests: list[tuple[int, int, int]]) -> set[int]:
         """After a speculative step (`forward` with num_logits): (row, run slot, n) gives
@@ -205,10 +202,7 @@ class TorchExecutor(ExecutorBuffers):
 
     def restore_states(self, slots: list[int]) -> None:
         """The run slots' linear states as `stash_states` last saw them."""
-        index = torch.tensor(slots, device=self.device)
-        for src, dst in zip(self._stash.conv + self._stash.rec,
-                            self.run_states.conv + self.run_states.rec):
-            dst.index_copy_(0, index, src.index_select(0, index))
+        _copy_slots(self._stash, self.run_states, slots)
 
     def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:
         """Rebuilds linear states into run slots `slots` from anchor rows, one packed batch
@@ -230,6 +224,13 @@ class TorchExecutor(ExecutorBuffers):
 def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:
     for s, d in zip(src.conv + src.rec, dst.conv + dst.rec):
         d[j].copy_(s[i])
+
+
+def _copy_slots(src: StateSlots, dst: StateSlots, slots: list[int]) -> None:
+    """Slots `slots` of `src` into the same slots of `dst`, one indexed copy a tensor."""
+    index = torch.tensor(slots, device=src.rec[0].device)
+    for s, d in zip(src.conv + src.rec, dst.conv + dst.rec):
+        d.index_copy_(0, index, s.index_select(0, index))
 
 
 # A mixed step is split when its longest chunk is longer than the chunked delta rule's chunk

@@ -129,6 +129,22 @@ def _conv_state_at(full: torch.Tensor, counts: torch.Tensor, width: int) -> torc
     return full.gather(-1, at.expand(B, C, width))
 
 
+def _delta_step(S: torch.Tensor, decay: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                beta: torch.Tensor) -> None:
+    """One token of the gated delta rule on S [BH, K, V], in place: decay, beta [BH, 1, 1],
+    k [BH, 1, K], v [BH, 1, V] (decode, multi-token steps and their rewinds alike)."""
+    S.mul_(decay)
+    delta = (v - torch.bmm(k, S)) * beta
+    S.baddbmm_(k.transpose(1, 2), delta)
+
+
+def _ssd_step(S: torch.Tensor, decay: torch.Tensor, b: torch.Tensor, xdt: torch.Tensor) -> None:
+    """One token of Mamba2's recurrence on S [B, H, N, P], in place: decay [B, H, 1, 1],
+    b [B, H, N], xdt (x dt) [B, H, P]."""
+    S.mul_(decay)
+    S.add_(b.unsqueeze(-1) * xdt.unsqueeze(-2))
+
+
 def _upto(counts: torch.Tensor, T: int) -> torch.Tensor:
     """[B, T] bool: token t is among row b's first counts[b]."""
     return torch.arange(T, device=counts.device).unsqueeze(0) < counts.unsqueeze(1)
@@ -145,10 +161,7 @@ def _rewind_delta_rule(S: torch.Tensor, terms: list[torch.Tensor], counts: torch
     k, v = k.reshape(R * H, T, K), v.reshape(R * H, T, -1)
     S = S.view(R * H, K, -1)
     for t in range(int(counts.max())):
-        S.mul_(decay[:, t:t + 1])
-        k_t = k[:, t:t + 1]
-        delta = (v[:, t:t + 1] - torch.bmm(k_t, S)) * beta[:, t:t + 1]
-        S.baddbmm_(k_t.transpose(1, 2), delta)
+        _delta_step(S, decay[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], beta[:, t:t + 1])
 
 
 def _rewind_ssd(S: torch.Tensor, terms: list[torch.Tensor], counts: torch.Tensor):
@@ -160,8 +173,7 @@ def _rewind_ssd(S: torch.Tensor, terms: list[torch.Tensor], counts: torch.Tensor
     decay = decay.masked_fill(~upto, 1.0)
     xdt = xdt * upto.unsqueeze(-1)
     for t in range(int(counts.max())):
-        S.mul_(decay[:, t].view(R, H, 1, 1))
-        S.add_(b[:, t].unsqueeze(-1) * xdt[:, t].unsqueeze(-2))
+        _ssd_step(S, decay[:, t].view(R, H, 1, 1), b[:, t], xdt[:, t])
 
 
 class StateLog:
@@ -263,10 +275,9 @@ class _LinearLayer(_FusedLayer):
             qk = qk.view(B, 2 * hk, 1, dk).expand(B, 2 * hk, hv // hk, dk).reshape(B, 2 * hv, dk)
         BH = B * hv
         decay = (self.neg_a * F.softplus(a + self.dt_bias)).exp()
-        S = rec.mul_(decay.view(B, hv, 1, 1)).view(BH, dk, dv)  # rec: this step's copy
-        k = qk[:, hv:].reshape(BH, 1, dk)
-        delta = (v.reshape(BH, 1, dv) - torch.bmm(k, S)) * b.sigmoid().reshape(BH, 1, 1)
-        S.baddbmm_(k.transpose(1, 2), delta)
+        S = rec.view(BH, dk, dv)  # rec: this step's copy, updated in place
+        _delta_step(S, decay.view(BH, 1, 1), qk[:, hv:].reshape(BH, 1, dk),
+                    v.reshape(BH, 1, dv), b.sigmoid().reshape(BH, 1, 1))
         o = torch.bmm(qk[:, :hv].reshape(BH, 1, dk), S).view(B, hv, dv) * self.scale
         y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, hv, dv))
         x = x + _mm(y.view(B, hv * dv), self.w_out)
@@ -308,10 +319,7 @@ class _LinearLayer(_FusedLayer):
                 v.view(B, hv, T, dv))))
         outs = []
         for t in range(T):
-            S.mul_(decay[:, t:t + 1])
-            k_t = k[:, t:t + 1]
-            delta = (v[:, t:t + 1] - torch.bmm(k_t, S)) * beta[:, t:t + 1]
-            S.baddbmm_(k_t.transpose(1, 2), delta)
+            _delta_step(S, decay[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], beta[:, t:t + 1])
             outs.append(torch.bmm(q[:, t:t + 1], S))
         o = torch.cat(outs, 1).view(B, hv, T, dv).transpose(1, 2) * self.scale
         y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, T, hv, dv))
@@ -429,8 +437,8 @@ class _MambaBlock(_Fused):
         bc = torch.stack((b, c), 1).view(B, 2, G, 1, N).expand(B, 2, G, H // G, N)
         bc = bc.reshape(B, 2, H, N)  # each group's B and C serve H / G heads
         xs = xs.view(B, H, P)
-        S = rec.mul_((dt * self.neg_a).exp().view(B, H, 1, 1))  # rec: this step's copy
-        S.add_(bc[:, 0].unsqueeze(-1) * (xs * dt.unsqueeze(-1)).unsqueeze(-2))
+        S = rec  # this step's copy, updated in place
+        _ssd_step(S, (dt * self.neg_a).exp().view(B, H, 1, 1), bc[:, 0], xs * dt.unsqueeze(-1))
         y = torch.matmul(bc[:, 1].unsqueeze(-2), S).squeeze(-2) + xs * self.skip  # [B, H, P]
         y = (y.view(B, H * P) * F.silu(z)).view(B, -1, self.g_size)
         y = F.rms_norm(y, (self.g_size,), None, self.g_eps).view(B, H * P) * self.g_norm
@@ -461,8 +469,7 @@ class _MambaBlock(_Fused):
         S = rec  # this step's copy, updated in place
         ys = []
         for t in range(T):
-            S.mul_(decay[:, t].view(B, H, 1, 1))
-            S.add_(bc[:, t, 0].unsqueeze(-1) * xdt[:, t].unsqueeze(-2))
+            _ssd_step(S, decay[:, t].view(B, H, 1, 1), bc[:, t, 0], xdt[:, t])
             ys.append(torch.matmul(bc[:, t, 1].unsqueeze(-2), S).squeeze(-2))
         y = torch.stack(ys, 1) + xs * self.skip  # [B, T, H, P]
         y = (y.reshape(M, H * P) * F.silu(z)).view(M, -1, self.g_size)
@@ -596,9 +603,6 @@ class FastDecode:
                 x = fused(x.view(-1, x.shape[-1])).view(x.shape)
             else:
                 x = fused.multi(x, cos, sin, batch) if multi else fused(x, cos, sin, batch)
-        return self._final_norm(x)
-
-    def _final_norm(self, x: torch.Tensor) -> torch.Tensor:
         w = self.final_norm.weight
         if self._final is None or self._final[0] is not w or self._final[1] != w._version:
             self._final = (w, w._version, (self._norm_offset + w).detach())
