@@ -20,6 +20,7 @@ from backend.cache.page_io import DeviceBuffers
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
 from backend.cache.tiers import TieredBackend
+from backend.engine.beam import BeamGroup, BeamSearch
 from backend.engine.cache_manager import CacheManager
 from backend.engine.config import DTYPES, FINGERPRINT_FROM_MODEL_DIR, EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -156,6 +157,9 @@ class Engine:
         if params.end_id is None and self.eos_token_id is not None:
             request.sampling = replace(params, end_id=self.eos_token_id)
         seq = Sequence(request, list(request.prompt_ids), len(request.prompt_ids))
+        if params.beam_width > 1:
+            search = BeamSearch(request.sampling, len(request.prompt_ids), self.max_context_len)
+            seq.beam = BeamGroup(seq, search, [seq])
         if params.guide is not None:
             seq.guide = self.grammars().state(params.guide, request.sampling.end_id)
         with self._lock:
@@ -195,6 +199,14 @@ class Engine:
                 f"{total} tokens, more than the context limit of {self.max_context_len}"
             )
         pages = -(-total // self.config.page_size)
+        width = params.beam_width
+        if width > self.config.max_num_seqs:
+            raise ValueError(f"beam_width={width} is more than the engine's max_num_seqs="
+                             f"{self.config.max_num_seqs} (each beam runs as a sequence)")
+        if width > 1 and width * pages > self.config.cache.num_kv_pages:
+            raise ValueError(
+                f"beam_width={width} beams of up to {pages} KV pages each need "
+                f"{width * pages} pages, the pool holds {self.config.cache.num_kv_pages}")
         if pages > self.config.cache.num_kv_pages:
             raise ValueError(
                 f"the request needs {pages} KV pages, the pool holds "
@@ -261,6 +273,8 @@ class Engine:
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outputs = []
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
+            if seq.beam is not None and seq is not seq.beam.leader:
+                continue  # a beam of a beam search: cancelled with its leader
             self.scheduler.cancel(seq)
             outputs.append(seq.output([], True, "error", error=message))
         self.num_failed += len(outputs)

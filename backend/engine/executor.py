@@ -64,6 +64,27 @@ class ExecutorBuffers:
     def reset_state(self, run_slot: int) -> None:
         self.run_states.zero(run_slot)
 
+    def copy_run_states(self, src: list[int], dst: list[int]) -> None:
+        """Run slot src[i]'s linear states into run slot dst[i] (beam search forking a beam;
+        read before written, so the slots may overlap)."""
+        _copy_index(self.run_states.conv + self.run_states.rec, 0, src, dst)
+
+    def copy_pages(self, src: list[int], dst: list[int], src_blocks: list[int] = (),
+                   dst_blocks: list[int] = (), anchors_per_page: int = 0) -> None:
+        """KV page src[i] into page dst[i], and anchor block src_blocks[i] into
+        dst_blocks[i] (its rows and int8 scales): a forked beam's copy of its parent's pages
+        the prefix store does not share."""
+        ps = self.page_size
+        offsets = torch.arange(ps)
+        rows = [(torch.tensor(p)[:, None] * ps + offsets).flatten() for p in (src, dst)]
+        _copy_index(self.kv.k + self.kv.v, 0, *rows)
+        if src_blocks:
+            offsets = torch.arange(anchors_per_page)
+            rows = [(torch.tensor(b)[:, None] * anchors_per_page + offsets).flatten()
+                    for b in (src_blocks, dst_blocks)]
+            scales = [self.anchor_scales] if self.anchor_scales is not None else []
+            _copy_index([self.anchors, *scales], 1, *rows)
+
     def _write_replayed(self, slot_ids: torch.Tensor, layers, states) -> None:
         for layer_id, (conv, rec) in zip(layers, states):
             li = self.config.linear_layer_ids.index(layer_id)
@@ -224,6 +245,16 @@ class TorchExecutor(ExecutorBuffers):
 def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:
     for s, d in zip(src.conv + src.rec, dst.conv + dst.rec):
         d[j].copy_(s[i])
+
+
+def _copy_index(tensors: list[torch.Tensor], dim: int, src, dst) -> None:
+    """Entries `src` of each tensor along `dim` into entries `dst` (gathered first)."""
+    if not len(src):
+        return
+    device = tensors[0].device
+    src, dst = (torch.as_tensor(i, device=device) for i in (src, dst))
+    for t in tensors:
+        t.index_copy_(dim, dst, t.index_select(dim, src))
 
 
 def _copy_slots(src: StateSlots, dst: StateSlots, slots: list[int]) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 from backend.engine.guided import Guide
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
+MAX_BEAM_WIDTH = 64
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,11 @@ class SamplingParams:
     before anything else, greedy included (`backend/engine/sampling.py` states the order);
     `return_log_probs` asks for each generated token's log probability under the model;
     `guide` constrains the output to a JSON schema, JSON, a regex or a grammar
-    (`backend/engine/guided.py`).
+    (`backend/engine/guided.py`). `beam_width` > 1 is beam search (`backend/engine/beam.py`:
+    deterministic, so temperature and seed do not apply; top_k / top_p must stay neutral),
+    ranking finished beams by their summed log probability over generated length **
+    `length_penalty`; `early_stopping` ends it once `beam_width` beams finished (else when
+    no running beam can beat the finished ones, as transformers' default).
     """
 
     max_tokens: int = 16
@@ -38,6 +43,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     return_log_probs: bool = False
     guide: Guide | None = None
+    beam_width: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
@@ -68,6 +76,18 @@ class SamplingParams:
             raise ValueError("logit_bias names a token id twice")
         if not all(math.isfinite(value) for _, value in self.logit_bias):
             raise ValueError("logit_bias holds a value that is not finite")
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got "
+                             f"{self.beam_width}")
+        if not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
+        if self.beam_width > 1:
+            if self.top_k != 0 or self.top_p != 1.0:
+                raise ValueError(f"top_k={self.top_k} / top_p={self.top_p} do not apply to "
+                                 "beam search (beam_width > 1): leave them at 0 / 1")
+            if self.guide is not None:
+                raise ValueError("guided decoding with beam search (beam_width > 1) is not "
+                                 "supported")
 
     @property
     def penalized(self) -> bool:
@@ -111,3 +131,20 @@ class RequestOutput:
     # the model (its raw logits' log-softmax), and their sum over all tokens generated so far.
     log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float = 0.0
+    # Beam search (beam_width > 1): the finished beams, best first, in the request's final
+    # output only (new_token_ids / log_probs / cum_log_prob are the best beam's).
+    beams: list[BeamOutput] | None = None
+
+
+@dataclass
+class BeamOutput:
+    """One finished beam: its generated ids (an end id not included), the model's log
+    probability of each (with return_log_probs) and their sum, its score (the summed
+    log probabilities beam search ranked by, over generated length ** length_penalty) and
+    why it ended."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    cum_log_prob: float
+    score: float
+    finish_reason: str

@@ -168,6 +168,23 @@ def sample(
     return next_ids
 
 
+def adjusted_log_probs(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_lens: Sequence[int],
+    histories: Sequence[Sequence[int]],
+    counts: Sequence[TokenCounts | None] | None = None,
+) -> torch.Tensor:
+    """Beam search's scores: the log-softmax [B, V] (fp32) of logits [B, V] after the logit
+    bias, the penalties, min_tokens and bad words (as `sample` changes them; no temperature,
+    top-k or top-p)."""
+    logits = logits.float().clone()
+    for i, p in enumerate(params):
+        adjust_logits(logits[i], p, counts[i] if counts is not None else None)
+        mask_banned(logits[i], p, output_lens[i], histories[i])
+    return torch.log_softmax(logits, dim=-1)
+
+
 def mask_banned(
     row: torch.Tensor, params: SamplingParams, output_len: int, history: Sequence[int]
 ) -> None:

@@ -21,11 +21,18 @@ from functools import partial
 import torch
 
 from backend.cache.radix import TOKEN_BYTES
+from backend.engine.beam import BeamGroup
 from backend.engine.cache_manager import CacheManager
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
 from backend.engine.request import RequestOutput
-from backend.engine.sampling import finish_reason, make_generator, sample, token_log_probs
+from backend.engine.sampling import (
+    adjusted_log_probs,
+    finish_reason,
+    make_generator,
+    sample,
+    token_log_probs,
+)
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.speculative import DraftPolicy, NgramDrafter
 from backend.engine.transfers import LayerTransfers
@@ -132,14 +139,17 @@ class Scheduler:
                 # store after this step, so requests admitted from the next step on share
                 # them (as vLLM's block hashing and SGLang's cache_unfinished_req do).
                 self._after.append(partial(self.cache.insert, c.seq, c.end, with_states=False))
-        if done:
-            rows = [chunks.index(c) for c in done]
-            drafts = [c.draft for c in done] if any(c.draft for c in done) else None
-            sampled = self._sample([c.seq for c in done], logits[rows], drafts)
+        plain = [c for c in done if c.seq.beam is None]
+        if plain:
+            rows = [chunks.index(c) for c in plain]
+            drafts = [c.draft for c in plain] if any(c.draft for c in plain) else None
+            sampled = self._sample([c.seq for c in plain], logits[rows], drafts)
             outputs.extend(sampled)
             if drafts is not None:
-                finished = {id(c.seq) for c, out in zip(done, sampled) if out.finished}
-                self._settle([(chunks.index(c), c) for c in done if c.draft], finished)
+                finished = {id(c.seq) for c, out in zip(plain, sampled) if out.finished}
+                self._settle([(chunks.index(c), c) for c in plain if c.draft], finished)
+        if len(plain) < len(done):
+            outputs.extend(self._beam_steps(chunks, [c for c in done if c.seq.beam], logits))
         self.last_step_seconds = time.perf_counter() - start
         if decoding:
             self.draft_policy.record(len(chunks), max(c.end + len(c.draft) - c.start
@@ -199,6 +209,12 @@ class Scheduler:
                 self.num_prefill_waits += 1
                 deferred.append(seq)
                 continue
+            if seq.beam is not None:
+                if len(self.free_slots) < seq.beam.search.width:
+                    deferred.append(seq)  # its beams' slots: the requests after it wait too
+                    break
+                seq.beam.reserved = [self.free_slots.pop()
+                                     for _ in range(seq.beam.search.width - 1)]
             seq.run_slot = self.free_slots.pop()
             if seq.generator is None:
                 seq.generator = make_generator(seq.request.sampling.seed)
@@ -292,8 +308,8 @@ class Scheduler:
         proposals = []
         for c in chunks:
             seq = c.seq
-            if c.end != len(seq.tokens) or seq.num_output_tokens == 0:
-                continue  # a prompt's chunks: its last one samples the first token
+            if c.end != len(seq.tokens) or seq.num_output_tokens == 0 or seq.beam:
+                continue  # a prompt's chunks (its last one samples the first token); beams
             limit = min(seq.request.sampling.max_tokens - seq.num_output_tokens - 1,
                         self.config.max_context_len - len(seq.tokens) - 1)
             draft = self.drafter.propose(seq, limit)
@@ -358,7 +374,8 @@ class Scheduler:
     def _grow(self, seq: Sequence, end: int) -> int | None:
         """Pages for a decode step; preempts the youngest other sequence when none are free."""
         while self.cache.ensure_pages(seq, end) < end:
-            victims = [s for s in self.running if s is not seq]
+            victims = [s for s in self.running
+                       if s is not seq and (seq.beam is None or s.beam is not seq.beam)]
             if not victims:
                 self._preempt(seq)
                 return None
@@ -367,7 +384,10 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Releases everything; the sequence re-enters the queue and recomputes (its pages
-        were inserted, so it will mostly hit)."""
+        were inserted, so it will mostly hit). A beam search restarts from its prompt."""
+        if seq.beam is not None:
+            self._preempt_beams(seq.beam)
+            return
         self.cache.release(seq, cache=True)
         self.running.remove(seq)
         self.free_slots.append(seq.run_slot)
@@ -515,7 +535,9 @@ class Scheduler:
         self.num_finished += 1
 
     def cancel(self, seq: Sequence) -> RequestOutput:
-        if seq.status is SeqStatus.RUNNING:
+        if seq.beam is not None and seq.status is SeqStatus.RUNNING:
+            self._release_beams(seq.beam, cache=False)
+        elif seq.status is SeqStatus.RUNNING:
             self.cache.release(seq, cache=False)
             self.running.remove(seq)
             self.free_slots.append(seq.run_slot)
@@ -524,3 +546,181 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         return seq.output([], True, "cancelled")
 
+
+    # Beam search ------------------------------------------------------------------------
+    def _beam_steps(self, chunks: list[Chunk], done: list[Chunk],
+                    logits: torch.Tensor) -> list[RequestOutput]:
+        """The step's beam-search rows, a request at a time (all its beams run in each
+        step: they decode together, and a preemption takes the whole request)."""
+        groups: dict[int, tuple[BeamGroup, dict[int, int]]] = {}
+        for c in done:
+            entry = groups.setdefault(id(c.seq.beam), (c.seq.beam, {}))
+            entry[1][id(c.seq)] = chunks.index(c)
+        outputs = []
+        for group, rows in groups.values():
+            missing = [s for s in group.beams if id(s) not in rows]
+            if missing:
+                raise RuntimeError(f"{group.leader.request_id}: {len(missing)} of its beams "
+                                   "missed the step")
+            out = self._beam_step(group, logits[[rows[id(s)] for s in group.beams]])
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _beam_step(self, group: BeamGroup, logits: torch.Tensor) -> RequestOutput | None:
+        """Scores the beams' continuations (`BeamSearch.step`). The request's only output
+        is its last: the finished beams, best first. Otherwise the next beams are set up
+        after the outputs (`_beam_advance`)."""
+        search, leader = group.search, group.leader
+        params = leader.request.sampling
+        n, V = logits.shape
+        counts = [s.counts(V) for s in group.beams] if params.penalized else None
+        scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
+                                    search.histories, counts)
+        raw = torch.log_softmax(logits.float(), -1) if params.return_log_probs else None
+        if leader.first_token_time is None:
+            leader.first_token_time = time.perf_counter()
+        selection = search.step(scores, raw)
+        if not search.done:
+            self._after.append(partial(self._beam_advance, group, selection))
+            return None
+        self._after.append(partial(self._finish_beams, group))
+        beams = search.outputs()
+        if not beams:
+            return leader.output([], True, "error", "beam search: no beam could go on")
+        best = beams[0]
+        out = leader.output(best.token_ids, True, best.finish_reason)
+        out.num_output_tokens = len(best.token_ids)
+        if params.return_log_probs:
+            out.log_probs, out.cum_log_prob = best.log_probs, best.cum_log_prob
+        out.beams = beams
+        return out
+
+    def _beam_advance(self, group: BeamGroup, selection: list[tuple[int, int]]) -> None:
+        """After a step's outputs: the beams' new whole pages join the prefix store (so
+        beams forked from them share them), then beam i of the next step becomes
+        `selection[i]` = (parent, token): a parent's first child is the parent's sequence;
+        each further child is a sequence whose beam ended (or a new one), given a copy of the
+        parent's run states and of its pages the store does not hold (at most its last,
+        partial page when the store caches), its tokens and its locked path."""
+        beams, leader = group.beams, group.leader
+        if not leader.prefix_inserted:  # the first step: the prompt joins, with its states
+            self._insert_prompt(leader, len(leader.tokens))
+        else:
+            for seq in beams:
+                self.cache.insert(seq, seq.num_computed, with_states=False)
+        parents = [p for p, _ in selection]
+        nxt: list[Sequence | None] = [None] * len(selection)
+        kept: set[int] = set()
+        forks = []
+        for i, p in enumerate(parents):
+            if p in kept:
+                forks.append(i)
+            else:
+                kept.add(p)
+                nxt[i] = beams[p]
+        spare = [s for j, s in enumerate(beams) if j not in kept]
+        if leader in spare and not forks:  # the leader (the request's id) stays a beam
+            forks.append(0)
+            spare.append(beams[parents[0]])
+        if leader in spare:
+            spare.remove(leader)
+            spare.append(leader)  # the first fork target
+        src_slots, dst_slots = [], []
+        for i in forks:
+            parent = beams[parents[i]]
+            target = spare.pop() if spare else self._new_beam(group)
+            if not self._fork(group, parent, target):
+                self._preempt_beams(group)
+                return
+            nxt[i] = target
+            src_slots.append(parent.run_slot)
+            dst_slots.append(target.run_slot)
+        self.executor.copy_run_states(src_slots, dst_slots)
+        for seq in spare:  # beams that ended without a child taking their sequence
+            self.cache.release(seq, cache=True)
+            self.running.remove(seq)
+            group.reserved.append(seq.run_slot)
+            seq.run_slot, seq.status = None, SeqStatus.FINISHED
+        for seq, (_, token) in zip(nxt, selection):
+            seq.tokens.append(token)
+        group.beams = nxt
+
+    def _new_beam(self, group: BeamGroup) -> Sequence:
+        leader = group.leader
+        seq = Sequence(leader.request, [], leader.num_prompt_tokens, arrival=leader.arrival,
+                       status=SeqStatus.RUNNING, run_slot=group.reserved.pop(), beam=group)
+        self.running.append(seq)
+        return seq
+
+    def _fork(self, group: BeamGroup, parent: Sequence, target: Sequence) -> bool:
+        """`target` drops what it holds and takes `parent`'s history: its locked path and a
+        copy of its private pages (run states: the caller copies them). False when no pages
+        can be had, even by preempting other requests."""
+        store = self.cache.store
+        uses_anchors = store.uses_anchors
+        store.free_pages(target.page_table[target.num_tree_pages:],
+                         target.anchor_blocks[target.num_tree_pages:] if uses_anchors else [])
+        store.free_state_slots(list(target.pending_states.values()))
+        store.unlock(target.locked_nodes)
+        target.page_table, target.anchor_blocks, target.locked_nodes = [], [], []
+        target.pending_states, target.num_tree_pages, target.live_position = {}, 0, None
+        n = parent.num_tree_pages
+        private = parent.page_table[n:]
+        alloc = None
+        while private and (alloc := store.alloc_pages(len(private))) is None:
+            victims = [s for s in self.running if s.beam is not group]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda s: s.arrival))
+        if alloc is not None:
+            blocks = parent.anchor_blocks[n:] if uses_anchors else []
+            self.executor.copy_pages(private, alloc.kv_pages, blocks, alloc.anchor_blocks,
+                                     self.cache.layout.anchors_per_page)
+        store.lock(parent.locked_nodes)
+        target.locked_nodes = list(parent.locked_nodes)
+        target.num_tree_pages = n
+        target.page_table = parent.page_table[:n] + (alloc.kv_pages if alloc else [])
+        if uses_anchors:
+            target.anchor_blocks = parent.anchor_blocks[:n] + (alloc.anchor_blocks
+                                                               if alloc else [])
+        target.tokens = list(parent.tokens)
+        target.num_computed = parent.num_computed
+        target.capture_positions = set()
+        target.token_counts = None
+        target.prefix_inserted = True
+        return True
+
+    def _release_beams(self, group: BeamGroup, cache: bool) -> None:
+        """Releases every beam of `group` (and its reserved slots); the leader's status is
+        the caller's to set."""
+        for seq in group.beams:
+            self.cache.release(seq, cache=cache)
+            if seq in self.running:
+                self.running.remove(seq)
+            if seq.run_slot is not None:
+                self.free_slots.append(seq.run_slot)
+            seq.run_slot = None
+            if seq is not group.leader:
+                seq.status = SeqStatus.FINISHED
+        self.free_slots.extend(group.reserved)
+        group.reserved = []
+        group.beams = [group.leader]
+
+    def _finish_beams(self, group: BeamGroup) -> None:
+        self._release_beams(group, cache=True)
+        group.leader.status = SeqStatus.FINISHED
+        self.num_finished += 1
+
+    def _preempt_beams(self, group: BeamGroup) -> None:
+        """A beam search gives up its pages and slots and starts again from its prompt (no
+        output went out yet); its computed pages stay cached, so the prompt mostly hits."""
+        self._release_beams(group, cache=True)
+        leader = group.leader
+        del leader.tokens[leader.num_prompt_tokens:]
+        leader.num_computed, leader.status = 0, SeqStatus.WAITING
+        leader.token_counts, leader.prefix_inserted = None, False
+        leader.capture_positions = set()
+        group.search.reset()
+        self.waiting.appendleft(leader)
+        self.num_preemptions += 1

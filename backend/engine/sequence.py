@@ -9,6 +9,7 @@ from enum import Enum
 import torch
 
 from backend.cache.radix import encode_tokens
+from backend.engine.beam import BeamGroup
 from backend.engine.guided import GuideState
 from backend.engine.request import Request, RequestOutput
 from backend.engine.sampling import TokenCounts
@@ -61,6 +62,7 @@ class Sequence:
     ngram_index: NgramIndex | None = field(default=None, repr=False)  # speculative drafts
     draft_kept: int = 0  # speculative draft tokens kept ...
     draft_rejections: int = 0  # ... and drafts cut short by a rejected token
+    beam: BeamGroup | None = field(default=None, repr=False)  # beam search: its request's beams
     _key: tuple[int, bytes] | None = field(default=None, repr=False)
 
     def prefix_key(self) -> bytes:
