@@ -1,0 +1,229 @@
+"""Beam search (`backend/engine/beam.py`, `Scheduler._beam_*`): transformers' `generate(
+num_beams=W)` is the oracle on the trained default model (tokens, scores, the end id, length
+penalty, early stopping); on every family, the engine's beams (paged KV shared through the
+prefix store, forked run states and partial pages) are those of a reference search that
+prefills each beam from scratch, under every cache policy, beside other requests, through
+preemption (the search restarts) and cancellation, without leaking a page or a slot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.beam import BeamSearch
+from backend.engine.request import Request
+from backend.engine.sampling import adjusted_log_probs
+
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+PROMPTS = [
+    list(b"def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
+         b"\ndef fact(n):\n"),
+    list(b"import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n"
+         b"        self.path = path\n"),
+]
+PAD = 259  # transformers pads finished rows; not a byte
+CHECKPOINT = (11, False)  # conftest.family_model: seed, slow decay
+
+
+@pytest.fixture(scope="module")
+def hf():
+    from transformers import Qwen3_5ForCausalLM
+
+    return Qwen3_5ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_model_dir(MODEL_DIR, EngineConfig())
+
+
+def hf_beams(hf, prompt, params: SamplingParams):
+    """transformers' beams (generated ids up to the end id) and their scores."""
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=params.max_tokens,
+                      num_beams=params.beam_width, num_return_sequences=params.beam_width,
+                      do_sample=False, length_penalty=params.length_penalty,
+                      early_stopping=params.early_stopping, eos_token_id=params.end_id,
+                      pad_token_id=PAD, output_scores=True, return_dict_in_generate=True)
+    beams = []
+    for row in ref.sequences:
+        ids = [t for t in row[len(prompt):].tolist() if t != PAD]
+        beams.append(ids[:ids.index(params.end_id)] if params.end_id in ids else ids)
+    return beams, ref.sequences_scores.tolist()
+
+
+# (beam width, max tokens, length penalty, early stopping, end id): end id 10 ("\n") ends
+# beams often; 58 (":") rarely; the model's own end id never within the budget.
+CASES = [
+    (2, 16, 1.0, False, None),
+    (4, 40, 1.0, False, 10),
+    (4, 40, 0.0, True, 10),
+    (5, 48, 2.0, False, 10),
+    (3, 48, -1.0, False, 58),
+    (6, 40, 1.0, True, 41),
+]
+
+
+@pytest.mark.parametrize("prompt", range(len(PROMPTS)))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "w{}-n{}-lp{}-es{}-end{}".format(*c))
+def test_beams_are_transformers_beams(hf, engine, prompt, case):
+    width, max_tokens, penalty, early, end_id = case
+    params = SamplingParams(max_tokens=max_tokens, beam_width=width, length_penalty=penalty,
+                            early_stopping=early, end_id=end_id or engine.eos_token_id,
+                            return_log_probs=True)
+    out = engine.generate(PROMPTS[prompt], params)
+    expected, scores = hf_beams(hf, PROMPTS[prompt], params)
+    assert [b.token_ids for b in out.beams] == expected
+    torch.testing.assert_close(torch.tensor([b.score for b in out.beams]),
+                               torch.tensor(scores), atol=1e-3, rtol=0)
+    best = out.beams[0]
+    assert out.new_token_ids == best.token_ids and out.finish_reason == best.finish_reason
+    assert out.num_output_tokens == len(best.token_ids)
+    # Each beam's log probabilities are the model's (raw) ones for its tokens.
+    for beam in out.beams:
+        assert len(beam.log_probs) == len(beam.token_ids)
+        if beam.token_ids:
+            ids = torch.tensor([PROMPTS[prompt] + beam.token_ids])
+            with torch.inference_mode():
+                rows = hf(ids).logits[0, len(PROMPTS[prompt]) - 1:-1].float()
+            raw = torch.log_softmax(rows, -1)[torch.arange(len(beam.token_ids)),
+                                              torch.tensor(beam.token_ids)]
+            torch.testing.assert_close(torch.tensor(beam.log_probs), raw, atol=1e-4, rtol=0)
+            assert beam.cum_log_prob == pytest.approx(float(raw.sum()), abs=1e-3)
+    assert_no_leak(engine)
+
+
+def test_beams_end_on_their_own_reasons(engine):
+    """The end id never is output; stop words stay in it (as for a sampled request)."""
+    params = SamplingParams(max_tokens=40, beam_width=3, end_id=10,
+                            stop_words=((ord("r"), ord("n")),))
+    out = engine.generate(PROMPTS[0], params)
+    assert {b.finish_reason for b in out.beams} <= {"eos", "stop", "length"}
+    for beam in out.beams:
+        assert 10 not in beam.token_ids
+        if beam.finish_reason == "stop":
+            assert beam.token_ids[-2:] == [ord("r"), ord("n")]
+    assert "stop" in {b.finish_reason for b in out.beams}, "the case should reach a stop word"
+    assert_no_leak(engine)
+
+
+def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 20):
+    """The beams of a search whose every step prefills each beam from scratch (no cache)."""
+    search = BeamSearch(params, len(prompt), max_context_len)
+    while True:
+        rows = []
+        for history in search.histories:
+            with torch.inference_mode():
+                rows.append(model.logits(torch.tensor([prompt + history]))[0, -1].float())
+        logits = torch.stack(rows)
+        n = logits.shape[0]
+        scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
+                                    search.histories)
+        search.step(scores)
+        if search.done:
+            return [b.token_ids for b in search.outputs()]
+
+
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint", "none"])
+def test_every_family_every_policy(family_model, policy):
+    """Beams crossing several 16-token pages (forks share the store's whole pages and copy
+    the partial one), next to plain requests; then the same prompt again, from the cache."""
+    vocab = family_model.config.vocab_size
+    prompt = random_prompt(37, vocab, seed=3)
+    params = SamplingParams(max_tokens=3 * PAGE + 5, beam_width=4, end_id=-1)
+    expected = reference_beams(family_model, prompt, params)
+    engine = make_engine(family_model, policy=policy, interval=PAGE)
+    others = [Request(f"plain-{i}", random_prompt(20 + 9 * i, vocab, seed=10 + i),
+                      SamplingParams(max_tokens=30, top_k=1)) for i in range(3)]
+    for request in others:
+        engine.submit(request)
+    out = engine.generate(prompt, params)
+    assert [b.token_ids for b in out.beams] == expected
+    again = engine.generate(prompt, params)
+    assert [b.token_ids for b in again.beams] == expected
+    if policy != "none":
+        assert again.cached_tokens > 0
+    while engine.has_work:
+        engine.step()
+    assert_no_leak(engine)
+
+
+def test_preempted_search_restarts_to_the_same_beams(family_model):
+    """Two searches and a long request in a pool too small for all: searches are preempted
+    (and restart from their prompts) and still return their own beams."""
+    vocab = family_model.config.vocab_size
+    params = SamplingParams(max_tokens=40, beam_width=3, end_id=-1)
+    prompts = [random_prompt(30 + 5 * i, vocab, seed=20 + i) for i in range(2)]
+    expected = [reference_beams(family_model, p, params) for p in prompts]
+    engine = make_engine(family_model, num_kv_pages=16, max_num_seqs=8)
+    results = {}
+    for i, prompt in enumerate(prompts):
+        engine.submit(Request(f"beam-{i}", prompt, params,
+                              on_output=lambda out, i=i: results.setdefault(i, out)))
+    engine.submit(Request("long", random_prompt(60, vocab, seed=9),
+                          SamplingParams(max_tokens=60, top_k=1)))
+    while engine.has_work:
+        engine.step()
+    assert engine.stats()["preemptions"] > 0, "the pool should have been too small"
+    for i in range(2):
+        assert [b.token_ids for b in results[i].beams] == expected[i]
+    assert_no_leak(engine)
+
+
+def test_cancel_mid_search_frees_everything(engine):
+    outs = []
+    engine.submit(Request("beam-cancel", PROMPTS[1], SamplingParams(max_tokens=64,
+                                                                    beam_width=4, end_id=-1),
+                          on_output=outs.append))
+    for _ in range(6):
+        engine.step()
+    assert engine.stats()["active_requests"] == 4  # the search's beams are running
+    engine.cancel("beam-cancel")
+    while engine.has_work:
+        engine.step()
+    assert [o.finish_reason for o in outs] == ["cancelled"]
+    assert_no_leak(engine)
+
+
+def test_a_failed_step_fails_the_search_whole(engine, monkeypatch):
+    outs = []
+    engine.submit(Request("beam-fail", PROMPTS[0], SamplingParams(max_tokens=32, beam_width=3),
+                          on_output=outs.append))
+    for _ in range(4):
+        engine.step()
+    real = engine.executor.forward
+
+    def broken(*args, **kwargs):
+        monkeypatch.setattr(engine.executor, "forward", real)
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine.executor, "forward", broken)
+    engine.step()
+    assert [o.finish_reason for o in outs] == ["error"]  # one output for the request
+    assert not engine.has_work
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(beam_width=0), "beam_width must be in"),
+    (dict(beam_width=65), "beam_width must be in"),
+    (dict(beam_width=2, top_k=5), "do not apply to beam search"),
+    (dict(beam_width=2, top_p=0.5), "do not apply to beam search"),
+    (dict(beam_width=2, length_penalty=float("nan")), "length_penalty must be finite"),
+])
+def test_bad_parameters(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_searches_the_engine_cannot_hold_are_refused(family_model):
+    engine = make_engine(family_model, num_kv_pages=16, max_num_seqs=4)
+    prompt = random_prompt(20, family_model.config.vocab_size, seed=1)
+    with pytest.raises(ValueError, match="more than the engine's max_num_seqs=4"):
+        engine.submit(Request("wide", prompt, SamplingParams(max_tokens=8, beam_width=5)))
+    with pytest.raises(ValueError, match="the pool holds 16"):
+        engine.submit(Request("long", prompt, SamplingParams(max_tokens=60, beam_width=4)))
+    assert_no_leak(engine)
