@@ -7,12 +7,14 @@ preemption (the search restarts) and cancellation, without leaking a page or a s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt
 
+from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.beam import BeamSearch
 from backend.engine.request import Request
@@ -149,6 +151,28 @@ def test_every_family_every_policy(family_model, policy):
     while engine.has_work:
         engine.step()
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("where", ["dram", "ssd"])
+def test_beams_over_tiers(family_model, where, tmp_path):
+    """Beams whose pages go down to DRAM / SSD between searches (a device pool of 24 pages),
+    and a second search that hits them from there."""
+    vocab = family_model.config.vocab_size
+    tiers = (TierConfig(host_pages=64) if where == "dram" else
+             TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1"))
+    base = make_engine(family_model, num_kv_pages=24)
+    engine = Engine(family_model, replace(base.config, tiers=tiers))
+    params = SamplingParams(max_tokens=2 * PAGE, beam_width=3, end_id=-1)
+    prompts = [random_prompt(70, vocab, seed=40 + i) for i in range(3)]
+    expected = [reference_beams(family_model, prompt, params) for prompt in prompts]
+    for prompt, beams in zip(prompts, expected):
+        assert [b.token_ids for b in engine.generate(prompt, params).beams] == beams
+    again = engine.generate(prompts[0], params)
+    assert [b.token_ids for b in again.beams] == expected[0]
+    assert again.cached_tokens > 0
+    assert engine.stats()["cache"]["pages_demoted"] > 0
+    assert_no_leak(engine)
+    engine.stop()
 
 
 def test_preempted_search_restarts_to_the_same_beams(family_model):
