@@ -408,6 +408,8 @@ class Engine:
             "guided_forced_tokens": sched.num_forced_tokens,
             "spec_draft_tokens": sched.num_draft_tokens,
             "spec_accepted_tokens": sched.num_accepted_tokens,
+            "beam_forks": sched.num_beam_forks,
+            "beam_pages_copied": sched.num_beam_pages_copied,
             "replayed_anchors": self.cache.num_replayed_anchors,
             "recomputed_tokens": self.cache.num_recomputed_tokens,
             "live_state_hits": self.cache.num_live_state_hits,

@@ -98,6 +98,8 @@ class Scheduler:
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # ... and kept (each a token without a step of its own)
         self.num_rewinds = 0  # rejected drafts whose states the executor rebuilt
+        self.num_beam_forks = 0  # beams that took another beam's history ...
+        self.num_beam_pages_copied = 0  # ... and the pages copied for them
         self.num_steps = 0
         self.num_finished = 0
         self.num_prefill_waits = 0  # steps queued requests waited for a running prefill
@@ -673,7 +675,9 @@ class Scheduler:
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda s: s.arrival))
+        self.num_beam_forks += 1
         if alloc is not None:
+            self.num_beam_pages_copied += len(private)
             blocks = parent.anchor_blocks[n:] if uses_anchors else []
             self.executor.copy_pages(private, alloc.kv_pages, blocks, alloc.anchor_blocks,
                                      self.cache.layout.anchors_per_page)
