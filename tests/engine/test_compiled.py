@@ -242,6 +242,21 @@ def test_compiled_engine_generates_like_eager_with_cache_hits(model, aot_engine)
     assert_no_leak(compiled)
 
 
+def test_compiled_engine_beam_search_is_eager_beam_search(model, aot_engine):
+    """Beams forked across pages (their run states and partial pages copied in the compiled
+    executor's buffers) give the eager engine's beams."""
+    V = model.config.vocab_size
+    eager = make_engine(model)
+    compiled = Engine(None, EngineConfig(**{**eager.config.__dict__, "executor": "compiled"}),
+                      engine_dir=aot_engine[1])
+    params = SamplingParams(max_tokens=24, beam_width=3, end_id=-1)
+    prompt = random_prompt(29, V, 13)
+    beams = [[b.token_ids for b in e.generate(prompt, params).beams] for e in (eager, compiled)]
+    assert beams[1] == beams[0] and len(beams[0]) == 3
+    assert compiled.stats()["beam_forks"] > 0
+    assert_no_leak(compiled)
+
+
 def test_engine_from_model_dir_selects_the_compiled_executor(aot_engine):
     model_dir, engine_dir = aot_engine
     config = EngineConfig.from_params({"executor": "compiled", "engine_dir": str(engine_dir),
