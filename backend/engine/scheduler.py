@@ -106,6 +106,8 @@ class Scheduler:
         self.last_step_seconds = 0.0  # wall time of the last step that ran a forward
         # The step's cache work, run by after_outputs() once its outputs are delivered.
         self._after: list[Callable[[], None]] = []
+        # Beam searches' next beams, set up before the next step is planned (`_beam_advance`).
+        self._beam_pending: list[tuple[BeamGroup, list[tuple[int, int]]]] = []
 
     @property
     def has_work(self) -> bool:
@@ -116,6 +118,10 @@ class Scheduler:
         """One iteration up to sampling; the caller delivers the outputs and then calls
         `after_outputs()` (a step also runs any cache work a caller left pending)."""
         self.after_outputs()
+        pending, self._beam_pending = self._beam_pending, []
+        for group, selection in pending:
+            if group.leader.status is SeqStatus.RUNNING:  # not preempted or cancelled since
+                self._beam_advance(group, selection)
         outputs: list[RequestOutput] = []
         start = time.perf_counter()
         if self.config.schedule_policy == "lpm":
@@ -168,7 +174,7 @@ class Scheduler:
 
     def drop_after(self) -> None:
         """Forgets the pending cache work (a failed step: its requests are released)."""
-        self._after = []
+        self._after, self._beam_pending = [], []
 
     def _longest_prefix_first(self) -> None:
         """Orders the waiting requests by cached prefix, longest first (stable: ties keep
@@ -584,7 +590,7 @@ class Scheduler:
             leader.first_token_time = time.perf_counter()
         selection = search.step(scores, raw)
         if not search.done:
-            self._after.append(partial(self._beam_advance, group, selection))
+            self._beam_pending.append((group, selection))
             return None
         self._after.append(partial(self._finish_beams, group))
         beams = search.outputs()
@@ -599,7 +605,8 @@ class Scheduler:
         return out
 
     def _beam_advance(self, group: BeamGroup, selection: list[tuple[int, int]]) -> None:
-        """After a step's outputs: the beams' new whole pages join the prefix store (so
+        """Before the next step is planned (where preempting others for pages is safe: no
+        step's work is pending): the beams' new whole pages join the prefix store (so
         beams forked from them share them), then beam i of the next step becomes
         `selection[i]` = (parent, token): a parent's first child is the parent's sequence;
         each further child is a sequence whose beam ended (or a new one), given a copy of the
@@ -633,6 +640,8 @@ class Scheduler:
             parent = beams[parents[i]]
             target = spare.pop() if spare else self._new_beam(group)
             if not self._fork(group, parent, target):
+                held = [*beams, *(seq for seq in nxt if seq is not None), target]
+                group.beams = list({id(seq): seq for seq in held}.values())
                 self._preempt_beams(group)
                 return
             nxt[i] = target
