@@ -18,7 +18,7 @@ from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.beam import BeamSearch
 from backend.engine.request import Request
-from backend.engine.sampling import adjusted_log_probs
+from backend.engine.sampling import TokenCounts, adjusted_log_probs
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
 PROMPTS = [
@@ -112,9 +112,27 @@ def test_beams_end_on_their_own_reasons(engine):
     assert_no_leak(engine)
 
 
+def test_logit_controls_follow_each_beam(engine):
+    """Penalties count each beam's own tokens (a forked beam's are its parent's), bad words
+    and min_tokens mask per beam: the beams of a from-scratch search under the same rules."""
+    params = SamplingParams(max_tokens=40, beam_width=4, end_id=10, min_tokens=12,
+                            repetition_penalty=1.3, presence_penalty=0.4,
+                            frequency_penalty=0.2, logit_bias=((ord("s"), -1.5),),
+                            bad_words=((ord("("), ord(")")), (ord("x"),)))
+    out = engine.generate(PROMPTS[0], params)
+    expected = reference_beams(engine.model, PROMPTS[0], params)
+    assert [b.token_ids for b in out.beams] == expected
+    plain = engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, beam_width=4, end_id=10))
+    assert [b.token_ids for b in plain.beams] != expected  # the controls changed the beams
+    for beam in out.beams:
+        assert ord("x") not in beam.token_ids and len(beam.token_ids) >= 12
+    assert_no_leak(engine)
+
+
 def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 20):
     """The beams of a search whose every step prefills each beam from scratch (no cache)."""
     search = BeamSearch(params, len(prompt), max_context_len)
+    V = model.config.vocab_size
     while True:
         rows = []
         for history in search.histories:
@@ -122,8 +140,9 @@ def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 
                 rows.append(model.logits(torch.tensor([prompt + history]))[0, -1].float())
         logits = torch.stack(rows)
         n = logits.shape[0]
+        counts = [TokenCounts(V, len(prompt)).update(prompt + h) for h in search.histories]
         scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
-                                    search.histories)
+                                    search.histories, counts)
         search.step(scores)
         if search.done:
             return [b.token_ids for b in search.outputs()]
