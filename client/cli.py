@@ -3,6 +3,7 @@
     python -m client generate "What is machine learning?"        # gRPC streaming
     python -m client generate --http "What is machine learning?" # HTTP generate_stream
     python -m client generate --json-schema @schema.json "A user:"  # guided: JSON of a schema
+    python -m client generate --beam-width 4 -n 2 "Once upon"      # beam search: the best 2
     python -m client chat --max-tokens 64                        # multi-turn, one session
     python -m client health
     python -m client stats                                       # the prefix cache's metrics
@@ -42,9 +43,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="one completion, printed as it streams")
     gen.add_argument("prompt")
-    gen.add_argument("-n", "--num-sequences", type=int, default=1,
-                     help="sequences from the prompt (num_return_sequences); printed one after "
-                          "another once all finished")
+    gen.add_argument("-n", "--num-sequences", type=int,
+                     help="sequences from the prompt (num_return_sequences; default 1, with "
+                          "--beam-width W: the best N of the W beams, default all W); printed "
+                          "one after another once all finished")
+    gen.add_argument("--beam-width", type=int, metavar="W",
+                     help="beam search with W beams, printed best first once the search "
+                          "ends (deterministic: --temperature and --seed do not apply; --top-k, "
+                          "--top-p and guides are refused)")
+    gen.add_argument("--length-penalty", type=float, metavar="X",
+                     help="beam search: rank finished beams by summed log probability / "
+                          "length ** X (default 1.0)")
+    gen.add_argument("--early-stopping", action="store_true",
+                     help="beam search: stop once W beams finished (default: once no running "
+                          "beam can beat them)")
     guide = gen.add_mutually_exclusive_group()
     guide.add_argument("--json", action="store_true", help="guided: the output is JSON")
     guide.add_argument("--json-schema", metavar="SCHEMA",
@@ -79,7 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--presence-penalty", type=float)
         sub.add_argument("--frequency-penalty", type=float)
         sub.add_argument("--log-probs", action="store_true",
-                         help="report the generated tokens' summed log probability")
+                         help="report the generated tokens' summed log probability (each "
+                              "sequence's or beam's with -n or --beam-width)")
         sub.add_argument("--cache-salt")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
@@ -157,29 +170,51 @@ def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str
     return text, counts
 
 
-def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO) -> list[str]:
-    """Collects the `num` sequences (each response names its own, or carries all), then
-    writes them one after another; TTFT and the output token count go to `err`."""
-    texts, ttft, num_output = [""] * num, None, 0
+def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
+                    label: str = "sequence", log_probs: bool = False) -> list[str]:
+    """Collects the `num` sequences (each response names its own, or carries all; a beam
+    search's one response carries its beams), then writes them one after another, each
+    under `--- <label> k ---`; TTFT and the output token count go to `err`, and with
+    `log_probs` each row's summed log probability."""
+    texts, ttft, num_output, cum = [""] * num, None, 0, []
     for chunk in chunks:
         ttft = chunk.elapsed_s if ttft is None else ttft
         num_output += chunk.counts.get("num_output_tokens", 0)
         for k, text in enumerate(chunk.texts):
             texts[k] += text
+        cum = chunk.cum_log_probs or cum  # running sums: the last response's are the totals
     for k, text in enumerate(texts):
-        out.write(f"--- sequence {k} ---\n{text}\n")
+        out.write(f"--- {label} {k} ---\n{text}\n")
     if ttft is not None:
-        err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}]\n")
+        summary = f"ttft {ttft * 1000:.1f} ms, output tokens {num_output}"
+        if log_probs and cum:
+            summary += ", log_probs " + " ".join(f"{v:.3f}" for v in cum)
+        err.write(f"[{summary}]\n")
     return texts
 
 
+def beam_options(args: argparse.Namespace) -> dict:
+    return {
+        "beam_width": args.beam_width,
+        "length_penalty": args.length_penalty,
+        "early_stopping": args.early_stopping or None,
+    }
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    if args.num_sequences > 1:
+    beams = (args.beam_width or 1) > 1
+    if beams or (args.num_sequences or 1) > 1:
+        # Beam search without -n returns every beam (the server's default).
+        num = args.num_sequences or (args.beam_width if beams else 1)
         params = GenerateParams(args.prompt, num_return_sequences=args.num_sequences,
-                                **sampling_options(args), **guide_options(args))
-        print_sequences(responses(args, params), args.num_sequences, sys.stdout, sys.stderr)
+                                **sampling_options(args), **beam_options(args),
+                                **guide_options(args))
+        print_sequences(responses(args, params), num, sys.stdout, sys.stderr,
+                        label="beam" if beams else "sequence", log_probs=args.log_probs)
         return 0
-    params = GenerateParams(args.prompt, **sampling_options(args), **guide_options(args))
+    params = GenerateParams(args.prompt, num_return_sequences=args.num_sequences,
+                            **sampling_options(args), **beam_options(args),
+                            **guide_options(args))
     print_stream(responses(args, params), sys.stdout, sys.stderr)
     return 0
 

@@ -40,6 +40,11 @@ class GenerateParams:
     stop_words: tuple[str, ...] = ()
     bad_words: tuple[str, ...] = ()
     num_return_sequences: int | None = None
+    # Beam search (beam_width > 1): num_return_sequences then counts the beams returned
+    # (all of them when unset).
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -67,6 +72,9 @@ class GenerateParams:
             "stop_words": list(self.stop_words) or None,
             "bad_words": list(self.bad_words) or None,
             "num_return_sequences": self.num_return_sequences,
+            "beam_width": self.beam_width,
+            "length_penalty": self.length_penalty,
+            "early_stopping": None if self.early_stopping is None else int(self.early_stopping),
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
@@ -88,7 +96,8 @@ class Chunk:
 
     With num_return_sequences K > 1, `texts` has one text per sequence (`text` joins them) and
     `sequence_index` says which sequence a streamed response carries (-1: all of them, the
-    non-streamed response); `log_probs` / `cum_log_prob` are that sequence's, and
+    non-streamed response, and a beam search's one response, whose rows are its beams, best
+    first); `log_probs` / `cum_log_prob` are that sequence's, and
     `log_probs_by_sequence` / `cum_log_probs` every row as sent (rows padded with zeros to the
     longest)."""
 
@@ -143,6 +152,7 @@ DTYPES = {
     "end_id": "INT32",
     "pad_id": "INT32",
     "beam_width": "INT32",
+    "early_stopping": "INT32",
     "num_return_sequences": "INT32",
     "seed": "UINT64",
     "temperature": "FP32",

@@ -39,7 +39,8 @@ class OpenRequest:
 
     Sequence 0 is submitted at once, its siblings (num_return_sequences > 1) when its first
     output arrives: by then its prompt's pages and the state at their end are in the prefix
-    store, so the siblings start from the cache instead of prefilling the prompt again."""
+    store, so the siblings start from the cache instead of prefilling the prompt again. A beam
+    search is one engine request (no siblings) whose final output carries every beam."""
 
     sender: Any
     stream: OutputStream
@@ -138,7 +139,7 @@ class HybridLlm:
         stream = stream_for(request_id, parsed)
         group = GroupState()
         entries = []
-        for k in range(parsed.num_return_sequences):
+        for k in range(parsed.num_engine_requests):  # a beam search: one, for all its beams
             entry = OpenRequest(sender, stream, index=k, group=group)
             entries.append((entry, Request(
                 request_id=request_id if k == 0 else f"{request_id}/{k}",
@@ -156,7 +157,7 @@ class HybridLlm:
         except BaseException as exc:
             with self.lock:
                 self.open.pop(request_id, None)
-            if isinstance(exc, ValueError):  # the engine's checks: context length, vocabulary
+            if isinstance(exc, ValueError):  # the engine's checks: context, vocabulary, beams
                 raise RequestError(str(exc)) from None
             raise
 
@@ -280,7 +281,8 @@ class HybridLlm:
 
 def stream_for(request_id: str, parsed: LlmRequest) -> OutputStream:
     return OutputStream(request_id, parsed.prompt_ids, parsed.streaming,
-                        parsed.exclude_input_in_output, parsed.num_return_sequences)
+                        parsed.exclude_input_in_output, parsed.num_return_sequences,
+                        beam_search=parsed.beam_search)
 
 
 def sibling_sampling(sampling: SamplingParams, k: int) -> SamplingParams:

@@ -7,6 +7,7 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   INT32; temperature, runtime_top_p, repetition_penalty, presence_penalty, frequency_penalty,
   len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
   return_num_input_tokens, return_num_output_tokens, return_log_probs [1] BOOL;
+  early_stopping [1] INT32 (TensorRT-LLM's is BOOL; parsed from either; nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
   cache_salt, session_id [1] BYTES (ours); guided_decoding_guide_type, guided_decoding_guide
@@ -17,10 +18,16 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
 
 Penalties, embedding_bias (added to the logits; its non-zero entries become
 `SamplingParams.logit_bias`) and return_log_probs are applied as `backend/engine/sampling.py`
-states; num_return_sequences K (1..64) asks for K sequences from the one prompt
-(`backend/triton/llm_response.py` lays them out). beam_width is accepted only at 1 (beam search
-is not served); anything else is an INVALID_ARG error saying it is not supported, never a
-silent change of the output.
+states; num_return_sequences K (1..64) asks for K sequences from the one prompt, K engine
+requests (`backend/triton/llm_response.py` lays them out).
+
+beam_width W (1..64) > 1 is beam search (`backend/engine/beam.py`): one engine request whose
+final output carries its beams, ranked by summed log probability over generated length **
+len_penalty (`SamplingParams.length_penalty`, default 1.0); early_stopping ends the search once
+W beams finished. As in TensorRT-LLM, num_return_sequences then counts beams: absent, all W
+are returned; given, it must be in 1..W and the best K are. Beam search is deterministic
+(temperature and seed do not apply); top_k / top_p other than neutral and guided decoding are
+INVALID_ARG, with `SamplingParams`' message.
 """
 
 from __future__ import annotations
@@ -32,16 +39,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from backend.engine.guided import Guide
-from backend.engine.request import SamplingParams
+from backend.engine.request import MAX_BEAM_WIDTH, SamplingParams
 from backend.triton.errors import RequestError
 from backend.triton.tokenize import decode_utf8
 
 Tensors = Mapping[str, np.ndarray]
 
-# name -> neutral value: other values are rejected, not ignored.
-NEUTRAL_INPUTS: dict[str, float] = {
-    "beam_width": 1,
-}
 MAX_RETURN_SEQUENCES = 64
 
 
@@ -55,25 +58,42 @@ class LlmRequest:
     exclude_input_in_output: bool = True
     cache_salt: str = ""
     session_id: str | None = None
+    # Rows of the response: sequences (K engine requests), or with beam search
+    # (sampling.beam_width > 1) the best beams of the one engine request.
     num_return_sequences: int = 1
+
+    @property
+    def beam_search(self) -> bool:
+        return self.sampling.beam_width > 1
+
+    @property
+    def num_engine_requests(self) -> int:
+        """The engine requests this request runs as: one per sequence, one for a beam
+        search."""
+        return 1 if self.beam_search else self.num_return_sequences
 
 
 def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bool) -> LlmRequest:
     """Validates one request's tensors; `RequestError` says what is wrong."""
     prompt_ids = prompt_of(inputs)
-    for name, neutral in NEUTRAL_INPUTS.items():
-        value = scalar(inputs, name, "iufb", neutral)
-        if value != neutral:
-            raise RequestError(f"{name}={value} is not supported (only {neutral})")
-    if "len_penalty" in inputs:
-        finite(inputs, "len_penalty")  # beam search only: any finite value is a no-op
-    num_sequences = int(scalar(inputs, "num_return_sequences", "iu", 1))
-    if not 1 <= num_sequences <= MAX_RETURN_SEQUENCES:
-        raise RequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got "
-                           f"{num_sequences}")
+    width = int(scalar(inputs, "beam_width", "iu", 1))
+    if not 1 <= width <= MAX_BEAM_WIDTH:
+        raise RequestError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {width}")
+    num_sequences = scalar(inputs, "num_return_sequences", "iu", None)
+    if width > 1:  # TensorRT-LLM: the best K beams, all of them by default
+        num_sequences = width if num_sequences is None else int(num_sequences)
+        if not 1 <= num_sequences <= width:
+            raise RequestError(f"num_return_sequences={num_sequences} must be in [1, "
+                               f"beam_width={width}] with beam search (it counts the beams "
+                               "returned)")
+    else:
+        num_sequences = 1 if num_sequences is None else int(num_sequences)
+        if not 1 <= num_sequences <= MAX_RETURN_SEQUENCES:
+            raise RequestError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], "
+                               f"got {num_sequences}")
     return LlmRequest(
         prompt_ids=prompt_ids,
-        sampling=sampling_of(inputs, default_end_id),
+        sampling=sampling_of(inputs, default_end_id, width),
         streaming=bool(scalar(inputs, "streaming", "b", False)),
         exclude_input_in_output=bool(scalar(inputs, "exclude_input_in_output", "b", exclude_input)),
         cache_salt=text_of(inputs, "cache_salt") or "",
@@ -106,7 +126,8 @@ def prompt_of(inputs: Tensors) -> list[int]:
     return [int(t) for t in ids[0, :length]]
 
 
-def sampling_of(inputs: Tensors, default_end_id: int | None) -> SamplingParams:
+def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1
+                ) -> SamplingParams:
     max_tokens = scalar(inputs, "request_output_len", "iu", None)
     if max_tokens is None:
         raise RequestError("missing required input request_output_len (max_tokens)")
@@ -128,6 +149,9 @@ def sampling_of(inputs: Tensors, default_end_id: int | None) -> SamplingParams:
             logit_bias=bias_of(inputs),
             return_log_probs=bool(scalar(inputs, "return_log_probs", "b", False)),
             guide=guide_of(inputs),
+            beam_width=beam_width,
+            length_penalty=finite(inputs, "len_penalty", 1.0),
+            early_stopping=bool(scalar(inputs, "early_stopping", "iub", False)),
         )
     except ValueError as exc:  # SamplingParams states the bad value
         raise RequestError(str(exc)) from None

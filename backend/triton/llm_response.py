@@ -22,6 +22,15 @@ the cache counts are that sequence's. Non-streaming: one response once every seq
 finished, each row all of its generated ids (after the prompt unless
 exclude_input_in_output); num_output_tokens and the cache counts are summed over the rows.
 The final flag goes with the response that ends the last sequence.
+
+Beam search (beam_width W > 1): one engine request, whose only output is its final one
+carrying the beams (`RequestOutput.beams`, best first); K = num_return_sequences (1..W) rows
+hold the best K beams: the ids as above (after the prompt unless exclude_input_in_output),
+each beam's own log probabilities and cum_log_prob, num_output_tokens summed over the rows,
+the cache counts the one engine request's, sequence_index -1, flush true. Streaming or not,
+that is the request's one response: beams are sent once, at the end (TensorRT-LLM streams
+every beam's tokens so far instead). Rows beyond the beams the search finished (fewer than W
+only in corner cases) are empty.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 
 from backend.detokenize import DEFAULT_CONTEXT_LEN
-from backend.engine.request import RequestOutput
+from backend.engine.request import BeamOutput, RequestOutput
 
 PREFIX_LEN = DEFAULT_CONTEXT_LEN
 Tensors = dict[str, np.ndarray]
@@ -40,17 +49,19 @@ class OutputStream:
     """Per-request state between the engine outputs of its K sequences and responses."""
 
     def __init__(self, request_key: str, prompt_ids: list[int], streaming: bool,
-                 exclude_input: bool, num_sequences: int = 1) -> None:
+                 exclude_input: bool, num_sequences: int = 1, beam_search: bool = False
+                 ) -> None:
         self.request_key = request_key
         self.prompt_ids = prompt_ids
         self.streaming = streaming
         self.exclude_input = exclude_input
+        self.beam_search = beam_search  # one engine request; its final output has K rows
         # per sequence: ids streamed so far (streaming) or collected (otherwise), log
         # probabilities collected (not streaming), its latest output (counts, sums)
         self.generated: list[list[int]] = [[] for _ in range(num_sequences)]
         self.log_probs: list[list[float]] = [[] for _ in range(num_sequences)]
         self.last: list[RequestOutput | None] = [None] * num_sequences
-        self.unfinished = num_sequences
+        self.unfinished = 1 if beam_search else num_sequences
 
     @property
     def num_sequences(self) -> int:
@@ -59,6 +70,8 @@ class OutputStream:
     def on_output(self, out: RequestOutput, index: int = 0) -> tuple[Tensors | None, bool]:
         """(the tensors to send for sequence `index`'s output `out`, or None when nothing is
         due yet; whether this is the request's final response)."""
+        if self.beam_search:
+            return self._beams(out)
         self.last[index] = out
         self.unfinished -= out.finished
         final = self.unfinished == 0
@@ -78,14 +91,33 @@ class OutputStream:
         return self._tensors(ids, [[]] * self.num_sequences, self.log_probs, True, self.last, -1,
                              num_output=sum(len(g) for g in self.generated)), True
 
+    def _beams(self, out: RequestOutput) -> tuple[Tensors | None, bool]:
+        """A beam search's output: nothing before its final one, which holds the best K
+        beams."""
+        if not out.finished:
+            return None, False
+        self.unfinished = 0
+        beams = out.beams
+        if beams is None:  # not expected from the engine: the output as the one beam
+            beams = [BeamOutput(list(out.new_token_ids), list(out.log_probs), out.cum_log_prob,
+                                0.0, out.finish_reason or "")]
+        beams = beams[:self.num_sequences]
+        generated = [b.token_ids for b in beams] + [[]] * (self.num_sequences - len(beams))
+        log_probs = [b.log_probs for b in beams] + [[]] * (self.num_sequences - len(beams))
+        cum = [b.cum_log_prob for b in beams] + [0.0] * (self.num_sequences - len(beams))
+        ids = [g if self.exclude_input else self.prompt_ids + g for g in generated]
+        return self._tensors(ids, [[]] * self.num_sequences, log_probs, True, [out], -1,
+                             num_output=sum(map(len, generated)), cum=cum), True
+
     def _rows(self, index: int, values: list) -> list[list]:
         return [values if k == index else [] for k in range(self.num_sequences)]
 
     def _tensors(self, ids: list[list[int]], prefix: list[list[int]],
                  log_probs: list[list[float]], flush: bool, outs: list, index: int,
-                 num_output: int | None = None) -> Tensors:
+                 num_output: int | None = None, cum: list[float] | None = None) -> Tensors:
         first = next(o for o in outs if o is not None)
-        cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
+        if cum is None:
+            cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
         return {
             "output_ids": _padded(ids, np.int32),
             "sequence_length": np.array([[len(r) for r in ids]], dtype=np.int32),

@@ -84,6 +84,40 @@ def test_generate_several_sequences_prints_each(llm_server: ServerHandle):
     assert len(set(expected)) == 3
 
 
+def test_generate_beam_search_prints_each_beam(llm_server: ServerHandle):
+    options = dict(max_tokens=10, beam_width=3, cache_salt="cli-beam")
+    expected = generate_http(llm_server.urls.http, GenerateParams(PROMPT, **options)).texts
+    args = ["--max-tokens", "10", "--beam-width", "3", "--cache-salt", "cli-beam"]
+    for transport in (["--url", llm_server.urls.grpc], ["--http", "--url", llm_server.urls.http]):
+        result = run_client("generate", PROMPT, *transport, *args)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "".join(f"--- beam {k} ---\n{t}\n" for k, t in enumerate(expected))
+    assert len(expected) == 3 and len(set(expected)) == 3
+    # -n 2: the best two beams; --log-probs: each one's summed log probability.
+    best = generate_http(llm_server.urls.http, GenerateParams(
+        PROMPT, num_return_sequences=2, return_log_probs=True, **options))
+    result = run_client("generate", PROMPT, "--url", llm_server.urls.grpc, *args, "-n", "2",
+                        "--length-penalty", "1.0", "--early-stopping", "--log-probs")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(f"--- beam {k} ---\n{t}\n" for k, t in enumerate(expected[:2]))
+    printed = [float(v) for v in re.search(r"log_probs (\S+) (\S+)\]", result.stderr).groups()]
+    assert printed == pytest.approx(best.cum_log_probs, abs=1e-3) and printed[0] > printed[1]
+
+
+def test_generate_beam_options_become_ensemble_inputs():
+    from client.cli import beam_options, parse_args
+
+    args = parse_args(["generate", "hi", "--beam-width", "4", "-n", "2", "--length-penalty",
+                       "0.5", "--early-stopping"])
+    fields = GenerateParams("hi", num_return_sequences=args.num_sequences,
+                            **beam_options(args)).fields(stream=True)
+    assert {k: fields[k] for k in ("beam_width", "num_return_sequences", "length_penalty",
+                                   "early_stopping")} == {
+        "beam_width": 4, "num_return_sequences": 2, "length_penalty": 0.5, "early_stopping": 1}
+    plain = GenerateParams("hi", **beam_options(parse_args(["generate", "hi"]))).fields(True)
+    assert not {"beam_width", "length_penalty", "early_stopping"} & set(plain)
+
+
 def test_chat_resends_history_and_hits_the_cache(llm_server: ServerHandle):
     turns = "Hello, who are you?\nTell me more about it please.\n\n"
     result = run_client("chat", "--url", llm_server.urls.grpc, *GREEDY, stdin=turns)

@@ -96,7 +96,7 @@ def test_word_lists_in_tensorrt_llm_layout():
         ({"request_output_len": np.array([[0]], np.int32)}, "max_tokens must be in"),
         ({"temperature": np.array([np.inf], np.float32)}, "temperature must be finite"),
         ({"runtime_top_p": np.array([0.0], np.float32)}, "top_p must be in (0, 1]"),
-        ({"beam_width": np.array([4], np.int32)}, "beam_width=4 is not supported"),
+        ({"beam_width": np.array([65], np.int32)}, "beam_width must be in [1, 64], got 65"),
         ({"embedding_bias": np.ones((2, 3), np.float32)}, "embedding_bias must be a float"),
         ({"embedding_bias": np.ones((1, 3), np.int32)}, "embedding_bias must be a float"),
         ({"embedding_bias": np.array([[0, np.nan]], np.float32)}, "not finite"),
@@ -165,3 +165,62 @@ def test_guided_decoding_inputs():
 def test_bad_guided_decoding_inputs(extra, message):
     with pytest.raises(RequestError, match=message):
         parse_request(tensors(**extra), EOS, exclude_input=True)
+
+
+def beam(width: int, **extra: np.ndarray):
+    return parse_request(tensors(beam_width=np.array([width], np.int32), **extra), EOS,
+                         exclude_input=True)
+
+
+def test_beam_search_is_one_engine_request_returning_every_beam():
+    req = beam(4)
+    s = req.sampling
+    assert (s.beam_width, s.length_penalty, s.early_stopping) == (4, 1.0, False)
+    assert req.beam_search and req.num_return_sequences == 4 and req.num_engine_requests == 1
+    # num_return_sequences counts the beams returned (the best K of W).
+    two = beam(4, num_return_sequences=np.array([2], np.int32))
+    assert two.num_return_sequences == 2 and two.num_engine_requests == 1
+    assert beam(64).num_return_sequences == 64
+    # Without beam search each sequence is an engine request, as before.
+    plain = parse_request(tensors(num_return_sequences=np.array([3], np.int32)), EOS, True)
+    assert not plain.beam_search and plain.sampling.beam_width == 1
+    assert (plain.num_return_sequences, plain.num_engine_requests) == (3, 3)
+    one = parse_request(tensors(beam_width=np.array([[1]], np.int32)), EOS, True)
+    assert one.num_return_sequences == 1 and one.num_engine_requests == 1
+
+
+def test_length_penalty_and_early_stopping():
+    req = beam(3, len_penalty=np.array([0.5], np.float32),
+               early_stopping=np.array([1], np.int32))
+    assert req.sampling.length_penalty == 0.5 and req.sampling.early_stopping is True
+    assert beam(3, early_stopping=np.array([[True]])).sampling.early_stopping is True
+    assert beam(3, early_stopping=np.array([0], np.int32)).sampling.early_stopping is False
+    assert beam(3, early_stopping=np.array([7], np.int32)).sampling.early_stopping is True
+    # Accepted (and carried) without beam search too, where they change nothing.
+    plain = parse_request(tensors(len_penalty=np.array([2.0], np.float32)), EOS, True)
+    assert plain.sampling.length_penalty == 2.0
+
+
+@pytest.mark.parametrize(("width", "extra", "message"), [
+    (0, {}, "beam_width must be in [1, 64], got 0"),
+    (-3, {}, "beam_width must be in [1, 64], got -3"),
+    (3, {"num_return_sequences": np.array([4], np.int32)},
+     "num_return_sequences=4 must be in [1, beam_width=3]"),
+    (3, {"num_return_sequences": np.array([0], np.int32)},
+     "num_return_sequences=0 must be in [1, beam_width=3]"),
+    (2, {"runtime_top_k": np.array([5], np.int32)},
+     "top_k=5 / top_p=1.0 do not apply to beam search"),
+    (2, {"runtime_top_p": np.array([0.5], np.float32)}, "do not apply to beam search"),
+    (2, {"guided_decoding_guide_type": np.array([b"json"], dtype=np.object_)},
+     "guided decoding with beam search (beam_width > 1) is not supported"),
+    (2, {"len_penalty": np.array([np.nan], np.float32)}, "len_penalty must be finite"),
+    (2, {"early_stopping": np.array([0.5], np.float32)}, "early_stopping has dtype float32"),
+    (2, {"beam_width": np.array([2.0], np.float32)}, "beam_width has dtype float32"),
+], ids=["zero", "negative", "more-sequences-than-beams", "no-sequences", "top-k", "top-p",
+        "guided", "len-penalty-nan", "early-stopping-dtype", "width-dtype"])
+def test_bad_beam_requests_say_what_is_wrong(width, extra, message):
+    inputs = tensors(beam_width=np.array([width], np.int32))
+    inputs.update(extra)
+    with pytest.raises(RequestError) as info:
+        parse_request(inputs, EOS, exclude_input=True)
+    assert message in str(info.value)

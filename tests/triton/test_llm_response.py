@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine.request import RequestOutput
+from backend.engine.request import BeamOutput, RequestOutput
 from backend.triton.llm_response import PREFIX_LEN, OutputStream
 
 
@@ -103,3 +103,65 @@ def test_several_sequences_without_streaming_come_in_one_final_response():
     assert done["cached_tokens"].tolist() == [[128]]  # summed: 64 each
     assert done["cum_log_probs"].tolist() == [[pytest.approx(-0.7), 0.0]]
     assert done["flush"][0, 0]
+
+
+def beam_output(beams: list[BeamOutput]) -> RequestOutput:
+    """A beam search's only output: finished, the best beam's ids, every beam."""
+    out = output(list(beams[0].token_ids), finished=True)
+    out.log_probs, out.cum_log_prob, out.beams = beams[0].log_probs, beams[0].cum_log_prob, beams
+    return out
+
+
+BEAMS = [BeamOutput([7, 8, 9], [-0.1, -0.2, -0.3], -0.6, -0.2, "length"),
+         BeamOutput([7, 5], [-0.1, -0.9], -1.0, -0.5, "eos"),
+         BeamOutput([6], [-1.5], -1.5, -1.5, "eos")]
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_beam_search_sends_its_beams_in_one_final_response(streaming):
+    stream = OutputStream("r#0", [1, 2], streaming=streaming, exclude_input=False,
+                          num_sequences=3, beam_search=True)
+    assert stream.unfinished == 1  # one engine request for the three rows
+    done = send(stream, beam_output(BEAMS))
+    assert stream.unfinished == 0
+    assert done["output_ids"].tolist() == [[[1, 2, 7, 8, 9], [1, 2, 7, 5, 0], [1, 2, 6, 0, 0]]]
+    assert done["sequence_length"].tolist() == [[5, 4, 3]]
+    assert done["num_output_tokens"].tolist() == [[6]]  # generated ids of every row
+    assert done["num_input_tokens"].tolist() == [[3]] and done["cached_tokens"].tolist() == [[64]]
+    assert done["output_log_probs"].tolist() == [[[pytest.approx(-0.1), pytest.approx(-0.2),
+                                                   pytest.approx(-0.3)],
+                                                  [pytest.approx(-0.1), pytest.approx(-0.9), 0],
+                                                  [-1.5, 0, 0]]]
+    assert done["cum_log_probs"].tolist() == [[pytest.approx(-0.6), -1.0, -1.5]]
+    assert done["prefix_length"].tolist() == [[0, 0, 0]] and done["prefix_ids"].shape == (1, 3, 0)
+    assert done["flush"][0, 0] and done["sequence_index"].tolist() == [[-1]]
+    assert done["request_key"].tolist() == [[b"r#0"]]
+
+
+def test_beam_search_returns_the_best_k_beams():
+    stream = OutputStream("r#0", [1, 2], streaming=True, exclude_input=True, num_sequences=2,
+                          beam_search=True)
+    assert send(stream, output([7])) is None  # not expected from the engine: nothing sent
+    done = send(stream, beam_output(BEAMS))
+    assert done["output_ids"].tolist() == [[[7, 8, 9], [7, 5, 0]]]
+    assert done["sequence_length"].tolist() == [[3, 2]]
+    assert done["cum_log_probs"].tolist() == [[pytest.approx(-0.6), -1.0]]
+    assert done["num_output_tokens"].tolist() == [[5]]
+    # Without return_log_probs the beams carry no log probabilities: none, zero sums.
+    bare = [BeamOutput([4, 4], [], 0.0, -0.3, "length"), BeamOutput([], [], 0.0, -0.4, "eos")]
+    plain = OutputStream("r#1", [1], streaming=False, exclude_input=True, num_sequences=2,
+                         beam_search=True)
+    done = send(plain, beam_output(bare))
+    assert done["output_ids"].tolist() == [[[4, 4], [0, 0]]]
+    assert done["sequence_length"].tolist() == [[2, 0]]  # a beam that ended at once
+    assert done["output_log_probs"].shape == (1, 2, 0)
+    assert done["cum_log_probs"].tolist() == [[0, 0]]
+
+
+def test_rows_beyond_the_beams_found_are_empty():
+    stream = OutputStream("r#0", [1], streaming=False, exclude_input=True, num_sequences=3,
+                          beam_search=True)
+    done = send(stream, beam_output(BEAMS[:2]))
+    assert done["output_ids"].tolist() == [[[7, 8, 9], [7, 5, 0], [0, 0, 0]]]
+    assert done["sequence_length"].tolist() == [[3, 2, 0]]
+    assert done["cum_log_probs"].tolist() == [[pytest.approx(-0.6), -1.0, 0]]
