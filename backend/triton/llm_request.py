@@ -7,7 +7,7 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   INT32; temperature, runtime_top_p, repetition_penalty, presence_penalty, frequency_penalty,
   len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
   return_num_input_tokens, return_num_output_tokens, return_log_probs [1] BOOL;
-  early_stopping [1] INT32 (TensorRT-LLM's is BOOL; parsed from either; nonzero: true);
+  early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
   cache_salt, session_id [1] BYTES (ours); guided_decoding_guide_type, guided_decoding_guide

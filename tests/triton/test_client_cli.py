@@ -113,7 +113,7 @@ def test_generate_beam_options_become_ensemble_inputs():
                             **beam_options(args)).fields(stream=True)
     assert {k: fields[k] for k in ("beam_width", "num_return_sequences", "length_penalty",
                                    "early_stopping")} == {
-        "beam_width": 4, "num_return_sequences": 2, "length_penalty": 0.5, "early_stopping": 1}
+        "beam_width": 4, "num_return_sequences": 2, "length_penalty": 0.5, "early_stopping": True}
     plain = GenerateParams("hi", **beam_options(parse_args(["generate", "hi"]))).fields(True)
     assert not {"beam_width", "length_penalty", "early_stopping"} & set(plain)
 
