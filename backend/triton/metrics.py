@@ -68,6 +68,15 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "each kept token is one output token without a step of its own",
         COUNTER,
     ),
+    "suffixreplay_beam_forks_total": (
+        "Beam search: beams that took another beam's history (its run states and the pages "
+        "the prefix store does not share copied)",
+        COUNTER,
+    ),
+    "suffixreplay_beam_copied_pages_total": (
+        "Beam search: KV pages copied for forked beams",
+        COUNTER,
+    ),
     "suffixreplay_ssd_bytes_total": ("Bytes moved to and from the SSD tier", COUNTER),
     "suffixreplay_memory_bytes": (
         "Bytes in use by pool: device KV pages, anchor blocks and saved states, DRAM tier "
@@ -134,6 +143,8 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_guided_forced_tokens_total", (), "guided_forced_tokens"),
     ("suffixreplay_spec_decode_tokens_total", (("kind", "draft"),), "spec_draft_tokens"),
     ("suffixreplay_spec_decode_tokens_total", (("kind", "accepted"),), "spec_accepted_tokens"),
+    ("suffixreplay_beam_forks_total", (), "beam_forks"),
+    ("suffixreplay_beam_copied_pages_total", (), "beam_pages_copied"),
     ("suffixreplay_ssd_bytes_total", (("direction", "read"),), "tier:ssd_bytes_read"),
     ("suffixreplay_ssd_bytes_total", (("direction", "written"),), "tier:ssd_bytes_written"),
     ("suffixreplay_checksum_failures_total", (), "tier:checksum_failures"),

@@ -160,12 +160,17 @@ def test_a_beam_search_is_one_engine_request(llm_server: ServerHandle):
     """All its beams run under one engine request (forked from it), not one request each as
     num_return_sequences' sequences are."""
     before = queried_tokens(llm_server)
+    forks = value(scrape(llm_server), "suffixreplay_beam_forks_total", **MODEL)
     generate_http(llm_server.urls.http, GenerateParams(PROMPT, max_tokens=4, top_k=1,
                                                        cache_salt=uuid.uuid4().hex))
     plain = queried_tokens(llm_server) - before
     generate_http(llm_server.urls.http, beam_params())
     beams = queried_tokens(llm_server) - before - plain
     assert plain > 0 and beams == plain
+    # ... whose beams forked from each other (metrics: forks, and the pages they copied).
+    metrics = scrape(llm_server)
+    assert value(metrics, "suffixreplay_beam_forks_total", **MODEL) > forks
+    assert value(metrics, "suffixreplay_beam_copied_pages_total", **MODEL) > 0
 
 
 # (id, options, what the error must say); LLM_PARAMS serve max_num_seqs 8.
