@@ -86,6 +86,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--temperature", type=float)
         sub.add_argument("--top-k", type=int)
         sub.add_argument("--top-p", type=float)
+        sub.add_argument("--min-p", type=float, help="drop tokens below this fraction of the "
+                         "likeliest token's probability (0: off)")
         sub.add_argument("--seed", type=int)
         sub.add_argument("--repetition-penalty", type=float)
         sub.add_argument("--presence-penalty", type=float)
@@ -110,6 +112,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
+        "min_p": args.min_p,
         "seed": args.seed,
         "repetition_penalty": args.repetition_penalty,
         "presence_penalty": args.presence_penalty,

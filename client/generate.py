@@ -35,6 +35,7 @@ class GenerateParams:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     seed: int | None = None
     min_tokens: int | None = None
     stop_words: tuple[str, ...] = ()
@@ -67,6 +68,7 @@ class GenerateParams:
             "temperature": self.temperature,
             "top_k": self.top_k,
             "top_p": self.top_p,
+            "min_p": self.min_p,
             "seed": self.seed,
             "min_tokens": self.min_tokens,
             "stop_words": list(self.stop_words) or None,
@@ -156,6 +158,7 @@ DTYPES = {
     "seed": "UINT64",
     "temperature": "FP32",
     "top_p": "FP32",
+    "min_p": "FP32",
     "length_penalty": "FP32",
     "repetition_penalty": "FP32",
     "presence_penalty": "FP32",

@@ -33,6 +33,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
+    min_p: float = 0.0  # 0: off; else tokens below min_p x the likeliest one's probability go
     seed: int | None = None
     end_id: int | None = None
     stop_words: tuple[tuple[int, ...], ...] = ()
@@ -62,6 +63,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("stop_words", "bad_words"):
             if any(len(w) == 0 for w in getattr(self, name)):
                 raise ValueError(f"{name} contains an empty word")
@@ -82,9 +85,10 @@ class SamplingParams:
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}")
         if self.beam_width > 1:
-            if self.top_k != 0 or self.top_p != 1.0:
-                raise ValueError(f"top_k={self.top_k} / top_p={self.top_p} do not apply to "
-                                 "beam search (beam_width > 1): leave them at 0 / 1")
+            if self.top_k != 0 or self.top_p != 1.0 or self.min_p != 0.0:
+                raise ValueError(f"top_k={self.top_k} / top_p={self.top_p} / min_p="
+                                 f"{self.min_p} do not apply to beam search (beam_width > 1): "
+                                 "leave them at 0 / 1 / 0")
             if self.guide is not None:
                 raise ValueError("guided decoding with beam search (beam_width > 1) is not "
                                  "supported")

@@ -11,7 +11,9 @@ Rules (TensorRT-LLM semantics where it has them):
   generated tokens only (OpenAI's and vLLM's definition; the prompt does not count).
 - Greedy (argmax) when `top_k == 1` or `temperature == 0`; otherwise logits / temperature,
   then top-k, then top-p (nucleus: the smallest set of most likely tokens whose probability
-  reaches top_p; the most likely token is always kept), then one draw.
+  reaches top_p; the most likely token is always kept), then min-p (tokens whose probability
+  is below min_p times the most likely token's go, as vLLM's and SGLang's min_p: a ratio, so
+  the same before or after top-k / top-p), then one draw.
 - A request with a seed owns a `torch.Generator` seeded once (`make_generator`) and used for
   every one of its draws, so the same seed and prompt give the same tokens whatever else shares
   the batch. Without a seed the draw uses the global generator.
@@ -201,7 +203,7 @@ def mask_banned(
 def filtered_probs(
     logits: torch.Tensor, params: Sequence[SamplingParams]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature, top-k and top-p over rows of logits [N, V].
+    """Temperature, top-k, top-p and min-p over rows of logits [N, V].
 
     Returns (probs [N, V] over tokens sorted by decreasing logit, order [N, V]: the token id of
     each sorted position). Filtered tokens have probability 0.
@@ -223,6 +225,8 @@ def filtered_probs(
     # Drop a token when the tokens before it already reach top_p (the first one always stays).
     mass_before = probs.cumsum(dim=-1) - probs
     probs = probs.masked_fill(mass_before >= top_p, 0.0)
+    min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
+    probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)  # column 0: the likeliest
     return probs / probs.sum(dim=-1, keepdim=True), order
 
 

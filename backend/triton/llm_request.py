@@ -4,8 +4,8 @@
 Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on reshape):
   input_ids [1, T] INT32, input_lengths [1] INT32, request_output_len [1] INT32;
   optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences [1]
-  INT32; temperature, runtime_top_p, repetition_penalty, presence_penalty, frequency_penalty,
-  len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
+  INT32; temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty,
+  frequency_penalty, len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
   return_num_input_tokens, return_num_output_tokens, return_log_probs [1] BOOL;
   early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
@@ -139,6 +139,7 @@ def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1
             temperature=finite(inputs, "temperature", 1.0),
             top_k=int(scalar(inputs, "runtime_top_k", "iu", 0)),
             top_p=finite(inputs, "runtime_top_p", 1.0),
+            min_p=finite(inputs, "min_p", 0.0),
             seed=None if seed is None else int(seed),
             end_id=int(scalar(inputs, "end_id", "iu", default_end_id)),
             stop_words=words_of(inputs, "stop_words_list"),

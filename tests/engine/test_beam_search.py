@@ -255,6 +255,7 @@ def test_a_failed_step_fails_the_search_whole(engine, monkeypatch):
     (dict(beam_width=65), "beam_width must be in"),
     (dict(beam_width=2, top_k=5), "do not apply to beam search"),
     (dict(beam_width=2, top_p=0.5), "do not apply to beam search"),
+    (dict(beam_width=2, min_p=0.1), "min_p=0.1 do not apply to beam search"),
     (dict(beam_width=2, length_penalty=float("nan")), "length_penalty must be finite"),
 ])
 def test_bad_parameters(kwargs, message):

@@ -270,3 +270,23 @@ def test_token_log_probs_are_the_raw_log_softmax():
 def test_bad_penalties_and_biases_say_what_is_wrong(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_min_p_keeps_tokens_near_the_likeliest():
+    # probs 0.5, 0.3, 0.15, 0.05: min_p = 0.25 keeps those >= 0.125 (ids 1, 3, 0), drawn in
+    # proportion to their probabilities; temperature applies first.
+    logits = torch.log(torch.tensor([0.15, 0.5, 0.05, 0.3]))
+    drawn = draw_many(logits, SamplingParams(min_p=0.25), 3000)
+    freq = torch.bincount(torch.tensor(drawn), minlength=4).float() / len(drawn)
+    assert torch.allclose(freq, torch.tensor([0.15, 0.5, 0.0, 0.3]) / 0.95, atol=0.04)
+    assert set(draw_many(logits, SamplingParams(min_p=0.5), 300)) == {1, 3}
+    # Hot: 0.05 is no longer below a quarter of the likeliest (all four stay).
+    assert set(draw_many(logits, SamplingParams(min_p=0.25, temperature=4.0), 400)) == \
+        {0, 1, 2, 3}
+    assert set(draw_many(logits, SamplingParams(min_p=1.0), 100)) == {1}
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, float("nan")])
+def test_bad_min_p_says_what_is_wrong(value):
+    with pytest.raises(ValueError, match="min_p must be in"):
+        SamplingParams(min_p=value)

@@ -31,6 +31,8 @@ HTTP_CASES = [
     ("top_p_above_one", {"text_input": "hi", "max_tokens": 4, "top_p": 1.5},
      "top_p must be in (0, 1]"),
     ("top_k_negative", {"text_input": "hi", "max_tokens": 4, "top_k": -1}, "top_k must be >= 0"),
+    ("min_p_above_one", {"text_input": "hi", "max_tokens": 4, "min_p": 1.5},
+     "min_p must be in [0, 1], got 1.5"),
     ("min_over_max", {"text_input": "hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens must"),
     ("wrong_shape", {"text_input": ["a", "b"], "max_tokens": 4}, "batch size does not match"),
     ("beam_search_top_p", {"text_input": "hi", "max_tokens": 4, "beam_width": 2, "top_p": 0.5},

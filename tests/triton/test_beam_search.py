@@ -178,7 +178,7 @@ BAD = [
     ("width_zero", dict(beam_width=0), "beam_width must be in [1, 64], got 0"),
     ("width_65", dict(beam_width=65), "beam_width must be in [1, 64], got 65"),
     ("top_k", dict(beam_width=2, top_k=5),
-     "top_k=5 / top_p=1.0 do not apply to beam search (beam_width > 1)"),
+     "top_k=5 / top_p=1.0 / min_p=0.0 do not apply to beam search (beam_width > 1)"),
     ("more_sequences_than_beams", dict(beam_width=3, num_return_sequences=4),
      "num_return_sequences=4 must be in [1, beam_width=3]"),
     ("over_max_num_seqs", dict(beam_width=9), "beam_width=9 is more than the engine's "

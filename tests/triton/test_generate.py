@@ -88,6 +88,25 @@ def test_same_seed_same_text_different_seed_differs(llm_server: ServerHandle):
     assert sampled(1) != sampled(2)
 
 
+def test_min_p_reaches_the_sampler(llm_server: ServerHandle, local_engine: Engine):
+    """A seeded hot request with min_p is the in-process engine's; min_p = 1 keeps only the
+    likeliest token, so it samples the greedy text."""
+    params = dict(max_tokens=24, min_tokens=24, temperature=1.5, seed=3)
+    ids = local_engine.tokenizer.encode(PROMPT)
+
+    def served(**extra) -> str:
+        return generate_http(llm_server.urls.http, GenerateParams(PROMPT, **params,
+                                                                  **extra)).text
+
+    def local(**extra) -> str:
+        out = local_engine.generate(ids, SamplingParams(**params, **extra))
+        return local_engine.tokenizer.decode(out.new_token_ids, skip_special_tokens=True)
+
+    assert served(min_p=0.2) == local(min_p=0.2) != served()
+    assert served(min_p=1.0) == generate_http(llm_server.urls.http, GenerateParams(
+        PROMPT, max_tokens=24, min_tokens=24, top_k=1)).text
+
+
 def test_two_concurrent_clients(llm_server: ServerHandle):
     prompts = ["First client says hello", "Second client asks a question"]
     results: dict[int, list[Chunk]] = {}

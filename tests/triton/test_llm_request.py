@@ -209,7 +209,7 @@ def test_length_penalty_and_early_stopping():
     (3, {"num_return_sequences": np.array([0], np.int32)},
      "num_return_sequences=0 must be in [1, beam_width=3]"),
     (2, {"runtime_top_k": np.array([5], np.int32)},
-     "top_k=5 / top_p=1.0 do not apply to beam search"),
+     "top_k=5 / top_p=1.0 / min_p=0.0 do not apply to beam search"),
     (2, {"runtime_top_p": np.array([0.5], np.float32)}, "do not apply to beam search"),
     (2, {"guided_decoding_guide_type": np.array([b"json"], dtype=np.object_)},
      "guided decoding with beam search (beam_width > 1) is not supported"),
