@@ -560,6 +560,8 @@ class Scheduler:
                     logits: torch.Tensor) -> list[RequestOutput]:
         """The step's beam-search rows, a request at a time (all its beams run in each
         step: they decode together, and a preemption takes the whole request)."""
+        if logits.dim() == 3:  # a step with drafts (other rows): position 0 is the next token's
+            logits = logits[:, 0]
         groups: dict[int, tuple[BeamGroup, dict[int, int]]] = {}
         for c in done:
             entry = groups.setdefault(id(c.seq.beam), (c.seq.beam, {}))

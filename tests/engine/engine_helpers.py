@@ -6,6 +6,8 @@ import torch
 
 from backend.cache.config import CacheConfig
 from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.beam import BeamSearch
+from backend.engine.sampling import TokenCounts, adjusted_log_probs
 from backend.replay.budget import ReplayConfig
 
 GREEDY = SamplingParams(max_tokens=12, top_k=1)
@@ -71,3 +73,22 @@ def reference_adjust(logits: torch.Tensor, prompt: list[int], generated: list[in
     for token in set(generated):
         out[token] -= params.presence_penalty + params.frequency_penalty * generated.count(token)
     return torch.tensor(out)
+
+
+def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 20):
+    """The beams of a search whose every step prefills each beam from scratch (no cache)."""
+    search = BeamSearch(params, len(prompt), max_context_len)
+    V = model.config.vocab_size
+    while True:
+        rows = []
+        for history in search.histories:
+            with torch.inference_mode():
+                rows.append(model.logits(torch.tensor([prompt + history]))[0, -1].float())
+        logits = torch.stack(rows)
+        n = logits.shape[0]
+        counts = [TokenCounts(V, len(prompt)).update(prompt + h) for h in search.histories]
+        scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
+                                    search.histories, counts)
+        search.step(scores)
+        if search.done:
+            return [b.token_ids for b in search.outputs()]

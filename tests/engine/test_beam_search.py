@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt
+from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt, reference_beams
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, EngineConfig, SamplingParams
-from backend.engine.beam import BeamSearch
 from backend.engine.request import Request
-from backend.engine.sampling import TokenCounts, adjusted_log_probs
 
 MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
 PROMPTS = [
@@ -98,6 +96,23 @@ def test_beams_are_transformers_beams(hf, engine, prompt, case):
     assert_no_leak(engine)
 
 
+def test_beside_speculative_requests(hf):
+    """A search decoding in the steps where other rows verify drafts (the forward returns
+    several positions a row) keeps transformers' beams; the other rows keep their drafts."""
+    engine = Engine.from_model_dir(MODEL_DIR, EngineConfig(
+        speculative_method="ngram", speculative_adaptive=False, prompt_lookup_min=2))
+    quote = list(b"The cat sat on the mat. The cat sat on the mat. The cat sat on the")
+    plain = Request("plain", quote, SamplingParams(max_tokens=40, top_k=1))
+    engine.submit(plain)
+    params = SamplingParams(max_tokens=24, beam_width=3, end_id=engine.eos_token_id)
+    out = engine.generate(PROMPTS[1], params)
+    assert [b.token_ids for b in out.beams] == hf_beams(hf, PROMPTS[1], params)[0]
+    while engine.has_work:
+        engine.step()
+    assert engine.stats()["spec_accepted_tokens"] > 0
+    assert_no_leak(engine)
+
+
 def test_beams_end_on_their_own_reasons(engine):
     """The end id never is output; stop words stay in it (as for a sampled request)."""
     params = SamplingParams(max_tokens=40, beam_width=3, end_id=10,
@@ -127,25 +142,6 @@ def test_logit_controls_follow_each_beam(engine):
     for beam in out.beams:
         assert ord("x") not in beam.token_ids and len(beam.token_ids) >= 12
     assert_no_leak(engine)
-
-
-def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 20):
-    """The beams of a search whose every step prefills each beam from scratch (no cache)."""
-    search = BeamSearch(params, len(prompt), max_context_len)
-    V = model.config.vocab_size
-    while True:
-        rows = []
-        for history in search.histories:
-            with torch.inference_mode():
-                rows.append(model.logits(torch.tensor([prompt + history]))[0, -1].float())
-        logits = torch.stack(rows)
-        n = logits.shape[0]
-        counts = [TokenCounts(V, len(prompt)).update(prompt + h) for h in search.histories]
-        scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
-                                    search.histories, counts)
-        search.step(scores)
-        if search.done:
-            return [b.token_ids for b in search.outputs()]
 
 
 @pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint", "none"])

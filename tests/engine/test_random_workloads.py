@@ -8,8 +8,11 @@ later token the model's greedy choice after the tokens before it, and nothing ma
 at the end. Every third request also carries penalties and a logit bias: its tokens must be
 the greedy choice after those rules (`engine_helpers.reference_adjust`), which count every
 prompt token whatever the cache served and make the random models' tokens depend on the
-context. On the eager executor, and on the AOT-compiled one of each family's build; the
-served path has its own (tests/triton/test_random_served.py)."""
+context. Every sixth request whose beams fit the pool is a beam search of width 2 (forked
+beams, preempted and restarted searches): its beams must be those of a search that prefills
+each beam from scratch (`engine_helpers.reference_beams`). On the eager executor, and on the
+AOT-compiled one of each family's build; the served path has its own
+(tests/triton/test_random_served.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak, make_engine, reference_adjust
+from engine_helpers import assert_no_leak, make_engine, reference_adjust, reference_beams
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, Request, SamplingParams
@@ -29,6 +32,8 @@ from backend.replay.budget import ReplayConfig
 
 CHECKPOINT = (13, True)  # seed, slow decay (conftest.family_model): states carry far
 REQUESTS = 36
+BEAM_WIDTH = 2
+PAGE_BUDGET = 32 * 16  # the pool's tokens (`_engine`): a search's beams must fit it
 TOLERANCE = 1e-3  # logits: batched and cached against one plain forward (float32)
 # What every third request (`penalized`) adds to greedy decoding.
 PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2,
@@ -60,8 +65,9 @@ CONFIGS = {
     "replay+tiers+spec": dict(replay=ReplayConfig.exact(), tiers=True, spec=True),
 }
 # Seeds moved for coverage: the default one's workload on some family never hits a page in
-# the DRAM tier (`_check` asks it to), as checked for every family with the seed used.
-SEED_OFFSETS = {"replay+tiers+spec": 300}
+# the DRAM tier (`_check` asks it to), as checked for every family with the seed used (re-
+# chosen for "replay+dram" when beam searches joined the workloads).
+SEED_OFFSETS = {"replay+tiers+spec": 300, "replay+dram": 100}
 SPECULATIVE = dict(speculative_method="ngram", num_speculative_tokens=3, prompt_lookup_min=1,
                    prompt_lookup_max=4, speculative_adaptive=False)
 APPROXIMATE = {"budgeted+tiers"}  # the rest keep exact states
@@ -138,7 +144,9 @@ class Outcome:
     prompt: list[int]
     max_tokens: int
     penalized: bool = False
+    beam_width: int = 1
     tokens: list[int] = field(default_factory=list)
+    beams: list[list[int]] | None = None
     reason: str | None = None
     first_logits: torch.Tensor | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -153,6 +161,8 @@ class Outcome:
                 self.first_logits = out.first_logits
             if out.finished:
                 self.reason = out.finish_reason
+                if out.beams is not None:
+                    self.beams = [b.token_ids for b in out.beams]
                 workload.add(self.prompt + self.tokens)
                 self.done.set()
 
@@ -161,8 +171,11 @@ class Outcome:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, top_k=1,
-                              **(PENALTIES if self.penalized else {}))
+        penalties = PENALTIES if self.penalized else {}
+        if self.beam_width > 1:  # no end id: every beam runs to max_tokens
+            return SamplingParams(max_tokens=self.max_tokens, beam_width=self.beam_width,
+                                  end_id=-1, **penalties)
+        return SamplingParams(max_tokens=self.max_tokens, top_k=1, **penalties)
 
 
 def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
@@ -175,6 +188,9 @@ def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
             rid = f"r{len(outcomes)}"
             o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
                                         penalized=len(outcomes) % 3 == 1)
+            pages = -(-(len(o.prompt) + o.max_tokens) // 16)
+            if len(outcomes) % 6 == 5 and BEAM_WIDTH * pages * 16 <= PAGE_BUDGET:
+                o.beam_width = BEAM_WIDTH
             engine.submit(o.request(rid, workload))
         running = [rid for rid, o in outcomes.items() if o.reason is None]
         if running and rng.random() < 0.05:
@@ -212,8 +228,13 @@ def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
     for rid, o in outcomes.items():
         assert o.reason in ("length", "cancelled"), (rid, o.reason)
         assert len(o.tokens) == o.max_tokens or o.reason == "cancelled", (rid, o)
-        if config not in APPROXIMATE:
+        if o.beam_width > 1:
+            if o.reason != "cancelled" and config not in APPROXIMATE:
+                assert o.beams == reference_beams(model, o.prompt, o.sampling), rid
+        elif config not in APPROXIMATE:
             _assert_model(model, rid, o)
+    searches = [o for o in outcomes.values() if o.beam_width > 1 and o.reason != "cancelled"]
+    assert searches, "the workload should have run a beam search"
     stats = engine.stats()  # waits for a running step (its releases) to end
     if coverage:
         assert stats["cache"]["hit_tokens"] > 0, stats["cache"]
