@@ -50,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     gen.add_argument("--beam-width", type=int, metavar="W",
                      help="beam search with W beams, printed best first once the search "
                           "ends (deterministic: --temperature and --seed do not apply; --top-k, "
-                          "--top-p and guides are refused)")
+                          "--top-p, --min-p and guides are refused)")
     gen.add_argument("--length-penalty", type=float, metavar="X",
                      help="beam search: rank finished beams by summed log probability / "
                           "length ** X (default 1.0)")
