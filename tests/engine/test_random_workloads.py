@@ -178,6 +178,12 @@ class Outcome:
         return SamplingParams(max_tokens=self.max_tokens, top_k=1, **penalties)
 
 
+def beam_width(o: Outcome, i: int) -> int:
+    """Request i's beam width: BEAM_WIDTH for every sixth one whose beams fit the pool."""
+    pages = -(-(len(o.prompt) + o.max_tokens) // 16)
+    return BEAM_WIDTH if i % 6 == 5 and BEAM_WIDTH * pages * 16 <= PAGE_BUDGET else 1
+
+
 def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
     """Submits REQUESTS requests a few at a time between steps and cancels some."""
     rng = random.Random(seed)
@@ -188,9 +194,7 @@ def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
             rid = f"r{len(outcomes)}"
             o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
                                         penalized=len(outcomes) % 3 == 1)
-            pages = -(-(len(o.prompt) + o.max_tokens) // 16)
-            if len(outcomes) % 6 == 5 and BEAM_WIDTH * pages * 16 <= PAGE_BUDGET:
-                o.beam_width = BEAM_WIDTH
+            o.beam_width = beam_width(o, len(outcomes) - 1)
             engine.submit(o.request(rid, workload))
         running = [rid for rid, o in outcomes.items() if o.reason is None]
         if running and rng.random() < 0.05:
@@ -233,10 +237,9 @@ def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
                 assert o.beams == reference_beams(model, o.prompt, o.sampling), rid
         elif config not in APPROXIMATE:
             _assert_model(model, rid, o)
-    searches = [o for o in outcomes.values() if o.beam_width > 1 and o.reason != "cancelled"]
-    assert searches, "the workload should have run a beam search"
     stats = engine.stats()  # waits for a running step (its releases) to end
     if coverage:
+        assert any(o.beam_width > 1 and o.reason != "cancelled" for o in outcomes.values())
         assert stats["cache"]["hit_tokens"] > 0, stats["cache"]
         assert stats["cancelled_requests"] > 0
         assert sum(stats["cache"]["page_evictions_by_reason"].values()) > 0, stats["cache"]
@@ -297,6 +300,7 @@ def test_random_workload_from_client_threads(model, config, tmp_path):
                 rid = f"c{c}-{j}"
                 o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
                                             penalized=j % 3 == 1)
+                o.beam_width = beam_width(o, j)
                 engine.submit(o.request(rid, workload))
                 if rng.random() < 0.15:
                     time.sleep(rng.choice((0, 0.002, 0.02)))
@@ -319,6 +323,7 @@ def test_random_workload_from_client_threads(model, config, tmp_path):
         assert all(o.done.wait(60) for o in outcomes.values())
         # What the cache did depends on the threads' timing: hits and evictions only.
         _check(engine, model, config, outcomes, coverage=False)
+        assert any(o.beam_width > 1 for o in outcomes.values())
         cache = engine.stats()["cache"]
         assert cache["hit_tokens"] > 0 and cache["page_evictions_by_reason"], cache
     finally:
