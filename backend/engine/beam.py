@@ -72,6 +72,12 @@ class BeamSearch:
         top, index = torch.topk(total.flatten(), min(2 * W, n * V))
         length = self.num_generated + 1
         penalty = length ** self.params.length_penalty
+
+        def with_log_prob(parent: int, token: int) -> list[float]:
+            """The parent's log probabilities and, where recorded, the token's."""
+            own = [float(raw[parent, token])] if raw is not None else []
+            return self.log_probs[parent] + own
+
         nxt: list[tuple[int, int, float]] = []
         added: list[Hypothesis] = []
         full = len(self.finished) == W and self.params.early_stopping
@@ -88,18 +94,16 @@ class BeamSearch:
                     nxt.append((parent, token, score))
                 continue
             if rank < W and self.improvable and not full:
-                lps = self.log_probs[parent] + ([float(raw[parent, token])] if raw is not None
-                                                else [])
-                added.append(Hypothesis(history, lps, score / penalty, reason))
+                added.append(Hypothesis(history, with_log_prob(parent, token),
+                                        score / penalty, reason))
         if added:
             merged = self.finished + added  # stable: on equal scores the earlier one stays
             self.finished = sorted(merged, key=lambda h: -h.score)[:W]
         self.histories = [self.histories[p] + [t] for p, t, _ in nxt]
-        self.log_probs = [self.log_probs[p] + ([float(raw[p, t])] if raw is not None else [])
-                          for p, t, _ in nxt]
+        self.log_probs = [with_log_prob(p, t) for p, t, _ in nxt]
         self.scores = [s for _, _, s in nxt]
         if len(self.finished) == W and nxt:
-            best = self.scores[0] / length ** self.params.length_penalty
+            best = self.scores[0] / penalty
             self.improvable = self.improvable and best > self.finished[-1].score
         self.done = (not nxt or not self.improvable
                      or (len(self.finished) == W and self.params.early_stopping))

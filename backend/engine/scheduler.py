@@ -554,7 +554,6 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         return seq.output([], True, "cancelled")
 
-
     # Beam search ------------------------------------------------------------------------
     def _beam_steps(self, chunks: list[Chunk], done: list[Chunk],
                     logits: torch.Tensor) -> list[RequestOutput]:
@@ -670,14 +669,9 @@ class Scheduler:
         """`target` drops what it holds and takes `parent`'s history: its locked path and a
         copy of its private pages (run states: the caller copies them). False when no pages
         can be had, even by preempting other requests."""
+        self.cache.release(target, cache=False)  # its own history is gone
         store = self.cache.store
         uses_anchors = store.uses_anchors
-        store.free_pages(target.page_table[target.num_tree_pages:],
-                         target.anchor_blocks[target.num_tree_pages:] if uses_anchors else [])
-        store.free_state_slots(list(target.pending_states.values()))
-        store.unlock(target.locked_nodes)
-        target.page_table, target.anchor_blocks, target.locked_nodes = [], [], []
-        target.pending_states, target.num_tree_pages, target.live_position = {}, 0, None
         n = parent.num_tree_pages
         private = parent.page_table[n:]
         alloc = None
