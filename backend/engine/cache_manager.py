@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from backend.cache.base import Tier
 from backend.cache.store import PrefixStore
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -65,6 +66,8 @@ class CacheManager:
         seq.num_tree_pages = n
         self.store.count_hits(found_on[:n])  # the pages used, not all that were matched
         seq.num_computed = seq.cached_tokens = n * self.page_size
+        seq.cached_pages = n
+        seq.pages_loaded += sum(where != Tier.DEVICE for where in found_on[:n])
         if n == 0:
             self.executor.reset_state(seq.run_slot)
         elif restored:
@@ -223,6 +226,7 @@ class CacheManager:
                 return len(seq.page_table) * self.page_size
             seq.page_table.extend(alloc.kv_pages)
             seq.anchor_blocks.extend(alloc.anchor_blocks)
+            seq.owner.pages_new += need
         return end
 
     def capture_plan(self, seq: Sequence, start: int, end: int):

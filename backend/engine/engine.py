@@ -286,6 +286,8 @@ class Engine:
             with self._lock:
                 self._live.pop(out.request_id, None)
         callback = seq.request.on_output if seq is not None else None
+        if seq is not None and seq.request.return_perf_metrics:
+            out.metrics = seq.metrics()
         if callback is not None:
             try:
                 callback(out)
@@ -336,7 +338,7 @@ class Engine:
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", session_id: str | None = None,
                  request_id: str | None = None, return_first_logits: bool = False,
-                 ) -> RequestOutput:
+                 return_perf_metrics: bool = False) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
@@ -356,7 +358,7 @@ class Engine:
 
         rid = request_id or f"generate-{id(done)}"
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
-                            session_id, collect, return_first_logits))
+                            session_id, collect, return_first_logits, return_perf_metrics))
         if self._thread is None:
             while not done.is_set():
                 self.step()

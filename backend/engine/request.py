@@ -115,6 +115,8 @@ class Request:
     on_output: Callable[[RequestOutput], None] | None = None
     # Attach the logits that chose the first token (quality measurements, tests).
     return_first_logits: bool = False
+    # Attach `RequestMetrics` (times, KV pages, speculative counts) to every output.
+    return_perf_metrics: bool = False
 
 
 @dataclass
@@ -138,6 +140,37 @@ class RequestOutput:
     # Beam search (beam_width > 1): the finished beams, best first, in the request's final
     # output only (new_token_ids / log_probs / cum_log_prob are the best beam's).
     beams: list[BeamOutput] | None = None
+    # With Request.return_perf_metrics: the request's metrics so far.
+    metrics: RequestMetrics | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """One request's performance metrics, as TensorRT-LLM's `return_perf_metrics` reports
+    them. Times are nanoseconds on the wall clock (`time.time_ns()` at engine start plus a
+    monotonic offset, so differences are exact); 0 where the event has not happened yet.
+    KV pages ("blocks"): `reused` came from the prefix store (any tier) at the request's
+    last admission; `new` were allocated for tokens it computed (drafts and pages for
+    restarts after preemption included); `total` adds the pages allocated to receive cached
+    data: pages the store's lower tiers (DRAM, SSD) loaded back onto the device for it and
+    pages copied for its forked beams."""
+
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / verified speculative draft tokens (0 when none was verified)."""
+        if self.total_draft_tokens == 0:
+            return 0.0
+        return self.total_accepted_draft_tokens / self.total_draft_tokens
 
 
 @dataclass

@@ -231,6 +231,8 @@ class Scheduler:
             if len(replays) > queued:
                 replayed.append(seq)
             seq.status = SeqStatus.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
             seq.shared_pages.clear()
             self.running.append(seq)
         self.waiting.extendleft(reversed(deferred))
@@ -355,6 +357,7 @@ class Scheduler:
                     seq.tokens[c.end + kept] == c.draft[kept]:
                 kept += 1
             self.num_draft_tokens += len(c.draft)
+            seq.draft_tokens += len(c.draft)
             self.num_accepted_tokens += kept
             self.draft_policy.settled(seq, kept, kept < len(c.draft))
             if kept == len(c.draft) or id(seq) in finished:
@@ -456,6 +459,7 @@ class Scheduler:
                     self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                seq.last_token_time = now
                 seq.tokens.append(token)
                 if seq.guide is not None:
                     try:
@@ -587,8 +591,9 @@ class Scheduler:
         scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
                                     search.histories, counts)
         raw = torch.log_softmax(logits.float(), -1) if params.return_log_probs else None
+        leader.last_token_time = time.perf_counter()
         if leader.first_token_time is None:
-            leader.first_token_time = time.perf_counter()
+            leader.first_token_time = leader.last_token_time
         selection = search.step(scores, raw)
         if not search.done:
             self._beam_pending.append((group, selection))
@@ -683,6 +688,7 @@ class Scheduler:
         self.num_beam_forks += 1
         if alloc is not None:
             self.num_beam_pages_copied += len(private)
+            group.leader.pages_loaded += len(private)
             blocks = parent.anchor_blocks[n:] if uses_anchors else []
             self.executor.copy_pages(private, alloc.kv_pages, blocks, alloc.anchor_blocks,
                                      self.cache.layout.anchors_per_page)

@@ -11,9 +11,16 @@ import torch
 from backend.cache.radix import encode_tokens
 from backend.engine.beam import BeamGroup
 from backend.engine.guided import GuideState
-from backend.engine.request import Request, RequestOutput
+from backend.engine.request import Request, RequestMetrics, RequestOutput
 from backend.engine.sampling import TokenCounts
 from backend.engine.speculative import NgramIndex
+
+# perf_counter() seconds -> wall-clock nanoseconds, one offset for the process (monotonic).
+_WALL_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
+
+
+def wall_ns(t: float | None) -> int:
+    return 0 if t is None else int(t * 1e9) + _WALL_OFFSET_NS
 
 
 class SeqStatus(Enum):
@@ -48,9 +55,18 @@ class Sequence:
     live_position: int | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0
+    cached_pages: int = 0  # of them, pages (any tier) at its last admission
     replayed_anchors: int = 0
     recomputed_tokens: int = 0
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    # KV pages allocated for it: for tokens it computes, and to receive cached data (pages
+    # a lower tier loaded back onto the device, pages copied for forked beams); a beam
+    # search counts them on its leader (`owner`).
+    pages_new: int = 0
+    pages_loaded: int = 0
+    draft_tokens: int = 0  # speculative draft tokens verified for it
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
     prefill_waits: int = 0  # steps it stayed queued for a running prefill of its prefix
@@ -77,6 +93,11 @@ class Sequence:
         return self.request.request_id
 
     @property
+    def owner(self) -> Sequence:
+        """The sequence a request's counts go to: its beam search's leader, else itself."""
+        return self if self.beam is None else self.beam.leader
+
+    @property
     def output_ids(self) -> list[int]:
         return self.tokens[self.num_prompt_tokens:]
 
@@ -101,4 +122,19 @@ class Sequence:
             num_output_tokens=self.num_output_tokens, cached_tokens=self.cached_tokens,
             replayed_anchors=self.replayed_anchors, recomputed_tokens=self.recomputed_tokens,
             error=error, ttft_s=ttft,
+        )
+
+    def metrics(self) -> RequestMetrics:
+        """Its request's metrics so far (the engine attaches them to each output it delivers
+        when asked: after the step's drafts were settled)."""
+        return RequestMetrics(
+            arrival_time_ns=wall_ns(self.arrival),
+            first_scheduled_time_ns=wall_ns(self.first_scheduled_time),
+            first_token_time_ns=wall_ns(self.first_token_time),
+            last_token_time_ns=wall_ns(self.last_token_time),
+            kv_cache_reused_blocks=self.cached_pages,
+            kv_cache_alloc_new_blocks=self.pages_new,
+            kv_cache_alloc_total_blocks=self.pages_new + self.pages_loaded,
+            total_draft_tokens=self.draft_tokens,
+            total_accepted_draft_tokens=self.draft_kept,
         )
