@@ -95,6 +95,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--log-probs", action="store_true",
                          help="report the generated tokens' summed log probability (each "
                               "sequence's or beam's with -n or --beam-width)")
+        sub.add_argument("--perf-metrics", action="store_true",
+                         help="report the server's per-request metrics (queue time, TTFT, "
+                              "KV blocks reused / allocated, drafts accepted)")
         sub.add_argument("--cache-salt")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
@@ -118,6 +121,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "return_log_probs": args.log_probs or None,
+        "return_perf_metrics": args.perf_metrics or None,
         "cache_salt": args.cache_salt,
     }
 
@@ -153,7 +157,7 @@ def responses(args: argparse.Namespace, params: GenerateParams) -> Iterator[Chun
 
 def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str, dict]:
     """Writes text as it arrives; reports TTFT and counts on `err`. Returns (text, counts)."""
-    text, counts, ttft, num_output, log_probs = "", {}, None, 0, []
+    text, counts, ttft, num_output, log_probs, perf = "", {}, None, 0, [], {}
     for chunk in chunks:
         if ttft is None:
             ttft = chunk.elapsed_s
@@ -163,6 +167,7 @@ def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str
         counts = chunk.counts or counts
         num_output += chunk.counts.get("num_output_tokens", 0)
         log_probs += chunk.log_probs
+        perf = chunk.perf or perf
     out.write("\n")
     if ttft is not None:
         shown = {k: v for k, v in counts.items() if k != "num_output_tokens"}
@@ -170,7 +175,35 @@ def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str
         if log_probs:
             summary += f" log_prob={sum(log_probs):.3f}"
         err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}, {summary}]\n")
+    write_perf([perf], err)
     return text, counts
+
+
+def write_perf(perfs: list[dict], err: TextIO) -> None:
+    """The server's perf metrics (return_perf_metrics) on `err`, over the sequences whose
+    latest metrics are `perfs` (nothing when the server sent none: not asked)."""
+    perfs = [p for p in perfs if p.get("arrival_time_ns")]
+    if not perfs:
+        return
+    def total(name: str) -> int:
+        return sum(int(p.get(name, 0)) for p in perfs)
+
+    def ms(end: str, start: str = "arrival_time_ns") -> str:
+        ends = [int(p[end]) for p in perfs if p.get(end)]
+        begin = min(int(p[start]) for p in perfs)
+        if not ends:
+            return "-"
+        last = max(ends) if end == "last_token_time_ns" else min(ends)
+        return f"{(last - begin) / 1e6:.1f} ms"
+
+    drafts = total("total_draft_tokens")
+    line = (f"[server: queue {ms('first_scheduled_time_ns')}, ttft {ms('first_token_time_ns')}, "
+            f"last token {ms('last_token_time_ns')}; kv blocks reused "
+            f"{total('kv_cache_reused_blocks')}, allocated {total('kv_cache_alloc_new_blocks')}"
+            f" new / {total('kv_cache_alloc_total_blocks')} total")
+    if drafts:
+        line += f"; drafts accepted {total('total_accepted_draft_tokens')}/{drafts}"
+    err.write(line + "]\n")
 
 
 def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
@@ -179,13 +212,15 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
     search's one response carries its beams), then writes them one after another, each
     under `--- <label> k ---`; TTFT and the output token count go to `err`, and with
     `log_probs` each row's summed log probability."""
-    texts, ttft, num_output, cum = [""] * num, None, 0, []
+    texts, ttft, num_output, cum, perf = [""] * num, None, 0, [], {}
     for chunk in chunks:
         ttft = chunk.elapsed_s if ttft is None else ttft
         num_output += chunk.counts.get("num_output_tokens", 0)
         for k, text in enumerate(chunk.texts):
             texts[k] += text
         cum = chunk.cum_log_probs or cum  # running sums: the last response's are the totals
+        if chunk.perf:  # per sequence when streamed; -1: a response carrying every row
+            perf[chunk.sequence_index] = chunk.perf
     for k, text in enumerate(texts):
         out.write(f"--- {label} {k} ---\n{text}\n")
     if ttft is not None:
@@ -193,6 +228,7 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
         if log_probs and cum:
             summary += ", log_probs " + " ".join(f"{v:.3f}" for v in cum)
         err.write(f"[{summary}]\n")
+    write_perf([perf[-1]] if -1 in perf else list(perf.values()), err)
     return texts
 
 

@@ -26,6 +26,20 @@ COUNTS = (
     "replayed_anchors",
     "recomputed_tokens",
 )
+# With return_perf_metrics (TensorRT-LLM's names): KV blocks and draft tokens, wall-clock times
+# in ns, the drafts' acceptance rate.
+PERF_METRICS = (
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+)
 
 
 @dataclass(frozen=True)
@@ -50,6 +64,7 @@ class GenerateParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     return_log_probs: bool | None = None
+    return_perf_metrics: bool | None = None
     cache_salt: str | None = None
     session_id: str | None = None
     exclude_input_in_output: bool | None = None
@@ -81,6 +96,7 @@ class GenerateParams:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "return_log_probs": self.return_log_probs,
+            "return_perf_metrics": self.return_perf_metrics,
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
             "exclude_input_in_output": self.exclude_input_in_output,
@@ -113,13 +129,16 @@ class Chunk:
     sequence_index: int = 0
     log_probs_by_sequence: list[list[float]] = field(default_factory=list)
     cum_log_probs: list[float] = field(default_factory=list)
+    perf: dict[str, float] = field(default_factory=dict)  # PERF_METRICS, where sent
 
 
 def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
-               log_probs: Any = None, cum: Any = None, index: Any = None) -> Chunk:
+               log_probs: Any = None, cum: Any = None, index: Any = None,
+               perf: dict[str, float] | None = None) -> Chunk:
     """A Chunk from a response's outputs (flat arrays, or None where an output is absent)."""
     index = 0 if index is None else int(np.ravel(index)[0])
-    chunk = Chunk("".join(texts), elapsed_s, counts, final, texts=texts, sequence_index=index)
+    chunk = Chunk("".join(texts), elapsed_s, counts, final, texts=texts, sequence_index=index,
+                  perf=perf or {})
     row = max(index, 0)
     if log_probs is not None and texts:
         rows = np.asarray(log_probs, dtype=np.float64).reshape(len(texts), -1).tolist()
@@ -168,6 +187,7 @@ DTYPES = {
     "early_stopping": "BOOL",
     "exclude_input_in_output": "BOOL",
     "return_log_probs": "BOOL",
+    "return_perf_metrics": "BOOL",
     "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",
 }
@@ -267,8 +287,9 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
 
     texts = [t.decode("utf-8") for t in output("text_output")] if "text_output" in names else []
     counts = {n: int(output(n)[0]) for n in COUNTS if n in names}
+    perf = {n: output(n)[0].item() for n in PERF_METRICS if n in names}
     return make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
-                      output("cum_log_probs"), output("sequence_index"))
+                      output("cum_log_probs"), output("sequence_index"), perf)
 
 
 def generate_http(
@@ -300,8 +321,9 @@ def stream_http(
 def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> Chunk:
     counts = {n: int(_first(body[n])) for n in COUNTS if n in body}
     texts = [str(t) for t in np.ravel(body.get("text_output", []))]
+    perf = {n: _first(body[n]) for n in PERF_METRICS if n in body}
     return make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
-                      body.get("cum_log_probs"), body.get("sequence_index"))
+                      body.get("cum_log_probs"), body.get("sequence_index"), perf)
 
 
 def _first(value: Any) -> Any:

@@ -148,6 +148,7 @@ class HybridLlm:
                 cache_salt=parsed.cache_salt,
                 session_id=parsed.session_id,
                 on_output=lambda out, entry=entry: self._on_output(entry, out),
+                return_perf_metrics=parsed.return_perf_metrics,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:

@@ -6,7 +6,8 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences [1]
   INT32; temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty,
   frequency_penalty, len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
-  return_num_input_tokens, return_num_output_tokens, return_log_probs [1] BOOL;
+  return_num_input_tokens, return_num_output_tokens, return_log_probs, return_perf_metrics
+  [1] BOOL;
   early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
@@ -61,6 +62,7 @@ class LlmRequest:
     # Rows of the response: sequences (K engine requests), or with beam search
     # (sampling.beam_width > 1) the best beams of the one engine request.
     num_return_sequences: int = 1
+    return_perf_metrics: bool = False  # the engine's RequestMetrics in each response
 
     @property
     def beam_search(self) -> bool:
@@ -99,6 +101,7 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         cache_salt=text_of(inputs, "cache_salt") or "",
         session_id=text_of(inputs, "session_id") or None,
         num_return_sequences=num_sequences,
+        return_perf_metrics=bool(scalar(inputs, "return_perf_metrics", "b", False)),
     )
 
 

@@ -11,7 +11,13 @@ outputs arrived for it:
   output_log_probs [1, K, N] FP32 and cum_log_probs [1, K] FP32 (TensorRT-LLM's; with
   return_log_probs: the model's log probability of each generated id in this response and
   their running sum; without it, N = 0 and the sums 0), sequence_index [1, 1] INT32 (as
-  TensorRT-LLM's: the sequence a streamed response carries; -1 when it carries all).
+  TensorRT-LLM's: the sequence a streamed response carries; -1 when it carries all),
+  and TensorRT-LLM's perf metrics (with return_perf_metrics; zeros without):
+  kv_cache_alloc_new_blocks, kv_cache_reused_blocks, kv_cache_alloc_total_blocks,
+  total_accepted_draft_tokens, total_draft_tokens [1, 1] INT32 (summed over the rows'
+  sequences), arrival_time_ns, first_scheduled_time_ns, first_token_time_ns,
+  last_token_time_ns [1, 1] INT64 (wall-clock ns: the earliest of the sequences', the latest
+  for the last token; 0: not yet), acceptance_rate [1, 1] FP32 (accepted / verified drafts).
 
 Streaming: one response per engine output that brought tokens, for one sequence: its row holds
 only those ids (never the prompt), the other rows none (length 0, no prefix), and
@@ -38,11 +44,14 @@ from __future__ import annotations
 import numpy as np
 
 from backend.detokenize import DEFAULT_CONTEXT_LEN
-from backend.engine.request import BeamOutput, RequestOutput
+from backend.engine.request import BeamOutput, RequestMetrics, RequestOutput
 
 PREFIX_LEN = DEFAULT_CONTEXT_LEN
 Tensors = dict[str, np.ndarray]
 COUNTS = ("cached_tokens", "replayed_anchors", "recomputed_tokens")
+PERF_COUNTS = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks",
+               "kv_cache_alloc_total_blocks", "total_accepted_draft_tokens", "total_draft_tokens")
+PERF_FIRST_TIMES = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns")
 
 
 class OutputStream:
@@ -133,7 +142,22 @@ class OutputStream:
             "output_log_probs": _padded(log_probs, np.float32),
             "cum_log_probs": np.array([cum], dtype=np.float32),
             "sequence_index": _int32(index),
+            **_perf([o.metrics for o in outs if o is not None and o.metrics is not None]),
         }
+
+
+def _perf(metrics: list[RequestMetrics]) -> Tensors:
+    """The perf-metrics tensors of the rows' sequences (zeros for none)."""
+    out = {name: _int32(sum(getattr(m, name) for m in metrics)) for name in PERF_COUNTS}
+    for name in PERF_FIRST_TIMES:
+        times = [getattr(m, name) for m in metrics if getattr(m, name)]
+        out[name] = np.array([[min(times, default=0)]], dtype=np.int64)
+    out["last_token_time_ns"] = np.array(
+        [[max((m.last_token_time_ns for m in metrics), default=0)]], dtype=np.int64)
+    drafts = sum(m.total_draft_tokens for m in metrics)
+    accepted = sum(m.total_accepted_draft_tokens for m in metrics)
+    out["acceptance_rate"] = np.array([[accepted / drafts if drafts else 0.0]], dtype=np.float32)
+    return out
 
 
 def _padded(rows: list[list], dtype) -> np.ndarray:
