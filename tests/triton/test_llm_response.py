@@ -165,3 +165,30 @@ def test_rows_beyond_the_beams_found_are_empty():
     assert done["output_ids"].tolist() == [[[7, 8, 9], [7, 5, 0], [0, 0, 0]]]
     assert done["sequence_length"].tolist() == [[3, 2, 0]]
     assert done["cum_log_probs"].tolist() == [[pytest.approx(-0.6), -1.0, 0]]
+
+
+def test_perf_metrics_sum_blocks_and_span_the_rows_times():
+    from backend.engine.request import RequestMetrics
+
+    stream = OutputStream("r#0", [1, 2, 3], streaming=False, exclude_input=True, num_sequences=2)
+    a, b = output([7], finished=True), output([8], finished=True)
+    a.metrics = RequestMetrics(100, 110, 150, 300, 2, 3, 4, 10, 6)
+    b.metrics = RequestMetrics(90, 0, 0, 0, 1, 5, 5, 0, 0)  # not scheduled yet: zeros
+    assert send(stream, a, 0) is None
+    final = send(stream, b, 1)
+    got = {name: final[name].item() for name in (
+        "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns",
+        "last_token_time_ns", "kv_cache_reused_blocks", "kv_cache_alloc_new_blocks",
+        "kv_cache_alloc_total_blocks", "total_draft_tokens", "total_accepted_draft_tokens")}
+    assert got == {"arrival_time_ns": 90, "first_scheduled_time_ns": 110,
+                   "first_token_time_ns": 150, "last_token_time_ns": 300,
+                   "kv_cache_reused_blocks": 3, "kv_cache_alloc_new_blocks": 8,
+                   "kv_cache_alloc_total_blocks": 9, "total_draft_tokens": 10,
+                   "total_accepted_draft_tokens": 6}
+    assert final["acceptance_rate"].item() == pytest.approx(0.6)
+    assert final["arrival_time_ns"].dtype.name == "int64"
+    # Not asked (no metrics on the outputs): zeros, every tensor still there.
+    plain = OutputStream("r#1", [1], streaming=True, exclude_input=True)
+    sent = send(plain, output([5], finished=True))
+    assert sent["kv_cache_reused_blocks"].item() == sent["arrival_time_ns"].item() == 0
+    assert sent["acceptance_rate"].item() == 0.0
