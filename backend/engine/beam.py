@@ -34,6 +34,7 @@ class Hypothesis:
     log_probs: list[float]
     score: float
     reason: str
+    logits: list[torch.Tensor] = field(default_factory=list)  # per token, when recorded
 
 
 class BeamSearch:
@@ -50,6 +51,7 @@ class BeamSearch:
         self.scores: list[float] = [0.0]  # per running beam: summed log probabilities
         self.histories: list[list[int]] = [[]]  # per running beam: generated ids
         self.log_probs: list[list[float]] = [[]]  # ... and the model's log probability of each
+        self.logits: list[list[torch.Tensor]] = [[]]  # ... and its raw logits, when recorded
         self.finished: list[Hypothesis] = []  # best first, at most `width`
         self.improvable = True
         self.done = False
@@ -58,10 +60,11 @@ class BeamSearch:
     def num_generated(self) -> int:
         return len(self.histories[0]) if self.histories else 0
 
-    def step(self, log_probs: torch.Tensor, raw: torch.Tensor | None = None
-             ) -> list[tuple[int, int]]:
+    def step(self, log_probs: torch.Tensor, raw: torch.Tensor | None = None,
+             logits: torch.Tensor | None = None) -> list[tuple[int, int]]:
         """One step over the running beams' next-token log probabilities [n, V] (adjusted;
-        `raw`: the model's own, recorded per token when the request returns them). Returns
+        `raw`: the model's own, recorded per token when the request returns them; `logits`:
+        the model's raw logits [n, V], recorded per token likewise). Returns
         the next beams as (parent beam, token), best first; `done` says whether the search
         ended (then the result is `outputs()`)."""
         n, V = log_probs.shape
@@ -77,6 +80,9 @@ class BeamSearch:
             """The parent's log probabilities and, where recorded, the token's."""
             own = [float(raw[parent, token])] if raw is not None else []
             return self.log_probs[parent] + own
+
+        def with_logits(parent: int) -> list[torch.Tensor]:
+            return self.logits[parent] + ([logits[parent]] if logits is not None else [])
 
         nxt: list[tuple[int, int, float]] = []
         added: list[Hypothesis] = []
@@ -95,12 +101,13 @@ class BeamSearch:
                 continue
             if rank < W and self.improvable and not full:
                 added.append(Hypothesis(history, with_log_prob(parent, token),
-                                        score / penalty, reason))
+                                        score / penalty, reason, with_logits(parent)))
         if added:
             merged = self.finished + added  # stable: on equal scores the earlier one stays
             self.finished = sorted(merged, key=lambda h: -h.score)[:W]
         self.histories = [self.histories[p] + [t] for p, t, _ in nxt]
         self.log_probs = [with_log_prob(p, t) for p, t, _ in nxt]
+        self.logits = [with_logits(p) for p, _, _ in nxt]
         self.scores = [s for _, _, s in nxt]
         if len(self.finished) == W and nxt:
             best = self.scores[0] / penalty
@@ -113,14 +120,16 @@ class BeamSearch:
         """The finished beams, best first (the running ones, as `length`, where none
         finished)."""
         hyps = self.finished or [
-            Hypothesis(h, lp, s / max(1, len(h)) ** self.params.length_penalty, "length")
-            for h, lp, s in zip(self.histories, self.log_probs, self.scores)]
+            Hypothesis(h, lp, s / max(1, len(h)) ** self.params.length_penalty, "length", lg)
+            for h, lp, s, lg in zip(self.histories, self.log_probs, self.scores, self.logits)]
         outs = []
         for h in hyps:
-            tokens, lps = h.tokens, h.log_probs
+            tokens, lps, logits = h.tokens, h.log_probs, h.logits
             if h.reason == "eos":  # the end id is not output
-                tokens, lps = tokens[:-1], lps[:len(tokens) - 1]
-            outs.append(BeamOutput(list(tokens), list(lps), float(sum(lps)), h.score, h.reason))
+                tokens = tokens[:-1]
+                lps, logits = lps[:len(tokens)], logits[:len(tokens)]
+            outs.append(BeamOutput(list(tokens), list(lps), float(sum(lps)), h.score, h.reason,
+                                   torch.stack(logits) if logits else None))
         return outs
 
 

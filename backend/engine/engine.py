@@ -338,7 +338,8 @@ class Engine:
     def generate(self, prompt_ids: list[int], sampling: SamplingParams | None = None,
                  cache_salt: str = "", session_id: str | None = None,
                  request_id: str | None = None, return_first_logits: bool = False,
-                 return_perf_metrics: bool = False) -> RequestOutput:
+                 return_perf_metrics: bool = False, return_generation_logits: bool = False,
+                 ) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
@@ -346,19 +347,23 @@ class Engine:
         final: list[RequestOutput] = []
 
         first_logits: list = []
+        generation_logits: list = []
 
         def collect(out: RequestOutput) -> None:
             tokens.extend(out.new_token_ids)
             log_probs.extend(out.log_probs)
             if out.first_logits is not None:
                 first_logits.append(out.first_logits)
+            if out.generation_logits is not None:
+                generation_logits.append(out.generation_logits)
             if out.finished:
                 final.append(out)
                 done.set()
 
         rid = request_id or f"generate-{id(done)}"
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
-                            session_id, collect, return_first_logits, return_perf_metrics))
+                            session_id, collect, return_first_logits, return_perf_metrics,
+                            return_generation_logits))
         if self._thread is None:
             while not done.is_set():
                 self.step()
@@ -367,6 +372,8 @@ class Engine:
         out.new_token_ids, out.log_probs = tokens, log_probs
         if first_logits:
             out.first_logits = first_logits[0]
+        if generation_logits:
+            out.generation_logits = torch.cat(generation_logits)
         return out
 
     def stats(self) -> dict:

@@ -117,6 +117,9 @@ class Request:
     return_first_logits: bool = False
     # Attach `RequestMetrics` (times, KV pages, speculative counts) to every output.
     return_perf_metrics: bool = False
+    # Attach the raw logits that chose each generated token (TensorRT-LLM's
+    # return_generation_logits); guided tokens are then drawn one a step (no jump-forward).
+    return_generation_logits: bool = False
 
 
 @dataclass
@@ -133,6 +136,9 @@ class RequestOutput:
     error: str | None = None
     ttft_s: float | None = None  # set on the first output
     first_logits: Any = None  # [V] fp32 tensor, only with Request.return_first_logits
+    # With Request.return_generation_logits: [len(new_token_ids), V] fp32, the model's raw
+    # logits that chose each of new_token_ids (before bias, penalties and temperature).
+    generation_logits: Any = None
     # With SamplingParams.return_log_probs: the log probability of each of new_token_ids under
     # the model (its raw logits' log-softmax), and their sum over all tokens generated so far.
     log_probs: list[float] = field(default_factory=list)
@@ -185,3 +191,4 @@ class BeamOutput:
     cum_log_prob: float
     score: float
     finish_reason: str
+    logits: Any = None  # [len(token_ids), V] fp32 with Request.return_generation_logits

@@ -445,6 +445,7 @@ class Scheduler:
         drafts = drafts or [[] for _ in seqs]
         emitted: list[list[int]] = [[] for _ in seqs]
         log_probs: list[list[float]] = [[] for _ in seqs]
+        kept: list[list[torch.Tensor]] = [[] for _ in seqs]  # generation logits asked for
         reasons: list[str | None] = [None] * len(seqs)
         errors: list[str | None] = [None] * len(seqs)
         now = time.perf_counter()
@@ -471,13 +472,16 @@ class Scheduler:
                     emitted[r].append(token)
                     if lp is not None:
                         log_probs[r].append(lp)
+                    if seq.request.return_generation_logits:
+                        kept[r].append(logits[r, i])
                 if reason is None and i < len(drafts[r]) and token == drafts[r][i]:
                     active.append(r)  # the draft's token: its logits are next
         outputs = []
         for r, seq in enumerate(seqs):
             reason = reasons[r]
             if reason is None and seq.guide is not None and self.config.guided_jump_forward \
-                    and not seq.request.sampling.return_log_probs:
+                    and not seq.request.sampling.return_log_probs \
+                    and not seq.request.return_generation_logits:
                 reason = self._jump_forward(seq, emitted[r])
             if reason is not None:
                 self._after.append(partial(self._finish, seq))
@@ -488,6 +492,9 @@ class Scheduler:
                 out.cum_log_prob = seq.cum_log_prob
             if first[r] and seq.request.return_first_logits:
                 out.first_logits = logits[r, 0].clone()
+            if seq.request.return_generation_logits:
+                out.generation_logits = torch.stack(kept[r]) if kept[r] else \
+                    logits.new_zeros(0, logits.shape[-1])
             outputs.append(out)
         return outputs
 
@@ -591,10 +598,11 @@ class Scheduler:
         scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
                                     search.histories, counts)
         raw = torch.log_softmax(logits.float(), -1) if params.return_log_probs else None
+        kept = logits.float() if leader.request.return_generation_logits else None
         leader.last_token_time = time.perf_counter()
         if leader.first_token_time is None:
             leader.first_token_time = leader.last_token_time
-        selection = search.step(scores, raw)
+        selection = search.step(scores, raw, kept)
         if not search.done:
             self._beam_pending.append((group, selection))
             return None
@@ -607,6 +615,7 @@ class Scheduler:
         out.num_output_tokens = len(best.token_ids)
         if params.return_log_probs:
             out.log_probs, out.cum_log_prob = best.log_probs, best.cum_log_prob
+        out.generation_logits = best.logits
         out.beams = beams
         return out
 
