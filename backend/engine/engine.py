@@ -173,6 +173,9 @@ class Engine:
         ids = request.prompt_ids
         if not ids:
             raise ValueError("the prompt is empty")
+        if request.return_context_logits and self.config.executor == "compiled":
+            raise ValueError("return_context_logits needs executor 'torch': a compiled "
+                             "engine's step returns the last position's logits only")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
@@ -288,6 +291,10 @@ class Engine:
         callback = seq.request.on_output if seq is not None else None
         if seq is not None and seq.request.return_perf_metrics:
             out.metrics = seq.metrics()
+        if seq is not None and seq.context_rows and seq.first_token_time is not None and \
+                sum(len(rows) for rows in seq.context_rows) == seq.num_prompt_tokens:
+            out.context_logits = torch.cat(seq.context_rows)  # the first output: the prompt's
+            seq.context_rows = None
         if callback is not None:
             try:
                 callback(out)
@@ -339,7 +346,7 @@ class Engine:
                  cache_salt: str = "", session_id: str | None = None,
                  request_id: str | None = None, return_first_logits: bool = False,
                  return_perf_metrics: bool = False, return_generation_logits: bool = False,
-                 ) -> RequestOutput:
+                 return_context_logits: bool = False) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
@@ -348,6 +355,7 @@ class Engine:
 
         first_logits: list = []
         generation_logits: list = []
+        context_logits: list = []
 
         def collect(out: RequestOutput) -> None:
             tokens.extend(out.new_token_ids)
@@ -356,6 +364,8 @@ class Engine:
                 first_logits.append(out.first_logits)
             if out.generation_logits is not None:
                 generation_logits.append(out.generation_logits)
+            if out.context_logits is not None:
+                context_logits.append(out.context_logits)
             if out.finished:
                 final.append(out)
                 done.set()
@@ -363,7 +373,7 @@ class Engine:
         rid = request_id or f"generate-{id(done)}"
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
                             session_id, collect, return_first_logits, return_perf_metrics,
-                            return_generation_logits))
+                            return_generation_logits, return_context_logits))
         if self._thread is None:
             while not done.is_set():
                 self.step()
@@ -374,6 +384,8 @@ class Engine:
             out.first_logits = first_logits[0]
         if generation_logits:
             out.generation_logits = torch.cat(generation_logits)
+        if context_logits:
+            out.context_logits = context_logits[0]
         return out
 
     def stats(self) -> dict:

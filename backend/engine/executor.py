@@ -118,7 +118,7 @@ class TorchExecutor(ExecutorBuffers):
         self, seqs: list[SeqInput], capture_src: torch.Tensor | None = None,
         capture_dst: torch.Tensor | None = None, layer_hooks: object | None = None,
         snapshots: list[tuple[int, int, int]] | None = None,
-        num_logits: list[int] | None = None,
+        num_logits: list[int] | None = None, log_states: bool = True,
     ) -> torch.Tensor:
         """One batched step; returns last-token logits [B, V] (fp32).
 
@@ -126,8 +126,9 @@ class TorchExecutor(ExecutorBuffers):
         multiple of SNAPSHOT_ALIGN, inside the step) its linear states go to that slot.
         num_logits: per row, how many of its last tokens' logits to return (speculative
         verification); then [B, L, V] with L = max(num_logits), row b's in [b, :n_b] in
-        token order (the rest zeros), and the step's recurrences are logged where the fast
-        path ran them (`rewind`).
+        token order (the rest zeros), and with `log_states` the step's recurrences are
+        logged where the fast path ran them (`rewind`); context logits ask for every
+        position of a prompt chunk the same way, without the log.
 
         The eager model pads a step's sequences to its longest one, so a step whose rows
         differ much in length runs as several forwards (`split_rows`): decode rows beside a
@@ -142,7 +143,7 @@ class TorchExecutor(ExecutorBuffers):
         parts = split_rows(seqs)
         if parts is None:
             return self._forward(seqs, capture_src, capture_dst, layer_hooks, snapshots,
-                                 num_logits)
+                                 num_logits, log_states=log_states)
         T = max(len(s.token_ids) for s in seqs)
         logits = None
         for i, rows in enumerate(parts):
@@ -153,7 +154,7 @@ class TorchExecutor(ExecutorBuffers):
             # part only waits for its layers' loads.
             hooks = layer_hooks if last or layer_hooks is None else _LoadOnly(layer_hooks)
             counts = None if num_logits is None else [num_logits[b] for b in rows]
-            out = self._forward(*sub[:3], hooks, sub[3], counts, rows)
+            out = self._forward(*sub[:3], hooks, sub[3], counts, rows, log_states)
             if logits is None:
                 shape = (len(seqs), out.shape[-1]) if num_logits is None else \
                     (len(seqs), max(num_logits), out.shape[-1])
@@ -166,7 +167,7 @@ class TorchExecutor(ExecutorBuffers):
         return logits
 
     def _forward(self, seqs, capture_src, capture_dst, layer_hooks, snapshots,
-                 num_logits=None, rows=None):
+                 num_logits=None, rows=None, log_states=True):
         capture = None
         if capture_src is not None and capture_src.numel():
             capture = Capture(capture_src, capture_dst, self.anchors, self.anchor_scales)
@@ -179,8 +180,10 @@ class TorchExecutor(ExecutorBuffers):
             batch.snapshots = Snapshots(snap_rows, offsets, slots, self.saved_states)
         if num_logits is None or max(num_logits) == 1:
             return self.model.forward_batch(batch).float()
-        batch.state_log = StateLog()
-        self._logs.append((list(range(len(seqs))) if rows is None else rows, batch.state_log))
+        if log_states:
+            batch.state_log = StateLog()
+            self._logs.append((list(range(len(seqs))) if rows is None else rows,
+                               batch.state_log))
         T = batch.input_ids.shape[1]
         index, place = [], []
         for b, (s, n) in enumerate(zip(seqs, num_logits)):

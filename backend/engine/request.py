@@ -120,6 +120,10 @@ class Request:
     # Attach the raw logits that chose each generated token (TensorRT-LLM's
     # return_generation_logits); guided tokens are then drawn one a step (no jump-forward).
     return_generation_logits: bool = False
+    # Attach the raw logits at every prompt position ([P, V], TensorRT-LLM's
+    # return_context_logits) to the first output. The cache has no logits for the pages it
+    # serves, so such a request computes its whole prompt (its pages still join the store).
+    return_context_logits: bool = False
 
 
 @dataclass
@@ -139,6 +143,8 @@ class RequestOutput:
     # With Request.return_generation_logits: [len(new_token_ids), V] fp32, the model's raw
     # logits that chose each of new_token_ids (before bias, penalties and temperature).
     generation_logits: Any = None
+    # With Request.return_context_logits, on the first output: [num_input_tokens, V] fp32.
+    context_logits: Any = None
     # With SamplingParams.return_log_probs: the log probability of each of new_token_ids under
     # the model (its raw logits' log-softmax), and their sum over all tokens generated so far.
     log_probs: list[float] = field(default_factory=list)

@@ -251,7 +251,7 @@ class Scheduler:
         way. Suffix replay only: its pages join with their anchors after every chunk, while
         the checkpoint policy's states join at the prompt's end."""
         if not self.config.share_running_prefills or self.cache.policy != "suffixreplay" \
-                or seq.prefill_waits >= MAX_PREFILL_WAITS:
+                or seq.prefill_waits >= MAX_PREFILL_WAITS or seq.request.return_context_logits:
             return False
         key, salt = seq.prefix_key(), seq.request.cache_salt
         page_bytes = self.config.page_size * TOKEN_BYTES
@@ -424,14 +424,46 @@ class Scheduler:
             transfers = LayerTransfers(self.cache.tiers, pages)
         capture = (torch.cat(src), torch.cat(dst)) if src else (None, None)
         extra = {}
-        if any(c.draft for c in chunks):  # speculative: logits at each draft token too
-            extra["num_logits"] = [1 + len(c.draft) for c in chunks]
+        drafts = any(c.draft for c in chunks)
+        context = [c.seq.wants_context_logits and c.start < c.seq.num_prompt_tokens
+                   for c in chunks]
+        if drafts or any(context):
+            # speculative: logits at each draft token too; context logits: at every position
+            extra["num_logits"] = [c.end - c.start if ctx else 1 + len(c.draft)
+                                   for c, ctx in zip(chunks, context)]
+            extra["log_states"] = drafts
+        if drafts:
             self.executor.stash_states([c.seq.run_slot for c in chunks if c.draft])
         logits = self.executor.forward(seqs, *capture, layer_hooks=transfers,
                                        snapshots=snapshots, **extra)
         if transfers is not None:  # the rest of the copies after the outputs
             self._after.append(transfers.finish)
+        if any(context):
+            logits = self._take_context_logits(chunks, context, logits)
         return logits
+
+    @staticmethod
+    def _take_context_logits(chunks: list[Chunk], context: list[bool],
+                             logits: torch.Tensor) -> torch.Tensor:
+        """Keeps the prompt positions' logits of the `context` rows (a sequence restarting
+        its prompt from 0 starts over) and returns the step's logits as without them: [B, V],
+        or [B, L, V] from each row's last computed token on when the step has drafts."""
+        if logits.dim() == 2:
+            logits = logits.unsqueeze(1)
+        for b, (c, ctx) in enumerate(zip(chunks, context)):
+            if ctx:
+                seq = c.seq
+                if c.start == 0 or seq.context_rows is None:
+                    seq.context_rows = []
+                take = min(c.end, seq.num_prompt_tokens) - c.start
+                seq.context_rows.append(logits[b, :take].clone())
+        L = 1 + max(len(c.draft) for c in chunks)
+        out = logits.new_zeros(len(chunks), L, logits.shape[-1])
+        for b, (c, ctx) in enumerate(zip(chunks, context)):
+            start = c.end - c.start - 1 if ctx else 0
+            n = 1 + len(c.draft)
+            out[b, :n] = logits[b, start:start + n]
+        return out[:, 0] if L == 1 else out
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
                 drafts: list[list[int]] | None = None) -> list[RequestOutput]:

@@ -67,6 +67,8 @@ class Sequence:
     pages_new: int = 0
     pages_loaded: int = 0
     draft_tokens: int = 0  # speculative draft tokens verified for it
+    # Request.return_context_logits: the prompt chunks' logits so far, until delivered
+    context_rows: list[torch.Tensor] | None = field(default=None, repr=False)
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
     prefill_waits: int = 0  # steps it stayed queued for a running prefill of its prefix
@@ -80,6 +82,11 @@ class Sequence:
     draft_rejections: int = 0  # ... and drafts cut short by a rejected token
     beam: BeamGroup | None = field(default=None, repr=False)  # beam search: its request's beams
     _key: tuple[int, bytes] | None = field(default=None, repr=False)
+
+    @property
+    def wants_context_logits(self) -> bool:
+        """Its prompt's logits are still to be computed (asked for, no output yet)."""
+        return self.request.return_context_logits and self.first_token_time is None
 
     def prefix_key(self) -> bytes:
         """`encode_tokens(tokens[:-1])`, what the prefix store matches for it (at least one

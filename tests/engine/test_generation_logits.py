@@ -1,8 +1,9 @@
-"""Generation logits (`Request.return_generation_logits`, TensorRT-LLM's
-`return_generation_logits`): the model's raw logits that chose each generated token, one row
-per output token. transformers is the oracle: its forward over the prompt and the tokens
-before each one gives the same row; a cache hit, speculative drafts, sampling controls and
-beam search do not change what a row is."""
+"""Generation and context logits (`Request.return_generation_logits` /
+`return_context_logits`, TensorRT-LLM's): the model's raw logits that chose each generated
+token, one row per output token, and its logits at every prompt position. transformers is the
+oracle: its forward over the prompt and the tokens before each one gives the same rows; a
+cache hit, speculative drafts, chunked prefill, sampling controls and beam search do not
+change what a row is, and a request asking for context logits computes its whole prompt."""
 
 from __future__ import annotations
 
@@ -116,3 +117,64 @@ def test_guided_tokens_each_get_their_row(hf, engine):
                                rtol=0)
     plain = engine.generate(list(b"user = "), params)
     assert plain.new_token_ids == out.new_token_ids  # the same output either way
+
+
+def hf_prompt_rows(hf, prompt: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([prompt])).logits[0].float()
+
+
+def test_context_rows_are_transformers_logits_even_when_the_prompt_is_cached(hf, engine):
+    prompt = PROMPT + list(b"    return 1 if n < 2 else n * fact(n - 1)\n\n")
+    engine.generate(prompt, SamplingParams(max_tokens=4, top_k=1))  # cached now
+    out = engine.generate(prompt, SamplingParams(max_tokens=4, top_k=1),
+                          return_context_logits=True)
+    assert out.cached_tokens == 0  # computed whole: the store holds no logits
+    want = hf_prompt_rows(hf, prompt)
+    torch.testing.assert_close(out.context_logits, want, atol=ATOL, rtol=0)
+    assert out.new_token_ids[0] == int(want[-1].argmax())  # the last row chose the first token
+    # Its pages joined the store: the next request of that prompt hits them.
+    assert engine.generate(prompt, SamplingParams(max_tokens=2, top_k=1)).cached_tokens > 0
+
+
+def test_context_rows_over_chunks_beside_drafts_and_beams(hf):
+    """A prompt prefilled in several chunks beside decoding rows with drafts, and a beam
+    search's prompt: each gets all of its rows, the others' outputs are unchanged."""
+    spec = Engine.from_model_dir(MODEL_DIR, EngineConfig(
+        speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=2,
+        speculative_adaptive=False, max_tokens_per_step=64))
+    echo = list(b"The cat sat on the mat. The cat sat on the mat. The cat sat on the")
+    long = PROMPT * 3
+    beam = list(b"import os\nimport sys\n")
+    greedy = SamplingParams(max_tokens=30, top_k=1)
+    want_echo = spec.generate(echo, greedy).new_token_ids
+    outs: dict[str, list] = {"echo": [], "long": [], "beam": []}
+    spec.submit(Request("echo", echo, greedy, on_output=outs["echo"].append))
+    for _ in range(3):  # the echo request is decoding (with drafts) when the others come
+        spec.step()
+    spec.submit(Request("long", long, SamplingParams(max_tokens=3, top_k=1),
+                        on_output=outs["long"].append, return_context_logits=True))
+    spec.submit(Request("beam", beam, SamplingParams(max_tokens=6, beam_width=2),
+                        on_output=outs["beam"].append, return_context_logits=True))
+    drafts0 = spec.stats()["spec_draft_tokens"]
+    while spec.has_work:
+        spec.step()
+    spec.scheduler.after_outputs()
+    assert spec.stats()["spec_draft_tokens"] > drafts0
+    assert sum((o.new_token_ids for o in outs["echo"]), []) == want_echo
+    for name, prompt in (("long", long), ("beam", beam)):
+        first = outs[name][0]
+        torch.testing.assert_close(first.context_logits, hf_prompt_rows(hf, prompt),
+                                   atol=ATOL, rtol=0)
+        assert all(o.context_logits is None for o in outs[name][1:])
+    assert outs["beam"][0].beams and len(outs["beam"][0].beams) == 2
+
+
+def test_context_logits_need_the_eager_executor(engine):
+    from dataclasses import replace
+
+    compiled = Engine.__new__(Engine)
+    compiled.__dict__.update(engine.__dict__)
+    compiled.config = replace(engine.config, executor="compiled")
+    with pytest.raises(ValueError, match="return_context_logits needs executor 'torch'"):
+        compiled.submit(Request("ctx", PROMPT, SamplingParams(), return_context_logits=True))
