@@ -148,6 +148,9 @@ def test_context_rows_over_chunks_beside_drafts_and_beams(hf):
     beam = list(b"import os\nimport sys\n")
     greedy = SamplingParams(max_tokens=30, top_k=1)
     want_echo = spec.generate(echo, greedy).new_token_ids
+    want_long = spec.generate(long, SamplingParams(max_tokens=3, top_k=1)).new_token_ids
+    want_beams = [b.token_ids for b in spec.generate(
+        beam, SamplingParams(max_tokens=6, beam_width=2)).beams]
     outs: dict[str, list] = {"echo": [], "long": [], "beam": []}
     spec.submit(Request("echo", echo, greedy, on_output=outs["echo"].append))
     for _ in range(3):  # the echo request is decoding (with drafts) when the others come
@@ -167,7 +170,8 @@ def test_context_rows_over_chunks_beside_drafts_and_beams(hf):
         torch.testing.assert_close(first.context_logits, hf_prompt_rows(hf, prompt),
                                    atol=ATOL, rtol=0)
         assert all(o.context_logits is None for o in outs[name][1:])
-    assert outs["beam"][0].beams and len(outs["beam"][0].beams) == 2
+    assert sum((o.new_token_ids for o in outs["long"]), []) == want_long
+    assert [b.token_ids for b in outs["beam"][0].beams] == want_beams
 
 
 def test_context_logits_need_the_eager_executor(engine):
