@@ -65,6 +65,8 @@ class GenerateParams:
     frequency_penalty: float | None = None
     return_log_probs: bool | None = None
     return_perf_metrics: bool | None = None
+    return_context_logits: bool | None = None
+    return_generation_logits: bool | None = None
     cache_salt: str | None = None
     session_id: str | None = None
     exclude_input_in_output: bool | None = None
@@ -97,6 +99,8 @@ class GenerateParams:
             "frequency_penalty": self.frequency_penalty,
             "return_log_probs": self.return_log_probs,
             "return_perf_metrics": self.return_perf_metrics,
+            "return_context_logits": self.return_context_logits,
+            "return_generation_logits": self.return_generation_logits,
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
             "exclude_input_in_output": self.exclude_input_in_output,
@@ -130,6 +134,10 @@ class Chunk:
     log_probs_by_sequence: list[list[float]] = field(default_factory=list)
     cum_log_probs: list[float] = field(default_factory=list)
     perf: dict[str, float] = field(default_factory=dict)  # PERF_METRICS, where sent
+    # With return_generation_logits / return_context_logits: the server's tensors without
+    # their batch dimension over gRPC ([K, T, V] and [P, V]); HTTP's JSON holds them flat.
+    generation_logits: np.ndarray | None = None
+    context_logits: np.ndarray | None = None
 
 
 def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
@@ -188,6 +196,8 @@ DTYPES = {
     "exclude_input_in_output": "BOOL",
     "return_log_probs": "BOOL",
     "return_perf_metrics": "BOOL",
+    "return_context_logits": "BOOL",
+    "return_generation_logits": "BOOL",
     "return_num_input_tokens": "BOOL",
     "return_num_output_tokens": "BOOL",
 }
@@ -288,8 +298,12 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     texts = [t.decode("utf-8") for t in output("text_output")] if "text_output" in names else []
     counts = {n: int(output(n)[0]) for n in COUNTS if n in names}
     perf = {n: output(n)[0].item() for n in PERF_METRICS if n in names}
-    return make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
-                      output("cum_log_probs"), output("sequence_index"), perf)
+    chunk = make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
+                       output("cum_log_probs"), output("sequence_index"), perf)
+    for name in ("generation_logits", "context_logits"):
+        if name in names:
+            setattr(chunk, name, result.as_numpy(name)[0])
+    return chunk
 
 
 def generate_http(
@@ -322,8 +336,12 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
     counts = {n: int(_first(body[n])) for n in COUNTS if n in body}
     texts = [str(t) for t in np.ravel(body.get("text_output", []))]
     perf = {n: _first(body[n]) for n in PERF_METRICS if n in body}
-    return make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
-                      body.get("cum_log_probs"), body.get("sequence_index"), perf)
+    chunk = make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
+                       body.get("cum_log_probs"), body.get("sequence_index"), perf)
+    for name in ("generation_logits", "context_logits"):
+        if name in body:
+            setattr(chunk, name, np.asarray(body[name], dtype=np.float32).reshape(-1))
+    return chunk
 
 
 def _first(value: Any) -> Any:

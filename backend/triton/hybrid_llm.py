@@ -149,6 +149,9 @@ class HybridLlm:
                 session_id=parsed.session_id,
                 on_output=lambda out, entry=entry: self._on_output(entry, out),
                 return_perf_metrics=parsed.return_perf_metrics,
+                return_generation_logits=parsed.return_generation_logits,
+                # one prompt: its logits once, from the first sequence (which computes it)
+                return_context_logits=parsed.return_context_logits and k == 0,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:

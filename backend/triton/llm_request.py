@@ -6,8 +6,8 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences [1]
   INT32; temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty,
   frequency_penalty, len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
-  return_num_input_tokens, return_num_output_tokens, return_log_probs, return_perf_metrics
-  [1] BOOL;
+  return_num_input_tokens, return_num_output_tokens, return_log_probs, return_perf_metrics,
+  return_context_logits, return_generation_logits [1] BOOL;
   early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
@@ -63,6 +63,8 @@ class LlmRequest:
     # (sampling.beam_width > 1) the best beams of the one engine request.
     num_return_sequences: int = 1
     return_perf_metrics: bool = False  # the engine's RequestMetrics in each response
+    return_context_logits: bool = False  # the prompt's logits (its first sequence's)
+    return_generation_logits: bool = False  # each generated token's logits
 
     @property
     def beam_search(self) -> bool:
@@ -102,6 +104,8 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         session_id=text_of(inputs, "session_id") or None,
         num_return_sequences=num_sequences,
         return_perf_metrics=bool(scalar(inputs, "return_perf_metrics", "b", False)),
+        return_context_logits=bool(scalar(inputs, "return_context_logits", "b", False)),
+        return_generation_logits=bool(scalar(inputs, "return_generation_logits", "b", False)),
     )
 
 

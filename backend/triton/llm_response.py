@@ -17,7 +17,12 @@ outputs arrived for it:
   total_accepted_draft_tokens, total_draft_tokens [1, 1] INT32 (summed over the rows'
   sequences), arrival_time_ns, first_scheduled_time_ns, first_token_time_ns,
   last_token_time_ns [1, 1] INT64 (wall-clock ns: the earliest of the sequences', the latest
-  for the last token; 0: not yet), acceptance_rate [1, 1] FP32 (accepted / verified drafts).
+  for the last token; 0: not yet), acceptance_rate [1, 1] FP32 (accepted / verified drafts);
+  generation_logits [1, K, T, V] FP32 (with return_generation_logits: the raw logits that
+  chose each id a row carries, rows zero-padded to the longest; else [1, K, 0, 0]) and
+  context_logits [1, P, V] FP32 (with return_context_logits: the prompt's logits, on the
+  response that carries the first sequence's first ids, or the one non-streamed response;
+  else [1, 0, 0]).
 
 Streaming: one response per engine output that brought tokens, for one sequence: its row holds
 only those ids (never the prompt), the other rows none (length 0, no prefix), and
@@ -71,6 +76,9 @@ class OutputStream:
         self.log_probs: list[list[float]] = [[] for _ in range(num_sequences)]
         self.last: list[RequestOutput | None] = [None] * num_sequences
         self.unfinished = 1 if beam_search else num_sequences
+        # generation logits collected (not streaming), the prompt's logits until sent
+        self.logits: list[list[np.ndarray]] = [[] for _ in range(num_sequences)]
+        self.context: np.ndarray | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -84,21 +92,32 @@ class OutputStream:
         self.last[index] = out
         self.unfinished -= out.finished
         final = self.unfinished == 0
+        if out.context_logits is not None:
+            self.context = _numpy(out.context_logits)
+        logits = None if out.generation_logits is None else _numpy(out.generation_logits)
         if self.streaming:
             if not out.new_token_ids and not out.finished:
                 return None, False
             prefix = self.generated[index][-PREFIX_LEN:]
             self.generated[index].extend(out.new_token_ids)
             rows = self._rows(index, out.new_token_ids)
+            context, self.context = self.context, None
             return self._tensors(rows, self._rows(index, prefix), self._rows(index, out.log_probs),
-                                 out.finished, [out], index), final
+                                 out.finished, [out], index,
+                                 logits=[logits if k == index else None
+                                         for k in range(self.num_sequences)],
+                                 context=context), final
         self.generated[index].extend(out.new_token_ids)
         self.log_probs[index].extend(out.log_probs)
+        if logits is not None:
+            self.logits[index].append(logits)
         if not final:
             return None, False
         ids = [g if self.exclude_input else self.prompt_ids + g for g in self.generated]
+        logits = [np.concatenate(parts) if parts else None for parts in self.logits]
         return self._tensors(ids, [[]] * self.num_sequences, self.log_probs, True, self.last, -1,
-                             num_output=sum(len(g) for g in self.generated)), True
+                             num_output=sum(len(g) for g in self.generated), logits=logits,
+                             context=self.context), True
 
     def _beams(self, out: RequestOutput) -> tuple[Tensors | None, bool]:
         """A beam search's output: nothing before its final one, which holds the best K
@@ -115,15 +134,21 @@ class OutputStream:
         log_probs = [b.log_probs for b in beams] + [[]] * (self.num_sequences - len(beams))
         cum = [b.cum_log_prob for b in beams] + [0.0] * (self.num_sequences - len(beams))
         ids = [g if self.exclude_input else self.prompt_ids + g for g in generated]
+        logits = [None if b.logits is None else _numpy(b.logits) for b in beams]
+        logits += [None] * (self.num_sequences - len(beams))
+        context = None if out.context_logits is None else _numpy(out.context_logits)
         return self._tensors(ids, [[]] * self.num_sequences, log_probs, True, [out], -1,
-                             num_output=sum(map(len, generated)), cum=cum), True
+                             num_output=sum(map(len, generated)), cum=cum, logits=logits,
+                             context=context), True
 
     def _rows(self, index: int, values: list) -> list[list]:
         return [values if k == index else [] for k in range(self.num_sequences)]
 
     def _tensors(self, ids: list[list[int]], prefix: list[list[int]],
                  log_probs: list[list[float]], flush: bool, outs: list, index: int,
-                 num_output: int | None = None, cum: list[float] | None = None) -> Tensors:
+                 num_output: int | None = None, cum: list[float] | None = None,
+                 logits: list[np.ndarray | None] | None = None,
+                 context: np.ndarray | None = None) -> Tensors:
         first = next(o for o in outs if o is not None)
         if cum is None:
             cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
@@ -143,6 +168,9 @@ class OutputStream:
             "cum_log_probs": np.array([cum], dtype=np.float32),
             "sequence_index": _int32(index),
             **_perf([o.metrics for o in outs if o is not None and o.metrics is not None]),
+            "generation_logits": _padded_logits(logits or [None] * len(ids)),
+            "context_logits": (np.zeros((1, 0, 0), np.float32) if context is None
+                               else context[None].astype(np.float32, copy=False)),
         }
 
 
@@ -157,6 +185,23 @@ def _perf(metrics: list[RequestMetrics]) -> Tensors:
     drafts = sum(m.total_draft_tokens for m in metrics)
     accepted = sum(m.total_accepted_draft_tokens for m in metrics)
     out["acceptance_rate"] = np.array([[accepted / drafts if drafts else 0.0]], dtype=np.float32)
+    return out
+
+
+def _numpy(logits) -> np.ndarray:
+    """An engine logits tensor [n, V] (any device) as fp32 numpy."""
+    return logits.detach().float().cpu().numpy()
+
+
+def _padded_logits(rows: list[np.ndarray | None]) -> np.ndarray:
+    """[1, K, T, V]: row k's logits [n_k, V] (None: none), zero-padded to the longest."""
+    present = [r for r in rows if r is not None and len(r)]
+    T = max((len(r) for r in present), default=0)
+    V = present[0].shape[1] if present else 0
+    out = np.zeros((1, len(rows), T, V), dtype=np.float32)
+    for k, row in enumerate(rows):
+        if row is not None and len(row):
+            out[0, k, :len(row)] = row
     return out
 
 
