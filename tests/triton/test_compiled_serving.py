@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from backend.engine import Engine, EngineConfig, SamplingParams
-from client.generate import GenerateParams, generate_http, stream_grpc
+from client.generate import GenerateError, GenerateParams, generate_http, stream_grpc
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
 from tests.triton.llm_helpers import assert_prompt_and_branch_served_as_generated, long_prompt
 
@@ -31,6 +32,19 @@ def test_compiled_engine_serves_what_the_eager_engine_generates(triton_server, a
         # the second identical request hits the prefix cache of the compiled engine
         streamed = "".join(c.text for c in stream_grpc(server.urls.grpc, request))
         assert streamed == want
+    # Generation logits come from the compiled step too; context logits need the eager one.
+    request = GenerateParams("Once upon a time", max_tokens=4, top_k=1,
+                             return_generation_logits=True)
+    served = generate_http(server.urls.http, request)
+    ids = eager.tokenizer.encode("Once upon a time")
+    want = eager.generate(ids, SamplingParams(max_tokens=4, top_k=1),
+                          return_generation_logits=True)
+    assert served.text == eager.tokenizer.decode(want.new_token_ids, skip_special_tokens=True)
+    torch.testing.assert_close(torch.from_numpy(served.generation_logits),
+                               want.generation_logits.reshape(-1), atol=1e-3, rtol=0)
+    with pytest.raises(GenerateError, match="return_context_logits needs executor 'torch'"):
+        generate_http(server.urls.http, GenerateParams("Hello", max_tokens=2,
+                                                       return_context_logits=True))
 
 
 def test_compiled_engine_serves_int8_anchors_through_the_dram_tier(triton_server, aot_engine):
