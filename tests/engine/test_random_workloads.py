@@ -10,7 +10,10 @@ the greedy choice after those rules (`engine_helpers.reference_adjust`), which c
 prompt token whatever the cache served and make the random models' tokens depend on the
 context. Every sixth request whose beams fit the pool is a beam search of width 2 (forked
 beams, preempted and restarted searches): its beams must be those of a search that prefills
-each beam from scratch (`engine_helpers.reference_beams`). On the eager executor, and on the
+each beam from scratch (`engine_helpers.reference_beams`). The other requests return their
+generation logits (each token's row of that full forward) and, every fourth on the eager
+executor, their context logits (the forward's rows over the prompt, whatever the cache held
+and however often the request was preempted). On the eager executor, and on the
 AOT-compiled one of each family's build; the served path has its own
 (tests/triton/test_random_served.py)."""
 
@@ -149,6 +152,9 @@ class Outcome:
     beams: list[list[int]] | None = None
     reason: str | None = None
     first_logits: torch.Tensor | None = None
+    context: bool = False  # asks for its context logits
+    context_logits: torch.Tensor | None = None
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)
 
     def request(self, rid: str, workload: Workload) -> Request:
@@ -159,6 +165,11 @@ class Outcome:
             self.tokens.extend(out.new_token_ids)
             if out.first_logits is not None:
                 self.first_logits = out.first_logits
+            if out.generation_logits is not None:
+                self.generation_logits.append(out.generation_logits)
+            if out.context_logits is not None:
+                assert self.context_logits is None, "context logits sent twice"
+                self.context_logits = out.context_logits
             if out.finished:
                 self.reason = out.finish_reason
                 if out.beams is not None:
@@ -166,8 +177,10 @@ class Outcome:
                 workload.add(self.prompt + self.tokens)
                 self.done.set()
 
+        plain = self.beam_width == 1
         return Request(rid, self.prompt, self.sampling, on_output=collect,
-                       return_first_logits=True)
+                       return_first_logits=True, return_generation_logits=plain,
+                       return_context_logits=plain and self.context)
 
     @property
     def sampling(self) -> SamplingParams:
@@ -184,6 +197,12 @@ def beam_width(o: Outcome, i: int) -> int:
     return BEAM_WIDTH if i % 6 == 5 and BEAM_WIDTH * pages * 16 <= PAGE_BUDGET else 1
 
 
+def asks_context(engine: Engine, i: int) -> bool:
+    """Whether request i asks for its context logits: every fourth, on the eager executor
+    (a compiled step returns one position's logits a row)."""
+    return i % 4 == 3 and engine.config.executor != "compiled"
+
+
 def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
     """Submits REQUESTS requests a few at a time between steps and cancels some."""
     rng = random.Random(seed)
@@ -195,6 +214,7 @@ def _run(engine: Engine, workload: Workload, seed: int) -> dict[str, Outcome]:
             o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
                                         penalized=len(outcomes) % 3 == 1)
             o.beam_width = beam_width(o, len(outcomes) - 1)
+            o.context = asks_context(engine, len(outcomes) - 1)
             engine.submit(o.request(rid, workload))
         running = [rid for rid, o in outcomes.items() if o.reason is None]
         if running and rng.random() < 0.05:
@@ -212,9 +232,16 @@ def _assert_model(model, rid: str, o: Outcome) -> None:
         return
     ids = torch.tensor([o.prompt + o.tokens[:-1]])
     with torch.inference_mode():
-        rows = model.logits(ids)[0, len(o.prompt) - 1:].float()
+        full = model.logits(ids)[0].float()
+    rows = full[len(o.prompt) - 1:]
     torch.testing.assert_close(o.first_logits, rows[0], atol=TOLERANCE, rtol=TOLERANCE,
                                msg=lambda m: f"{rid} ({len(o.prompt)}-token prompt): {m}")
+    torch.testing.assert_close(torch.cat(o.generation_logits), rows, atol=TOLERANCE,
+                               rtol=TOLERANCE, msg=lambda m: f"{rid} generation logits: {m}")
+    if o.context:
+        assert o.context_logits is not None, rid
+        torch.testing.assert_close(o.context_logits, full[:len(o.prompt)], atol=TOLERANCE,
+                                   rtol=TOLERANCE, msg=lambda m: f"{rid} context logits: {m}")
     if o.penalized:
         rows = torch.stack([reference_adjust(row, o.prompt, o.tokens[:i], o.sampling)
                             for i, row in enumerate(rows)])
@@ -301,6 +328,7 @@ def test_random_workload_from_client_threads(model, config, tmp_path):
                 o = outcomes[rid] = Outcome(workload.next_prompt(), rng.randint(1, 40),
                                             penalized=j % 3 == 1)
                 o.beam_width = beam_width(o, j)
+                o.context = asks_context(engine, j)
                 engine.submit(o.request(rid, workload))
                 if rng.random() < 0.15:
                     time.sleep(rng.choice((0, 0.002, 0.02)))
