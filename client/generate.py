@@ -76,15 +76,6 @@ class GenerateParams:
     guide: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # more ensemble inputs, as given
 
-    @property
-    def extras_asked(self) -> bool:
-        """Whether the request asks for perf metrics or logits (`Chunk.perf` / `*_logits`)."""
-        return bool(self.return_perf_metrics or self.return_context_logits
-                    or self.return_generation_logits
-                    or any(self.extra.get(name) for name in (
-                        "return_perf_metrics", "return_context_logits",
-                        "return_generation_logits")))
-
     def fields(self, stream: bool) -> dict[str, Any]:
         """Ensemble inputs by name (unset options left out)."""
         values: dict[str, Any] = {
@@ -278,7 +269,7 @@ def stream_grpc(
             if error is not None:
                 finished = True
                 raise GenerateError(grpc_status(error), error.message())
-            chunk = grpc_chunk(result, time.perf_counter() - start, params.extras_asked)
+            chunk = grpc_chunk(result, time.perf_counter() - start)
             if chunk.final:
                 finished = True
             if chunk.text or chunk.counts or chunk.final:
@@ -296,9 +287,7 @@ def grpc_status(error: Any) -> str:
     return str(status or "gRPC stream error")
 
 
-def grpc_chunk(result: Any, elapsed_s: float, extras: bool = True) -> Chunk:
-    """A Chunk from a gRPC result; `extras`: read the perf metrics and logits too (every
-    response carries them, zeros and empty when not asked: reading them costs per token)."""
+def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     response = result.get_response()
     final = response.parameters["triton_final_response"].bool_param
     names = {o.name for o in response.outputs}
@@ -308,11 +297,11 @@ def grpc_chunk(result: Any, elapsed_s: float, extras: bool = True) -> Chunk:
 
     texts = [t.decode("utf-8") for t in output("text_output")] if "text_output" in names else []
     counts = {n: int(output(n)[0]) for n in COUNTS if n in names}
-    perf = {n: output(n)[0].item() for n in PERF_METRICS if n in names} if extras else {}
+    perf = {n: output(n)[0].item() for n in PERF_METRICS if n in names}
     chunk = make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
                        output("cum_log_probs"), output("sequence_index"), perf)
     for name in ("generation_logits", "context_logits"):
-        if extras and name in names:
+        if name in names:
             setattr(chunk, name, result.as_numpy(name)[0])
     return chunk
 
