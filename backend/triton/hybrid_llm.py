@@ -286,7 +286,7 @@ class HybridLlm:
 def stream_for(request_id: str, parsed: LlmRequest) -> OutputStream:
     return OutputStream(request_id, parsed.prompt_ids, parsed.streaming,
                         parsed.exclude_input_in_output, parsed.num_return_sequences,
-                        beam_search=parsed.beam_search)
+                        beam_search=parsed.beam_search, extras=parsed.extras)
 
 
 def sibling_sampling(sampling: SamplingParams, k: int) -> SamplingParams:

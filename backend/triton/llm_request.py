@@ -67,6 +67,14 @@ class LlmRequest:
     return_generation_logits: bool = False  # each generated token's logits
 
     @property
+    def extras(self) -> frozenset[str]:
+        """The optional outputs its responses carry (`llm_response.OutputStream`)."""
+        return frozenset(name for name, asked in (
+            ("perf_metrics", self.return_perf_metrics),
+            ("generation_logits", self.return_generation_logits),
+            ("context_logits", self.return_context_logits)) if asked)
+
+    @property
     def beam_search(self) -> bool:
         return self.sampling.beam_width > 1
 

@@ -12,17 +12,18 @@ outputs arrived for it:
   return_log_probs: the model's log probability of each generated id in this response and
   their running sum; without it, N = 0 and the sums 0), sequence_index [1, 1] INT32 (as
   TensorRT-LLM's: the sequence a streamed response carries; -1 when it carries all),
-  and TensorRT-LLM's perf metrics (with return_perf_metrics; zeros without):
+  and, only for a request that asks for them (an ensemble passes on the outputs a request's
+  responses carry; every response of a request carries the same outputs), TensorRT-LLM's perf
+  metrics (return_perf_metrics):
   kv_cache_alloc_new_blocks, kv_cache_reused_blocks, kv_cache_alloc_total_blocks,
   total_accepted_draft_tokens, total_draft_tokens [1, 1] INT32 (summed over the rows'
   sequences), arrival_time_ns, first_scheduled_time_ns, first_token_time_ns,
   last_token_time_ns [1, 1] INT64 (wall-clock ns: the earliest of the sequences', the latest
   for the last token; 0: not yet), acceptance_rate [1, 1] FP32 (accepted / verified drafts);
-  generation_logits [1, K, T, V] FP32 (with return_generation_logits: the raw logits that
-  chose each id a row carries, rows zero-padded to the longest; else [1, K, 0, 0]) and
-  context_logits [1, P, V] FP32 (with return_context_logits: the prompt's logits, on the
-  response that carries the first sequence's first ids, or the one non-streamed response;
-  else [1, 0, 0]).
+  generation_logits [1, K, T, V] FP32 (return_generation_logits: the raw logits that chose
+  each id a row carries, rows zero-padded to the longest) and context_logits [1, P, V] FP32
+  (return_context_logits: the prompt's logits, on the response that carries the first
+  sequence's first ids, or the one non-streamed response; [1, 0, 0] on the others).
 
 Streaming: one response per engine output that brought tokens, for one sequence: its row holds
 only those ids (never the prompt), the other rows none (length 0, no prefix), and
@@ -63,13 +64,15 @@ class OutputStream:
     """Per-request state between the engine outputs of its K sequences and responses."""
 
     def __init__(self, request_key: str, prompt_ids: list[int], streaming: bool,
-                 exclude_input: bool, num_sequences: int = 1, beam_search: bool = False
-                 ) -> None:
+                 exclude_input: bool, num_sequences: int = 1, beam_search: bool = False,
+                 extras: frozenset[str] = frozenset()) -> None:
         self.request_key = request_key
         self.prompt_ids = prompt_ids
         self.streaming = streaming
         self.exclude_input = exclude_input
         self.beam_search = beam_search  # one engine request; its final output has K rows
+        # the optional outputs asked for: "perf_metrics", "generation_logits", "context_logits"
+        self.extras = extras
         # per sequence: ids streamed so far (streaming) or collected (otherwise), log
         # probabilities collected (not streaming), its latest output (counts, sums)
         self.generated: list[list[int]] = [[] for _ in range(num_sequences)]
@@ -152,7 +155,7 @@ class OutputStream:
         first = next(o for o in outs if o is not None)
         if cum is None:
             cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
-        return {
+        tensors = {
             "output_ids": _padded(ids, np.int32),
             "sequence_length": np.array([[len(r) for r in ids]], dtype=np.int32),
             "num_input_tokens": _int32(first.num_input_tokens),
@@ -167,11 +170,16 @@ class OutputStream:
             "output_log_probs": _padded(log_probs, np.float32),
             "cum_log_probs": np.array([cum], dtype=np.float32),
             "sequence_index": _int32(index),
-            **_perf([o.metrics for o in outs if o is not None and o.metrics is not None]),
-            "generation_logits": _padded_logits(logits or [None] * len(ids)),
-            "context_logits": (np.zeros((1, 0, 0), np.float32) if context is None
-                               else context[None].astype(np.float32, copy=False)),
         }
+        if "perf_metrics" in self.extras:
+            tensors.update(_perf([o.metrics for o in outs
+                                  if o is not None and o.metrics is not None]))
+        if "generation_logits" in self.extras:
+            tensors["generation_logits"] = _padded_logits(logits or [None] * len(ids))
+        if "context_logits" in self.extras:
+            tensors["context_logits"] = (np.zeros((1, 0, 0), np.float32) if context is None
+                                         else context[None].astype(np.float32, copy=False))
+        return tensors
 
 
 def _perf(metrics: list[RequestMetrics]) -> Tensors:

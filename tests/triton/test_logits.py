@@ -3,7 +3,7 @@ ensemble: `context_logits` [1, P, V] are the model's logits at every prompt posi
 request computes its whole prompt even when it is cached) and `generation_logits` [1, K, T, V]
 the raw logits that chose each generated token, per sequence or beam; transformers' forward
 over the same weights is the oracle. Streamed responses carry their own tokens' rows, the
-prompt's rows once; requests that do not ask get empty tensors."""
+prompt's rows once; requests that do not ask get neither."""
 
 from __future__ import annotations
 
@@ -71,10 +71,10 @@ def test_http_rows_are_transformers_logits(llm_server: ServerHandle, hf, tokeniz
                                want[:len(prompt)], atol=ATOL, rtol=0)
     np.testing.assert_allclose(out.generation_logits.reshape(len(ids), V),
                                want[len(prompt) - 1:-1], atol=ATOL, rtol=0)
-    # Without them: empty tensors, and the prompt comes from the cache again.
+    # Without them: not sent, and the prompt comes from the cache again.
     plain = generate_http(llm_server.urls.http, params(salt))
     assert plain.text == out.text and plain.counts["cached_tokens"] > 0
-    assert plain.context_logits.size == plain.generation_logits.size == 0
+    assert plain.context_logits is None and plain.generation_logits is None
     idle_pool(llm_server)
 
 
