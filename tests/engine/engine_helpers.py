@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from backend.cache.config import CacheConfig
@@ -10,6 +12,7 @@ from backend.engine.beam import BeamSearch
 from backend.engine.sampling import TokenCounts, adjusted_log_probs
 from backend.replay.budget import ReplayConfig
 
+TINY_MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
 GREEDY = SamplingParams(max_tokens=12, top_k=1)
 PAGE = 16
 # The engine suites run on each: Gated DeltaNet and Mamba2 hybrids, and both with MoE MLPs.
@@ -92,3 +95,10 @@ def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 
         search.step(scores)
         if search.done:
             return [b.token_ids for b in search.outputs()]
+
+
+def hf_rows(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """transformers' raw logits that chose each of `tokens` after `prompt`: [len(tokens), V]."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
+    return logits[len(prompt) - 1:]

@@ -8,17 +8,23 @@ preemption (the search restarts) and cancellation, without leaking a page or a s
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
-from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt, reference_beams
+from engine_helpers import (
+    PAGE,
+    TINY_MODEL_DIR,
+    assert_no_leak,
+    make_engine,
+    random_prompt,
+    reference_beams,
+)
 
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.request import Request
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+MODEL_DIR = TINY_MODEL_DIR
 PROMPTS = [
     list(b"def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
          b"\ndef fact(n):\n"),
@@ -27,18 +33,6 @@ PROMPTS = [
 ]
 PAD = 259  # transformers pads finished rows; not a byte
 CHECKPOINT = (11, False)  # conftest.family_model: seed, slow decay
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import Qwen3_5ForCausalLM
-
-    return Qwen3_5ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.from_model_dir(MODEL_DIR, EngineConfig())
 
 
 def hf_beams(hf, prompt, params: SamplingParams):

@@ -7,38 +7,17 @@ change what a row is, and a request asking for context logits computes its whole
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from engine_helpers import TINY_MODEL_DIR, hf_rows
 
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.request import Request
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+MODEL_DIR = TINY_MODEL_DIR
 PROMPT = list(b"def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
               b"\ndef fact(n):\n")
 ATOL = 2e-3  # fp32 engine vs transformers: different kernels (chunked scans, fused decode)
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import Qwen3_5ForCausalLM
-
-    return Qwen3_5ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.from_model_dir(MODEL_DIR, EngineConfig())
-
-
-def hf_rows(hf, prompt: list[int], generated: list[int]) -> torch.Tensor:
-    """transformers' logits after the prompt and after each generated token but the last:
-    the rows that chose `generated`."""
-    with torch.no_grad():
-        logits = hf(torch.tensor([prompt + generated])).logits[0].float()
-    return logits[len(prompt) - 1:len(prompt) - 1 + len(generated)]
 
 
 @pytest.mark.parametrize("params", [

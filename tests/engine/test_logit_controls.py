@@ -5,38 +5,17 @@ rules (`engine_helpers.reference_adjust`), for the rest."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from engine_helpers import assert_no_leak, reference_adjust
+from engine_helpers import TINY_MODEL_DIR, assert_no_leak, hf_rows, reference_adjust
 
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.request import Request
 
-MODEL_DIR = Path(__file__).resolve().parents[2] / "model_repo/hybrid_llm/1/tiny_qwen3_5"
+MODEL_DIR = TINY_MODEL_DIR
 PROMPT = list(b"def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
               b"\ndef fact(n):\n")
 TOLERANCE = 1e-3
-
-
-@pytest.fixture(scope="module")
-def hf():
-    from transformers import Qwen3_5ForCausalLM
-
-    return Qwen3_5ForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return Engine.from_model_dir(MODEL_DIR, EngineConfig())
-
-
-def hf_rows(hf, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """transformers' raw logits that chose each of `tokens` after `prompt`: [len(tokens), V]."""
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + tokens[:-1]])).logits[0].float()
-    return logits[len(prompt) - 1:]
 
 
 def assert_follows_rules(hf, prompt, tokens, log_probs, params: SamplingParams, what: str):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from backend.tokenizer import Tokenizer, load_tokenizer
 from backend.triton.install import find_tritonserver
 from backend.triton.launcher import ServerHandle, start_server
 from backend.triton.repo import (  # re-exported: other test modules import them from here
@@ -102,3 +103,14 @@ LLM_PARAMS: dict[str, dict[str, str]] = {
 def llm_server(triton_server: StartServer) -> ServerHandle:
     """The ensemble and its three models (shared by every module that asks for it)."""
     return triton_server(LLM_MODELS, LLM_PARAMS)
+
+
+@pytest.fixture(scope="module")
+def model_dir(llm_server: ServerHandle) -> Path:
+    """The default model's folder in `llm_server`'s repository."""
+    return Path(llm_server.model_repository) / DEFAULT_MODEL
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return load_tokenizer(model_dir)

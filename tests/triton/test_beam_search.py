@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from backend.tokenizer import Tokenizer, load_tokenizer
+from backend.tokenizer import Tokenizer
 from backend.triton.server import ServerHandle
 from client.generate import (
     Chunk,
@@ -24,7 +24,6 @@ from client.generate import (
     stream_grpc,
     stream_http,
 )
-from tests.triton.conftest import DEFAULT_MODEL
 from tests.triton.llm_helpers import idle_pool, scrape, value
 
 PROMPT = ("def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
@@ -47,16 +46,6 @@ class Beam:
     ids: list[int]
     text: str
     log_probs: list[float]  # the model's raw log probability of each id
-
-
-@pytest.fixture(scope="module")
-def model_dir(llm_server: ServerHandle) -> Path:
-    return Path(llm_server.model_repository) / DEFAULT_MODEL
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return load_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -14,24 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from backend.tokenizer import Tokenizer, load_tokenizer
+from backend.tokenizer import Tokenizer
 from backend.triton.server import ServerHandle
 from client.generate import GenerateParams, generate_http, stream_grpc
-from tests.triton.conftest import DEFAULT_MODEL
 from tests.triton.llm_helpers import idle_pool
 
 PROMPT = "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n"
 ATOL = 2e-3  # the engine's kernels against transformers', fp32
-
-
-@pytest.fixture(scope="module")
-def model_dir(llm_server: ServerHandle) -> Path:
-    return Path(llm_server.model_repository) / DEFAULT_MODEL
-
-
-@pytest.fixture(scope="module")
-def tokenizer(model_dir: Path) -> Tokenizer:
-    return load_tokenizer(model_dir)
 
 
 @pytest.fixture(scope="module")
