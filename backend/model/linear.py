@@ -44,9 +44,11 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 
 def packing_available(dtype: torch.dtype, device: torch.device | str = "cpu") -> bool:
-    """oneDNN present, a CPU weight of a supported dtype, and not turned off by env."""
+    """oneDNN present, a CPU weight of a supported dtype (bf16 only where the CPU has
+    oneDNN's bf16 instructions: AVX512-BF16 / AVX-NE-CONVERT), and not turned off by env."""
     return (torch.device(device).type == "cpu" and dtype in _DTYPES
             and torch.backends.mkldnn.is_available()
+            and (dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
             and os.environ.get("SUFFIXREPLAY_PACKED_LINEAR", "1") != "0")
 
 

@@ -54,6 +54,12 @@ def test_packed_equals_f_linear(shape, bias):
         assert not torch.allclose(lin(x), ref, atol=1e-2)
 
 
+needs_bf16 = pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                                reason="this CPU has no oneDNN bf16 path (AVX512-BF16 / "
+                                       "AVX-NE-CONVERT): bf16 weights stay unpacked here")
+
+
+@needs_bf16
 def test_bf16_packed():
     lin = _packed(512, 2048, False, torch.bfloat16)
     x = torch.randn(8, 512, dtype=torch.bfloat16)
@@ -134,6 +140,7 @@ def test_row_pieces_cover_the_rows_in_few_sizes():
             assert n % ROW_ALIGN == 0 and n & (n - 1) == 0 and n <= MAX_CHUNK_ROWS
 
 
+@needs_bf16
 def test_pieces_keep_leading_dims_and_bf16():
     lin = _packed(256, 768, False, torch.bfloat16)
     x = torch.randn(3, 700, 256, dtype=torch.bfloat16)  # 2100 rows: 1024 + 1024 + 64 (padded)
@@ -142,3 +149,9 @@ def test_pieces_keep_leading_dims_and_bf16():
     ref = F.linear(x.float(), lin.weight.float())
     assert y.shape == (3, 700, 768)
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=0.5)
+
+
+def test_bf16_is_packed_only_where_the_cpu_has_its_path():
+    from backend.model.linear import packing_available
+
+    assert packing_available(torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
