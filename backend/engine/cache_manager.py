@@ -67,7 +67,6 @@ class CacheManager:
         seq.num_tree_pages = n
         self.store.count_hits(found_on[:n])  # the pages used, not all that were matched
         seq.num_computed = seq.cached_tokens = n * self.page_size
-        seq.cached_pages = n
         seq.pages_loaded += sum(where != Tier.DEVICE for where in found_on[:n])
         if n == 0:
             self.executor.reset_state(seq.run_slot)

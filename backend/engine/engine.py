@@ -290,7 +290,7 @@ class Engine:
                 self._live.pop(out.request_id, None)
         callback = seq.request.on_output if seq is not None else None
         if seq is not None and seq.request.return_perf_metrics:
-            out.metrics = seq.metrics()
+            out.metrics = seq.metrics(self.config.cache.page_size)
         if seq is not None and seq.context_rows and seq.first_token_time is not None and \
                 sum(len(rows) for rows in seq.context_rows) == seq.num_prompt_tokens:
             out.context_logits = torch.cat(seq.context_rows)  # the first output: the prompt's

@@ -55,7 +55,6 @@ class Sequence:
     live_position: int | None = None
     generator: torch.Generator | None = None
     cached_tokens: int = 0
-    cached_pages: int = 0  # of them, pages (any tier) at its last admission
     replayed_anchors: int = 0
     recomputed_tokens: int = 0
     first_token_time: float | None = None
@@ -131,15 +130,16 @@ class Sequence:
             error=error, ttft_s=ttft,
         )
 
-    def metrics(self) -> RequestMetrics:
+    def metrics(self, page_size: int) -> RequestMetrics:
         """Its request's metrics so far (the engine attaches them to each output it delivers
-        when asked: after the step's drafts were settled)."""
+        when asked: after the step's drafts were settled); pages reused: those its last
+        admission found in the store (any tier)."""
         return RequestMetrics(
             arrival_time_ns=wall_ns(self.arrival),
             first_scheduled_time_ns=wall_ns(self.first_scheduled_time),
             first_token_time_ns=wall_ns(self.first_token_time),
             last_token_time_ns=wall_ns(self.last_token_time),
-            kv_cache_reused_blocks=self.cached_pages,
+            kv_cache_reused_blocks=self.cached_tokens // page_size,
             kv_cache_alloc_new_blocks=self.pages_new,
             kv_cache_alloc_total_blocks=self.pages_new + self.pages_loaded,
             total_draft_tokens=self.draft_tokens,
