@@ -159,8 +159,8 @@ class RequestOutput:
 @dataclass
 class RequestMetrics:
     """One request's performance metrics, as TensorRT-LLM's `return_perf_metrics` reports
-    them. Times are nanoseconds on the wall clock (`time.time_ns()` at engine start plus a
-    monotonic offset, so differences are exact); 0 where the event has not happened yet.
+    them. Times are nanoseconds on the wall clock (`time.time_ns()` at the request's arrival
+    plus monotonic differences, so differences are exact); 0 where the event has not happened yet.
     KV pages ("blocks"): `reused` came from the prefix store (any tier) at the request's
     last admission; `new` were allocated for tokens it computed (drafts and pages for
     restarts after preemption included); `total` adds the pages allocated to receive cached

@@ -707,6 +707,7 @@ class Scheduler:
     def _new_beam(self, group: BeamGroup) -> Sequence:
         leader = group.leader
         seq = Sequence(leader.request, [], leader.num_prompt_tokens, arrival=leader.arrival,
+                       arrival_wall_ns=leader.arrival_wall_ns,
                        status=SeqStatus.RUNNING, run_slot=group.reserved.pop(), beam=group)
         self.running.append(seq)
         return seq

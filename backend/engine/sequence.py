@@ -15,13 +15,6 @@ from backend.engine.request import Request, RequestMetrics, RequestOutput
 from backend.engine.sampling import TokenCounts
 from backend.engine.speculative import NgramIndex
 
-# perf_counter() seconds -> wall-clock nanoseconds, one offset for the process (monotonic).
-_WALL_OFFSET_NS = time.time_ns() - time.perf_counter_ns()
-
-
-def wall_ns(t: float | None) -> int:
-    return 0 if t is None else int(t * 1e9) + _WALL_OFFSET_NS
-
 
 class SeqStatus(Enum):
     WAITING = "waiting"
@@ -43,6 +36,9 @@ class Sequence:
     tokens: list[int]
     num_prompt_tokens: int
     arrival: float = field(default_factory=time.perf_counter)
+    # The wall clock at arrival: the metrics' times are this plus monotonic differences (an
+    # offset taken once per process goes stale when the system clock is stepped).
+    arrival_wall_ns: int = field(default_factory=lambda: time.time_ns())
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0
     run_slot: int | None = None
@@ -134,8 +130,11 @@ class Sequence:
         """Its request's metrics so far (the engine attaches them to each output it delivers
         when asked: after the step's drafts were settled); pages reused: those its last
         admission found in the store (any tier)."""
+        def wall_ns(t: float | None) -> int:
+            return 0 if t is None else self.arrival_wall_ns + round((t - self.arrival) * 1e9)
+
         return RequestMetrics(
-            arrival_time_ns=wall_ns(self.arrival),
+            arrival_time_ns=self.arrival_wall_ns,
             first_scheduled_time_ns=wall_ns(self.first_scheduled_time),
             first_token_time_ns=wall_ns(self.first_token_time),
             last_token_time_ns=wall_ns(self.last_token_time),

@@ -84,6 +84,17 @@ def test_every_streamed_output_carries_the_metrics_so_far(model):
     assert_no_leak(engine)
 
 
+def test_times_follow_a_system_clock_stepped_after_start(model, monkeypatch):
+    """A system clock stepped (NTP) after the engine started: the times are still the wall
+    clock's at the request (CI once saw them 2.7 s behind with one offset per process)."""
+    engine = make_engine(model)
+    prompt = random_prompt(40, model.config.vocab_size, seed=3)
+    real = time.time_ns
+    monkeypatch.setattr(time, "time_ns", lambda: real() + 5_000_000_000)
+    out, t0, t1 = _timed(engine, prompt)
+    _check_times(out.metrics, t0, t1)
+
+
 def test_pages_loaded_back_from_dram_count_in_the_total(model):
     base = make_engine(model, num_kv_pages=24, max_tokens_per_step=200)
     engine = Engine(model, replace(base.config, tiers=TierConfig(host_pages=64)))
