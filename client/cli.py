@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help="report the server's per-request metrics (queue time, TTFT, "
                               "KV blocks reused / allocated, drafts accepted)")
         sub.add_argument("--cache-salt")
+        sub.add_argument("--retain", metavar="PRIORITY[:MS]", type=retention_arg,
+                         help="keep the pages of this prompt and its output cached at this "
+                              "priority (0-100; default 35), for MS milliseconds (default: "
+                              "until evicted)")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
     if args.command == "stats":
@@ -123,7 +127,31 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "return_log_probs": args.log_probs or None,
         "return_perf_metrics": args.perf_metrics or None,
         "cache_salt": args.cache_salt,
+        **retention_options(args.retain),
     }
+
+
+def retention_arg(value: str) -> tuple[int, int]:
+    """--retain PRIORITY[:MS] -> (priority, duration_ms; -1: never expires)."""
+    try:
+        priority, _, ms = value.partition(":")
+        parsed = int(priority), int(ms) if ms else -1
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected PRIORITY[:MS] (integers), got {value!r}") \
+            from None
+    if not 0 <= parsed[0] <= 100 or parsed[1] < -1:
+        raise argparse.ArgumentTypeError(f"priority must be in [0, 100] and MS >= 0, got "
+                                         f"{value!r}")
+    return parsed
+
+
+def retention_options(retain: tuple[int, int] | None) -> dict:
+    """The whole prompt's token range and the output's pages at one priority."""
+    if retain is None:
+        return {}
+    priority, ms = retain
+    return {"retention_ranges": ((0, -1, priority, ms),), "retention_decode_priority": priority,
+            "retention_decode_duration_ms": ms}
 
 
 def guide_options(args: argparse.Namespace) -> dict:

@@ -69,6 +69,12 @@ class GenerateParams:
     return_generation_logits: bool | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    # KV cache retention (TensorRT-LLM's KvCacheRetentionConfig): (start, end, priority,
+    # duration_ms) per prompt token range (end / duration -1: the prompt's end / forever),
+    # and the priority / duration_ms of the pages holding generated tokens.
+    retention_ranges: tuple[tuple[int, int, int, int], ...] = ()
+    retention_decode_priority: int | None = None
+    retention_decode_duration_ms: int | None = None
     exclude_input_in_output: bool | None = None
     # Guided decoding: "json", "json_schema", "regex" or "ebnf_grammar", and the schema / regex /
     # grammar text (none for "json").
@@ -106,8 +112,13 @@ class GenerateParams:
             "exclude_input_in_output": self.exclude_input_in_output,
             "guided_decoding_guide_type": self.guide_type,
             "guided_decoding_guide": self.guide,
-            **self.extra,
+            "retention_decode_priority": self.retention_decode_priority,
+            "retention_decode_duration_ms": self.retention_decode_duration_ms,
         }
+        if self.retention_ranges:
+            columns = [list(c) for c in zip(*self.retention_ranges)]
+            values.update(zip(RETENTION_RANGE_INPUTS, columns))
+        values.update(self.extra)
         return {name: value for name, value in values.items() if value is not None}
 
 
@@ -165,8 +176,15 @@ class GenerateError(RuntimeError):
         self.message = message
 
 
+RETENTION_RANGE_INPUTS = ("retention_token_range_starts", "retention_token_range_ends",
+                          "retention_token_range_priorities",
+                          "retention_token_range_durations_ms")
+
 # Input dtypes of the ensemble (model_repo/ensemble/config.pbtxt).
 DTYPES = {
+    **dict.fromkeys(RETENTION_RANGE_INPUTS, "INT32"),
+    "retention_decode_priority": "INT32",
+    "retention_decode_duration_ms": "INT32",
     "text_input": "BYTES",
     "stop_words": "BYTES",
     "bad_words": "BYTES",

@@ -7,10 +7,16 @@ dropped node takes its lower-tier descendants with it, since they are unreachabl
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
+from collections.abc import Sequence
+
 from backend.cache.base import EvictAction, Tier, TierBackend
 from backend.cache.policy import LookaheadLRU, has_evictable_state, is_evictable_leaf
 from backend.cache.pools import PagePool
 from backend.cache.radix import PageNode, RadixTree
+from backend.cache.retention import DEFAULT_PRIORITY, PagePriority, outlasts
 from backend.cache.stats import WITH_PAGE, CacheStats
 
 
@@ -33,9 +39,53 @@ class Evictor:
         self.stats = stats
         self.uses_anchors = uses_anchors
         self.num_locked_device = 0  # device pages on some running request's locked path
+        # Retention priorities: expiries (when, seq, node) in a min-heap, on this clock
+        # (seconds; tests replace it).
+        self.clock = time.monotonic
+        self._expiries: list[tuple[float, int, PageNode]] = []
+        self._expiry_seq = itertools.count()
+
+    # Retention --------------------------------------------------------------------------
+    def priority_of(self, node: PageNode) -> int:
+        """`node`'s retention priority now (an expired one is the default's)."""
+        until = node.priority_until
+        return node.priority if until is None or self.clock() < until else DEFAULT_PRIORITY
+
+    def retain(self, nodes: Sequence[PageNode], priorities: Sequence[PagePriority]) -> int:
+        """Gives each node the given priority where no request gave it one yet, else raises
+        it (`retention.py`: a higher priority, or the same one expiring later); returns how
+        many changed."""
+        self.expire()
+        now = self.clock()
+        changed = 0
+        for node, (priority, duration) in zip(nodes, priorities, strict=True):
+            until = None if duration is None else now + duration
+            if node.priority_set and (priority < node.priority or (
+                    priority == node.priority and not outlasts(until, node.priority_until))):
+                continue
+            node.priority, node.priority_until, node.priority_set = priority, until, True
+            if until is not None:
+                heapq.heappush(self._expiries, (until, next(self._expiry_seq), node))
+            self.push_leaf(node)
+            self.push_state(node)
+            changed += 1
+        return changed
+
+    def expire(self) -> None:
+        """Priorities whose duration ended revert to the default (and their nodes take their
+        place in the eviction order again)."""
+        now = self.clock()
+        while self._expiries and self._expiries[0][0] <= now:
+            until, _, node = heapq.heappop(self._expiries)
+            if node.alive and node.priority_until == until:
+                node.priority, node.priority_until = DEFAULT_PRIORITY, None
+                node.priority_set = False
+                self.push_leaf(node)
+                self.push_state(node)
 
     def evict_pages(self, num_pages: int, reason: str) -> int:
         """Up to `num_pages` device leaves in policy order; returns how many went."""
+        self.expire()
         evicted = 0
         try:
             while evicted < num_pages:
@@ -56,6 +106,7 @@ class Evictor:
 
     def evict_states(self, num_slots: int, reason: str) -> int:
         """Up to `num_slots` checkpoints in their own LRU order (their pages stay)."""
+        self.expire()
         evicted = 0
         try:
             while evicted < num_slots:

@@ -1,6 +1,7 @@
 """Eviction order: PCR's look-ahead LRU over device leaves, and the checkpoint LRU.
 
-Both are min-heaps of `(stamp, seq, node)` with lazy invalidation: an entry is valid only
+Both are min-heaps of `(stamp, seq, node)`, the stamp being (retention priority, access
+stamp) (`backend/cache/retention.py`), with lazy invalidation: an entry is valid only
 while the node is still a candidate and its stamp still equals the node's current stamp, so
 re-touching a node just pushes a new entry and the old one is skipped when popped. Each
 eviction costs O(log N) amortized instead of a scan over all leaves.
@@ -19,7 +20,7 @@ from collections.abc import Callable, Iterable
 
 from backend.cache.radix import PageNode
 
-_Entry = tuple[int, int, PageNode]
+_Entry = tuple[tuple[int, int], int, PageNode]
 
 
 class _LazyHeap:
@@ -28,7 +29,7 @@ class _LazyHeap:
     def __init__(
         self,
         is_candidate: Callable[[PageNode], bool],
-        stamp_of: Callable[[PageNode], int],
+        stamp_of: Callable[[PageNode], tuple[int, int]],
         is_protected: Callable[[PageNode], bool],
     ) -> None:
         self._heap: list[_Entry] = []
@@ -94,14 +95,15 @@ class LookaheadLRU:
             raise ValueError(f"look-ahead window must be >= 0, got {window}")
         self.window = window
         self.epoch = 1  # node.protect_epoch starts at 0: nothing is protected initially
+        # Lowest retention priority first, least recently used within a priority.
         self.leaves = _LazyHeap(
             is_candidate=is_evictable_leaf,
-            stamp_of=lambda n: n.last_access,
+            stamp_of=lambda n: (n.priority, n.last_access),
             is_protected=self.is_protected,
         )
         self.states = _LazyHeap(
             is_candidate=has_evictable_state,
-            stamp_of=lambda n: n.state_access,
+            stamp_of=lambda n: (n.priority, n.state_access),
             is_protected=self.is_protected,
         )
 

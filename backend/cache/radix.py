@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from backend.cache.base import Tier
+from backend.cache.retention import DEFAULT_PRIORITY
 
 PageKey = bytes
 TOKEN_BYTES = 4  # token ids are packed as native int32
@@ -37,6 +38,9 @@ class PageNode:
     lock_ref: number of running requests whose locked path contains this node.
     last_access: logical clock of the last match / insert through this node.
     protect_epoch: equals the store's epoch while a request in the look-ahead window needs it.
+    priority / priority_until / priority_set: retention priority (`backend/cache/retention.py`),
+        when it reverts to the default (the evictor's clock; None: never), and whether a
+        request gave it (else it is the default that the next request's replaces).
     num_device_children: children whose KV is on the device (a device leaf has 0).
     tier_data: opaque per-node handle for the tier backend (e.g. DRAM slot, SSD file).
     """
@@ -56,6 +60,9 @@ class PageNode:
         "lock_ref",
         "last_access",
         "protect_epoch",
+        "priority",
+        "priority_until",
+        "priority_set",
         "num_device_children",
         "tier_data",
         "alive",
@@ -77,6 +84,9 @@ class PageNode:
         self.lock_ref = 0
         self.last_access = 0
         self.protect_epoch = 0
+        self.priority = DEFAULT_PRIORITY
+        self.priority_until: float | None = None
+        self.priority_set = False  # no request gave it one yet (or it expired)
         self.num_device_children = 0
         self.tier_data: Any = None
         self.alive = True

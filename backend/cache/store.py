@@ -28,6 +28,7 @@ from backend.cache.eviction import Evictor
 from backend.cache.policy import LookaheadLRU, is_evictable_leaf
 from backend.cache.pools import HeldIds, PagePool
 from backend.cache.radix import TOKEN_BYTES, PageNode, RadixTree, encode_tokens
+from backend.cache.retention import PagePriority
 from backend.cache.stats import CAPACITY, EXPLICIT, CacheStats
 
 
@@ -204,6 +205,13 @@ class PrefixStore:
                 if node.state_slot is not None:
                     self.evictor.push_state(node)
 
+    # Retention --------------------------------------------------------------------------
+    def retain(self, nodes: Sequence[PageNode], priorities: Sequence[PagePriority]) -> int:
+        """Gives a path's pages the retention priorities a request asked for (at most one
+        per node, root child first); see `backend/cache/retention.py`."""
+        _check_path(nodes)
+        return self.evictor.retain(nodes, priorities)
+
     # Eviction ---------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
         """Evicts up to `num_pages` unlocked device leaves; returns how many went."""
@@ -343,7 +351,8 @@ class PrefixStore:
     def evictable_leaves(self) -> list[PageNode]:
         """Current eviction candidates, in eviction order (O(N); for tests and debugging)."""
         leaves = [n for n in self.tree.iter_nodes() if is_evictable_leaf(n)]
-        return sorted(leaves, key=lambda n: (self.policy.is_protected(n), n.last_access))
+        return sorted(leaves, key=lambda n: (self.policy.is_protected(n),
+                                             self.evictor.priority_of(n), n.last_access))
 
     @property
     def num_cached_pages(self) -> int:

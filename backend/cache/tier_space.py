@@ -12,6 +12,7 @@ found at start-up in a namespace no request has asked for yet go when nothing el
 from __future__ import annotations
 
 from backend.cache.io_pool import Priority
+from backend.cache.retention import DEFAULT_PRIORITY
 from backend.cache.tier_entry import TierEntry
 
 
@@ -57,7 +58,11 @@ class TierSpace:
         return True
 
     def protected(self, node) -> bool:
-        return self.store is not None and self.store.policy.is_protected(node)
+        """Whether `node`'s copies go last: the look-ahead window needs it, or its retention
+        priority is above the default (`backend/cache/retention.py`)."""
+        store = self.store
+        return store is not None and (store.policy.is_protected(node)
+                                      or store.evictor.priority_of(node) > DEFAULT_PRIORITY)
 
     # DRAM -------------------------------------------------------------------------------
     def _pick_host_victim(self, tried: set[TierEntry], may_wait: bool) -> TierEntry | None:

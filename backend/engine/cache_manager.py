@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from backend.cache.base import Tier
+from backend.cache.retention import DEFAULT_RETENTION
 from backend.cache.store import PrefixStore
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -321,6 +322,10 @@ class CacheManager:
         anchors = seq.anchor_blocks[seq.num_tree_pages:] if self.store.uses_anchors else []
         self.store.free_pages(private, anchors)
         self.store.free_state_slots(list(seq.pending_states.values()))
+        if seq.locked_nodes:
+            retention = seq.request.retention or DEFAULT_RETENTION
+            self.store.retain(seq.locked_nodes, retention.page_priorities(
+                len(seq.locked_nodes), self.page_size, seq.num_prompt_tokens))
         self.store.unlock(seq.locked_nodes)
         self.store.trim()
         seq.page_table, seq.anchor_blocks, seq.locked_nodes = [], [], []

@@ -17,6 +17,7 @@ import torch
 
 from backend import openmp
 from backend.cache.page_io import DeviceBuffers
+from backend.cache.retention import RetentionConfig
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
 from backend.cache.tiers import TieredBackend
@@ -176,6 +177,9 @@ class Engine:
         if request.return_context_logits and self.config.executor == "compiled":
             raise ValueError("return_context_logits needs executor 'torch': a compiled "
                              "engine's step returns the last position's logits only")
+        if request.retention is not None and not isinstance(request.retention, RetentionConfig):
+            raise ValueError(f"retention must be a RetentionConfig, got "
+                             f"{type(request.retention).__name__}")
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= int(t) < vocab]
         if bad:
@@ -346,7 +350,8 @@ class Engine:
                  cache_salt: str = "", session_id: str | None = None,
                  request_id: str | None = None, return_first_logits: bool = False,
                  return_perf_metrics: bool = False, return_generation_logits: bool = False,
-                 return_context_logits: bool = False) -> RequestOutput:
+                 return_context_logits: bool = False,
+                 retention: RetentionConfig | None = None) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
@@ -373,7 +378,7 @@ class Engine:
         rid = request_id or f"generate-{id(done)}"
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
                             session_id, collect, return_first_logits, return_perf_metrics,
-                            return_generation_logits, return_context_logits))
+                            return_generation_logits, return_context_logits, retention))
         if self._thread is None:
             while not done.is_set():
                 self.step()

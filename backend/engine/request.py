@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.cache.retention import RetentionConfig
 from backend.engine.guided import Guide
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
@@ -124,6 +125,9 @@ class Request:
     # return_context_logits) to the first output. The cache has no logits for the pages it
     # serves, so such a request computes its whole prompt (its pages still join the store).
     return_context_logits: bool = False
+    # How long the store should keep the pages this request leaves behind (TensorRT-LLM's
+    # KvCacheRetentionConfig; `backend/cache/retention.py`); None: the default priority.
+    retention: RetentionConfig | None = None
 
 
 @dataclass

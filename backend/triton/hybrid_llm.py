@@ -152,6 +152,7 @@ class HybridLlm:
                 return_generation_logits=parsed.return_generation_logits,
                 # one prompt: its logits once, from the first sequence (which computes it)
                 return_context_logits=parsed.return_context_logits and k == 0,
+                retention=parsed.retention,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:

@@ -14,6 +14,10 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   cache_salt, session_id [1] BYTES (ours); guided_decoding_guide_type, guided_decoding_guide
   [1] BYTES (`json`, `json_schema`, `regex`, `ebnf_grammar`, `structural_tag` and the schema /
   regex / grammar / tag, as TensorRT-LLM's; `backend/engine/guided.py`);
+  retention_token_range_starts / _ends / _priorities / _durations_ms [1, N] INT32,
+  retention_decode_priority / retention_decode_duration_ms [1] INT32: TensorRT-LLM's
+  KvCacheRetentionConfig (an end or duration of -1: the prompt's end / never expires;
+  `backend/cache/retention.py`);
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
 
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend.cache.retention import DEFAULT_PRIORITY, RetentionConfig, RetentionRange
 from backend.engine.guided import Guide
 from backend.engine.request import MAX_BEAM_WIDTH, SamplingParams
 from backend.triton.errors import RequestError
@@ -65,6 +70,7 @@ class LlmRequest:
     return_perf_metrics: bool = False  # the engine's RequestMetrics in each response
     return_context_logits: bool = False  # the prompt's logits (its first sequence's)
     return_generation_logits: bool = False  # each generated token's logits
+    retention: RetentionConfig | None = None  # the store's priorities for its pages
 
     @property
     def extras(self) -> frozenset[str]:
@@ -114,6 +120,7 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         return_perf_metrics=bool(scalar(inputs, "return_perf_metrics", "b", False)),
         return_context_logits=bool(scalar(inputs, "return_context_logits", "b", False)),
         return_generation_logits=bool(scalar(inputs, "return_generation_logits", "b", False)),
+        retention=retention_of(inputs),
     )
 
 
@@ -197,6 +204,66 @@ def scalar(inputs: Tensors, name: str, kinds: str, default: object) -> object:
     if tensor.dtype.kind not in kinds:
         raise RequestError(f"{name} has dtype {tensor.dtype}, expected kind {kinds!r}")
     return tensor.reshape(-1)[0].item()
+
+
+RANGE_INPUTS = ("retention_token_range_starts", "retention_token_range_ends",
+                "retention_token_range_priorities", "retention_token_range_durations_ms")
+
+
+def retention_of(inputs: Tensors) -> RetentionConfig | None:
+    """TensorRT-LLM's retention inputs -> `RetentionConfig` (None when none is given). Ranges
+    need starts, ends and priorities of one length (durations optional, same length); -1
+    ends a range at the prompt's end, and a duration of -1 never expires (as absent)."""
+    starts, ends, priorities, durations = (int_vector(inputs, n) for n in RANGE_INPUTS)
+    decode_priority = scalar(inputs, "retention_decode_priority", "iu", None)
+    decode_ms = scalar(inputs, "retention_decode_duration_ms", "iu", None)
+    if starts is None and decode_priority is None and decode_ms is None:
+        given = [n for n, v in zip(RANGE_INPUTS, (ends, priorities, durations)) if v is not None]
+        if given:
+            raise RequestError(f"{given[0]} needs retention_token_range_starts")
+        return None
+    ranges = []
+    if starts is not None:
+        for name, values in zip(RANGE_INPUTS[1:], (ends, priorities, durations)):
+            if values is None and name != RANGE_INPUTS[3]:
+                raise RequestError(f"retention_token_range_starts needs {name}")
+            if values is not None and len(values) != len(starts):
+                raise RequestError(f"{name} has {len(values)} values, "
+                                   f"retention_token_range_starts {len(starts)}")
+        durations = durations or [-1] * len(starts)
+    try:
+        for start, end, priority, ms in zip(starts or (), ends or (), priorities or (),
+                                            durations or ()):
+            ranges.append(RetentionRange(start, None if end == -1 else end, priority,
+                                         duration_of(ms)))
+        return RetentionConfig(
+            ranges=tuple(ranges),
+            decode_priority=DEFAULT_PRIORITY if decode_priority is None else int(decode_priority),
+            decode_duration_s=None if decode_ms is None else duration_of(int(decode_ms)))
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def duration_of(ms: int) -> float | None:
+    """Milliseconds (-1: never expires) -> seconds."""
+    if ms == -1:
+        return None
+    if ms < 0:
+        raise RequestError(f"a retention duration must be >= 0 ms (-1: never expires), "
+                           f"got {ms}")
+    return ms / 1000
+
+
+def int_vector(inputs: Tensors, name: str) -> list[int] | None:
+    """An optional [1, N] (or [N]) integer tensor -> its N values."""
+    tensor = inputs.get(name)
+    if tensor is None:
+        return None
+    if tensor.dtype.kind not in "iu" or tensor.ndim not in (1, 2) or \
+            (tensor.ndim == 2 and tensor.shape[0] != 1):
+        raise RequestError(f"{name} must be an integer tensor of shape [1, N], got "
+                           f"{list(tensor.shape)} {tensor.dtype}")
+    return [int(v) for v in tensor.reshape(-1)]
 
 
 def finite(inputs: Tensors, name: str, default: float = 0.0) -> float:

@@ -224,3 +224,26 @@ def test_bad_beam_requests_say_what_is_wrong(width, extra, message):
     with pytest.raises(RequestError) as info:
         parse_request(inputs, EOS, exclude_input=True)
     assert message in str(info.value)
+
+
+def test_retention_inputs_in_tensorrt_llm_layout():
+    from backend.cache.retention import RetentionConfig, RetentionRange
+
+    assert parse_request(tensors(), EOS, exclude_input=True).retention is None
+    i32 = np.int32
+    req = parse_request(tensors(
+        retention_token_range_starts=np.array([[0, 64]], i32),
+        retention_token_range_ends=np.array([[64, -1]], i32),
+        retention_token_range_priorities=np.array([[100, 10]], i32),
+        retention_token_range_durations_ms=np.array([[-1, 2500]], i32),
+        retention_decode_priority=np.array([5], i32),
+        retention_decode_duration_ms=np.array([[1000]], i32)), EOS, exclude_input=True)
+    assert req.retention == RetentionConfig(
+        ranges=(RetentionRange(0, 64, 100, None), RetentionRange(64, None, 10, 2.5)),
+        decode_priority=5, decode_duration_s=1.0)
+    only_decode = parse_request(tensors(retention_decode_priority=np.array([80], i32)), EOS,
+                                exclude_input=True)
+    assert only_decode.retention == RetentionConfig(decode_priority=80)
+    with pytest.raises(RequestError, match="retention_token_range_starts must be an integer"):
+        parse_request(tensors(retention_token_range_starts=np.array([[0.5]], np.float32)), EOS,
+                      exclude_input=True)
