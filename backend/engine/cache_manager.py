@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from backend.cache.base import Tier
-from backend.cache.retention import DEFAULT_RETENTION
+from backend.cache.retention import DEFAULT_RETENTION, RetentionConfig, RetentionRange
 from backend.cache.store import PrefixStore
 from backend.engine.config import EngineConfig
 from backend.engine.executor import TorchExecutor
@@ -33,6 +33,9 @@ class CacheManager:
         )
         self.sglang_placement = (self.policy == "checkpoint"
                                  and config.cache.checkpoint_placement == "sglang")
+        # What a request with a session_id and no retention config of its own leaves.
+        keep = (config.session_priority, config.session_retention_s)
+        self.session_retention = RetentionConfig((RetentionRange(0, None, *keep),), *keep)
         self.num_replayed_anchors = 0
         self.num_live_state_hits = 0
         self.num_recomputed_tokens = 0
@@ -323,7 +326,10 @@ class CacheManager:
         self.store.free_pages(private, anchors)
         self.store.free_state_slots(list(seq.pending_states.values()))
         if seq.locked_nodes:
-            retention = seq.request.retention or DEFAULT_RETENTION
+            retention = seq.request.retention
+            if retention is None:
+                retention = self.session_retention if seq.request.session_id \
+                    else DEFAULT_RETENTION
             self.store.retain(seq.locked_nodes, retention.page_priorities(
                 len(seq.locked_nodes), self.page_size, seq.num_prompt_tokens))
         self.store.unlock(seq.locked_nodes)

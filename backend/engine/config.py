@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 import torch
 
 from backend.cache.config import CACHE_POLICIES, CacheConfig
+from backend.cache.retention import MAX_PRIORITY, MIN_PRIORITY
 from backend.cache.tier_config import TierConfig
 from backend.engine.speculative import SPECULATIVE_METHODS
 from backend.replay.budget import SAMPLINGS, ReplayConfig
@@ -41,6 +43,12 @@ class EngineConfig:
     # request is prefilling waits for them to join the store rather than computing them a
     # second time beside it (suffix replay: pages join with their anchors after every chunk).
     share_running_prefills: bool = True
+    # A request with a session_id (and no retention config of its own) leaves its pages at
+    # this retention priority for session_retention_s seconds after each turn, so a chat's
+    # history outlives one-off prompts (`backend/cache/retention.py`; 35, the default
+    # priority: sessions are not told apart).
+    session_priority: int = 50
+    session_retention_s: float = 600.0
     # Whitespace that guided JSON outputs (`json`, `json_schema`) may hold between elements:
     # "compact" (one line with ", " and ": ", as json.dumps writes it), "any" (XGrammar's
     # default; models not trained on JSON may then fill whitespace until max_tokens), or a
@@ -79,6 +87,13 @@ class EngineConfig:
                              f"{self.schedule_policy!r}")
         if not self.lpm_max_wait_s >= 0:
             raise ValueError(f"lpm_max_wait_s must be >= 0 seconds, got {self.lpm_max_wait_s}")
+        if isinstance(self.session_priority, bool) or not isinstance(self.session_priority, int) \
+                or not MIN_PRIORITY <= self.session_priority <= MAX_PRIORITY:
+            raise ValueError(f"session_priority must be an integer in [{MIN_PRIORITY}, "
+                             f"{MAX_PRIORITY}], got {self.session_priority!r}")
+        if not (math.isfinite(self.session_retention_s) and self.session_retention_s >= 0):
+            raise ValueError(f"session_retention_s must be >= 0 seconds, got "
+                             f"{self.session_retention_s}")
         ws = self.guided_json_whitespace
         if ws not in ("compact", "any") and not (ws.isdigit() and int(ws) >= 1):
             raise ValueError("guided_json_whitespace must be 'compact', 'any' or a number >= 1, "

@@ -1,14 +1,17 @@
 """Retention priorities through the engine: a request's `retention` (TensorRT-LLM's
 KvCacheRetentionConfig) keeps an agent's system prompt cached through a flood of other
-prompts that a plain LRU lets push it out; outputs stay those of a cold engine."""
+prompts that a plain LRU lets push it out, and so does a session_id (the engine's
+session_priority); outputs stay those of a cold engine."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from engine_helpers import GREEDY, TINY_MODEL_DIR, assert_no_leak, make_engine, random_prompt
 
 from backend.cache.retention import RetentionConfig, RetentionRange
-from backend.engine import Request
+from backend.engine import Engine, Request
 from backend.model import load_model
 
 SYSTEM = 64  # tokens: 4 pages of 16
@@ -63,3 +66,31 @@ def test_a_bad_retention_is_refused(model):
     with pytest.raises(ValueError, match="RetentionConfig"):
         engine.submit(Request("bad", [1, 2, 3], GREEDY, retention={"priority": 100}))
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("session_priority, kept", [(50, True), (35, False)])
+def test_a_sessions_pages_outlive_one_off_prompts(model, session_priority, kept):
+    """A request with a session_id leaves its pages at `session_priority` (50 by default):
+    its conversation is still cached after the flood; at 35 it is a plain LRU's victim."""
+    vocab = model.config.vocab_size
+    base = make_engine(model, num_kv_pages=24)
+    engine = Engine(model, replace(base.config, session_priority=session_priority))
+    history = random_prompt(SYSTEM, vocab, seed=40)
+    engine.generate(history, GREEDY, session_id="chat-1")
+    for seed in range(41, 45):
+        engine.generate(random_prompt(100, vocab, seed=seed), GREEDY)
+    turn = engine.generate(history + random_prompt(20, vocab, seed=46), GREEDY,
+                           session_id="chat-1")
+    assert turn.cached_tokens == (SYSTEM if kept else 0)
+    assert_no_leak(engine)
+
+
+def test_session_settings_are_checked():
+    from backend.engine import EngineConfig
+
+    assert EngineConfig.from_params({"session_priority": "90", "session_retention_s": "2.5"}) \
+        .session_retention_s == 2.5
+    with pytest.raises(ValueError, match=r"session_priority must be an integer in \[0, 100\]"):
+        EngineConfig(session_priority=101)
+    with pytest.raises(ValueError, match="session_retention_s must be >= 0 seconds"):
+        EngineConfig(session_retention_s=-1.0)
