@@ -148,6 +148,8 @@ class Evictor:
 
     def _evict_leaf(self, node: PageNode) -> None:
         decision = self.tier.on_evict(node)
+        if node.priority > DEFAULT_PRIORITY:
+            self.stats.retained_page_evictions += 1
         if decision.action == EvictAction.DEMOTE:
             self._check_demotion(decision.kv_location, decision.anchor_location)
         parent = node.parent

@@ -29,6 +29,8 @@ class CacheStats:
     checkpoints_inserted: int = 0
     checkpoint_evictions_by_reason: Counter[str] = field(default_factory=Counter)
     protected_pages_passed_over: int = 0
+    # Device pages above the default retention priority evicted (nothing lower could go).
+    retained_page_evictions: int = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -52,4 +54,5 @@ class CacheStats:
             "checkpoints_inserted": self.checkpoints_inserted,
             "checkpoint_evictions_by_reason": dict(self.checkpoint_evictions_by_reason),
             "protected_pages_passed_over": self.protected_pages_passed_over,
+            "retained_page_evictions": self.retained_page_evictions,
         }

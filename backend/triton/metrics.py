@@ -94,6 +94,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Requests ended early: cancelled (a client that left, a stop request) or failed",
         COUNTER,
     ),
+    "suffixreplay_retained_evictions_total": (
+        "Device pages above the default retention priority evicted because nothing of a lower "
+        "priority could go (the retained pages outgrew the pool)",
+        COUNTER,
+    ),
     "suffixreplay_preemptions_total": (
         "Requests preempted (recomputed) for lack of pages",
         COUNTER,
@@ -168,6 +173,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_unfinished_requests_total", (("reason", "cancelled"),), "cancelled_requests"),
     ("suffixreplay_unfinished_requests_total", (("reason", "failed"),), "failed_requests"),
     ("suffixreplay_preemptions_total", (), "preemptions"),
+    ("suffixreplay_retained_evictions_total", (), "cache.retained_page_evictions"),
 )
 # (family, fixed labels, label name, stats key of a {label value: count} dict)
 BY_LABEL: tuple[tuple[str, tuple[tuple[str, str], ...], str, str], ...] = (

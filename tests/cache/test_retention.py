@@ -82,7 +82,9 @@ def test_a_high_priority_page_outlives_older_and_newer_default_ones():
     assert store.evict(2) == 2
     assert _cached(store) == "AD"  # B, C went: the oldest default pages
     assert store.evict(1) == 1 and _cached(store) == "A"
+    assert store.stats.retained_page_evictions == 0
     assert store.evict(1) == 1 and _cached(store) == ""  # a priority, not a pin
+    assert store.stats.retained_page_evictions == 1
     store.assert_invariants()
 
 

@@ -2,7 +2,8 @@
 (`retention_token_range_*`, `retention_decode_*`): on a server whose prefix cache keeps at
 most 8 idle pages, a system prompt sent with priority 100 is still cached after a flood of
 other prompts that pushes it out without one; the same through gRPC streaming and the CLI's
-`--retain`; bad values are INVALID_ARG naming what was wrong."""
+`--retain`; bad values are INVALID_ARG naming what was wrong; retained pages that outgrow
+the cache show in suffixreplay_retained_evictions_total."""
 
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import pytest
 from backend.triton.server import ServerHandle
 from client.generate import GenerateError, GenerateParams, generate_http, stream_grpc
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import idle_pool
+from tests.triton.llm_helpers import idle_pool, scrape, value, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = 64
 SYSTEM_PAGES = 4
 # 8 idle pages at most: three 300-token prompts leave 12.
 PARAMS = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "max_cached_pages": "8"}}
-KEEP = ((0, -1, 100, -1),)  # the whole prompt at priority 100, for ever
+KEEP = ((0, -1, 100, -1),)
+MODEL = {"model": "hybrid_llm", "version": "1"}  # the whole prompt at priority 100, for ever
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +104,15 @@ def test_bad_retention_is_invalid_arg(server, fields, message):
         list(stream_grpc(server.urls.grpc, params, stream=True))
     assert message in info.value.message
     idle_pool(server)
+
+
+def test_retained_pages_that_outgrow_the_cache_are_counted(server):
+    """More pages at priority 100 than the 8 the cache keeps: some of them go, and
+    suffixreplay_retained_evictions_total says so (a retention floor too big for the pool)."""
+    def evicted() -> float:
+        return value(scrape(server), "suffixreplay_retained_evictions_total", **MODEL)
+
+    before = evicted()
+    for _ in range(3):  # 12 pages at 100
+        _send(server, _text(300), retention_ranges=KEEP)
+    wait_until(lambda: evicted() >= before + 4, what="retained evictions in the metrics")
