@@ -350,9 +350,10 @@ class PrefixStore:
 
     def evictable_leaves(self) -> list[PageNode]:
         """Current eviction candidates, in eviction order (O(N); for tests and debugging)."""
+        self.evictor.expire()
         leaves = [n for n in self.tree.iter_nodes() if is_evictable_leaf(n)]
-        return sorted(leaves, key=lambda n: (self.policy.is_protected(n),
-                                             self.evictor.priority_of(n), n.last_access))
+        return sorted(leaves, key=lambda n: (self.policy.is_protected(n), n.priority,
+                                             n.last_access))
 
     @property
     def num_cached_pages(self) -> int:
