@@ -58,7 +58,7 @@ def _mib(n: float) -> str:
 
 def cache_report(metrics: Metrics) -> list[str]:
     """What `python -m client stats` prints: the prefix cache's hits by tier, pages, bytes in
-    use, prefetches, speculative drafts and requests, from hybrid_llm's `suffixreplay_*`
+    use, prefetches, evictions, speculative drafts and requests, from hybrid_llm's `suffixreplay_*`
     families. Lines whose
     families the server does not export (no tiers, no prefetcher) are left out."""
     lines = []
@@ -96,6 +96,11 @@ def cache_report(metrics: Metrics) -> list[str]:
     if ssd:
         lines.append(f"SSD: {_mib(ssd.get('read', 0))} read, {_mib(ssd.get('written', 0))} "
                      "written")
+    retained = total(metrics, "suffixreplay_retained_evictions_total")
+    if retained is not None:
+        evicted = sum(by_label(metrics, "suffixreplay_evictions_total", "reason").values())
+        lines.append(f"device evictions: {evicted:.0f} pages, {retained:.0f} of them above the "
+                     "default retention priority")
     spec = by_label(metrics, "suffixreplay_spec_decode_tokens_total", "kind")
     if spec.get("draft"):
         kept = spec.get("accepted", 0)

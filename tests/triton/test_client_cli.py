@@ -165,6 +165,8 @@ def test_stats_reports_the_cache_as_requests_use_it(llm_server: ServerHandle):
     assert re.search(r"memory in use: device KV \d+\.\d MiB", text), text
     assert re.search(r"pages: \d+ total, \d+ used, [1-9]\d* cached", text), text
     assert re.search(r"requests: \d+ finished", text), text
+    assert re.search(r"device evictions: \d+ pages, \d+ of them above the default retention "
+                     r"priority", text), text
 
 
 def test_stats_without_a_server_is_one_line_error():
