@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from backend.cache.config import CacheConfig
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
-from client.bench.common import DEFAULT_MODEL, bench_main, config_of, machine
+from client.bench.common import DEFAULT_MODEL, bench_main, config_of, machine, save_figure
 from client.bench.workloads import TextSource
 
 RESULTS = Path(__file__).resolve().parent / "results" / "beam"
@@ -134,10 +134,7 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
         ax.legend()
     fig.suptitle("Beam search: beams sharing the store's pages vs copying them (default "
                  "model, CPU)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

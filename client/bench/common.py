@@ -33,6 +33,18 @@ def write_summary(path: Path, summary: dict[str, Any], echo: bool = True) -> Pat
     return path
 
 
+def save_figure(fig, path: Path) -> Path:
+    """Lays out a matplotlib figure, writes it to `path` as a PNG (creating its folder) and
+    closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def config_of(args: argparse.Namespace) -> dict[str, Any]:
     """A benchmark's arguments as its summary records them (not where it writes)."""
     return {k: v for k, v in vars(args).items() if k != "out"}

@@ -28,7 +28,7 @@ from backend.replay.reference import (
     exact_run,
     replayed_states,
 )
-from client.bench.common import model_parser, write_summary
+from client.bench.common import model_parser, save_figure, write_summary
 from engine_build.corpus import load_split, to_ids
 from engine_build.evaluate import task_examples
 from engine_build.hf_export import hf_config
@@ -231,9 +231,7 @@ def plot(summary: dict, path: Path) -> None:
            ylabel="percent of full prefill",
            title=f"Suffix replay quality vs k ({Path(summary['model']).name})")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.engine import apply_calibration
 from backend.model import load_model
 from backend.replay.budget import ReplayConfig
-from client.bench.common import model_parser, write_summary
+from client.bench.common import model_parser, save_figure, write_summary
 from engine_build.corpus import load_split, to_ids
 
 RESULTS = Path(__file__).resolve().parent / "results" / "replay_cost"
@@ -104,9 +104,7 @@ def plot(results: dict, path: Path) -> None:
     ax.set(xlabel="branch point (tokens; dotted: checkpoint grid)", ylabel="hit TTFT (ms)",
            title="TTFT of a cache hit vs distance from the last checkpoint")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+from client.bench.common import save_figure
+
 GOALS = {
     "branching_ttft_reduction_vs_checkpoint_agentic16k": (">=", 0.5, "0.55-0.70"),
     "branching_ttft_reduction_vs_checkpoint_sharegpt": (">=", 0.2, "0.15-0.20"),
@@ -182,7 +184,7 @@ def plot_all(summary: dict, out: Path) -> list[Path]:
         ax.set(xlabel="request rate (req/s)", ylabel="mean TTFT (ms)", yscale="log",
                title="RAG: TTFT versus request rate")
         ax.legend(fontsize=7)
-        paths.append(_save(fig, out / "ttft_vs_rate.png"))
+        paths.append(save_figure(fig, out / "ttft_vs_rate.png"))
     sweep = results.get("distance_sweep")
     if sweep:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -193,7 +195,7 @@ def plot_all(summary: dict, out: Path) -> list[Path]:
         ax.set(xlabel="distance of the cut from the last checkpoint (tokens)",
                ylabel="median TTFT (ms)", title="TTFT versus checkpoint distance")
         ax.legend()
-        paths.append(_save(fig, out / "ttft_vs_checkpoint_distance.png"))
+        paths.append(save_figure(fig, out / "ttft_vs_checkpoint_distance.png"))
     caps = {k: v for k, v in results.items() if k.startswith("capacity_")}
     if caps:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -206,7 +208,7 @@ def plot_all(summary: dict, out: Path) -> list[Path]:
                ylabel="requests per second (repeat passes)",
                title="Throughput versus working-set size")
         ax.legend()
-        paths.append(_save(fig, out / "throughput_vs_working_set.png"))
+        paths.append(save_figure(fig, out / "throughput_vs_working_set.png"))
     cal = Path(summary["model"]) / "calibration.json"
     if cal.exists():
         sweep = json.loads(cal.read_text()).get("sweep", {})
@@ -222,14 +224,6 @@ def plot_all(summary: dict, out: Path) -> list[Path]:
                    ylabel="top-1 agreement", title="Quality versus k (calibration sweep)")
             ax2.set_ylabel("KL (nats)")
             ax.legend(loc="lower right", fontsize=7)
-            paths.append(_save(fig, out / "quality_vs_k.png"))
+            paths.append(save_figure(fig, out / "quality_vs_k.png"))
     return paths
 
-
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
-    return path

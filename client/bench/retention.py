@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine
+from client.bench.common import bench_main, config_of, machine, save_figure
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -148,10 +148,7 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
     ax.set_ylabel("mean time to first token (ms)")
     ax.set_title("An agent's calls between one-off prompts: retention priorities")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

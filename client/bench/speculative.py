@@ -28,7 +28,14 @@ from typing import Any
 from tqdm import tqdm
 
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
-from client.bench.common import DEFAULT_MODEL, OutputTimes, bench_main, config_of, machine
+from client.bench.common import (
+    DEFAULT_MODEL,
+    OutputTimes,
+    bench_main,
+    config_of,
+    machine,
+    save_figure,
+)
 from client.bench.workloads import TextSource
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative"
@@ -146,10 +153,7 @@ def plot(speedup: dict[str, dict[str, float]], path: Path) -> None:
     ax.set_ylabel("decode tokens/s vs a token a step")
     ax.set_title("Speculative decoding (n-gram prompt lookup), default model, CPU")
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
