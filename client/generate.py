@@ -132,7 +132,8 @@ class Chunk:
     non-streamed response, and a beam search's one response, whose rows are its beams, best
     first); `log_probs` / `cum_log_prob` are that sequence's, and
     `log_probs_by_sequence` / `cum_log_probs` every row as sent (rows padded with zeros to the
-    longest)."""
+    longest). `finish_reasons` holds, per row, why that sequence ended ("eos", "stop",
+    "length", "cancelled") on the response that ends it, "" before (empty: not sent)."""
 
     text: str
     elapsed_s: float
@@ -145,6 +146,7 @@ class Chunk:
     log_probs_by_sequence: list[list[float]] = field(default_factory=list)
     cum_log_probs: list[float] = field(default_factory=list)
     perf: dict[str, float] = field(default_factory=dict)  # PERF_METRICS, where sent
+    finish_reasons: list[str] = field(default_factory=list)
     # With return_generation_logits / return_context_logits: the server's tensors without
     # their batch dimension over gRPC ([K, T, V] and [P, V]); HTTP's JSON holds them flat.
     generation_logits: np.ndarray | None = None
@@ -153,11 +155,14 @@ class Chunk:
 
 def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
                log_probs: Any = None, cum: Any = None, index: Any = None,
-               perf: dict[str, float] | None = None) -> Chunk:
+               perf: dict[str, float] | None = None, reasons: Any = None) -> Chunk:
     """A Chunk from a response's outputs (flat arrays, or None where an output is absent)."""
     index = 0 if index is None else int(np.ravel(index)[0])
     chunk = Chunk("".join(texts), elapsed_s, counts, final, texts=texts, sequence_index=index,
                   perf=perf or {})
+    if reasons is not None:
+        chunk.finish_reasons = [r.decode("utf-8") if isinstance(r, bytes) else str(r)
+                                for r in np.ravel(reasons)]
     row = max(index, 0)
     if log_probs is not None and texts:
         rows = np.asarray(log_probs, dtype=np.float64).reshape(len(texts), -1).tolist()
@@ -317,7 +322,8 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     counts = {n: int(output(n)[0]) for n in COUNTS if n in names}
     perf = {n: output(n)[0].item() for n in PERF_METRICS if n in names}
     chunk = make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
-                       output("cum_log_probs"), output("sequence_index"), perf)
+                       output("cum_log_probs"), output("sequence_index"), perf,
+                       output("finish_reason"))
     for name in ("generation_logits", "context_logits"):
         if name in names:
             setattr(chunk, name, result.as_numpy(name)[0])
@@ -355,7 +361,8 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
     texts = [str(t) for t in np.ravel(body.get("text_output", []))]
     perf = {n: _first(body[n]) for n in PERF_METRICS if n in body}
     chunk = make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
-                       body.get("cum_log_probs"), body.get("sequence_index"), perf)
+                       body.get("cum_log_probs"), body.get("sequence_index"), perf,
+                       body.get("finish_reason"))
     for name in ("generation_logits", "context_logits"):
         if name in body:
             setattr(chunk, name, np.asarray(body[name], dtype=np.float32).reshape(-1))

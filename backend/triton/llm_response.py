@@ -8,6 +8,8 @@ outputs arrived for it:
   output_ids [1, K, T] INT32, sequence_length [1, K] INT32 (batch, sequence),
   num_input_tokens, num_output_tokens, cached_tokens, replayed_anchors, recomputed_tokens
   [1, 1] INT32, prefix_ids [1, K, P] INT32, prefix_length [1, K] INT32, flush [1, 1] BOOL,
+  finish_reason [1, K] BYTES (ours: why each row's sequence ended, the engine's
+  "eos" / "stop" / "length" / "cancelled", on the response that ends it; "" before),
   output_log_probs [1, K, N] FP32 and cum_log_probs [1, K] FP32 (TensorRT-LLM's; with
   return_log_probs: the model's log probability of each generated id in this response and
   their running sum; without it, N = 0 and the sums 0), sequence_index [1, 1] INT32 (as
@@ -105,8 +107,9 @@ class OutputStream:
             self.generated[index].extend(out.new_token_ids)
             rows = self._rows(index, out.new_token_ids)
             context, self.context = self.context, None
+            reason = (out.finish_reason or "") if out.finished else ""
             return self._tensors(rows, self._rows(index, prefix), self._rows(index, out.log_probs),
-                                 out.finished, [out], index,
+                                 out.finished, [out], index, self._rows(index, reason, ""),
                                  logits=[logits if k == index else None
                                          for k in range(self.num_sequences)],
                                  context=context), final
@@ -118,8 +121,9 @@ class OutputStream:
             return None, False
         ids = [g if self.exclude_input else self.prompt_ids + g for g in self.generated]
         logits = [np.concatenate(parts) if parts else None for parts in self.logits]
+        reasons = [(o.finish_reason or "") if o is not None else "" for o in self.last]
         return self._tensors(ids, [[]] * self.num_sequences, self.log_probs, True, self.last, -1,
-                             num_output=sum(len(g) for g in self.generated), logits=logits,
+                             reasons, num_output=sum(len(g) for g in self.generated), logits=logits,
                              context=self.context), True
 
     def _beams(self, out: RequestOutput) -> tuple[Tensors | None, bool]:
@@ -136,20 +140,23 @@ class OutputStream:
         generated = [b.token_ids for b in beams] + [[]] * (self.num_sequences - len(beams))
         log_probs = [b.log_probs for b in beams] + [[]] * (self.num_sequences - len(beams))
         cum = [b.cum_log_prob for b in beams] + [0.0] * (self.num_sequences - len(beams))
+        reasons = [b.finish_reason for b in beams] + [""] * (self.num_sequences - len(beams))
         ids = [g if self.exclude_input else self.prompt_ids + g for g in generated]
         logits = [None if b.logits is None else _numpy(b.logits) for b in beams]
         logits += [None] * (self.num_sequences - len(beams))
         context = None if out.context_logits is None else _numpy(out.context_logits)
-        return self._tensors(ids, [[]] * self.num_sequences, log_probs, True, [out], -1,
+        return self._tensors(ids, [[]] * self.num_sequences, log_probs, True, [out], -1, reasons,
                              num_output=sum(map(len, generated)), cum=cum, logits=logits,
                              context=context), True
 
-    def _rows(self, index: int, values: list) -> list[list]:
-        return [values if k == index else [] for k in range(self.num_sequences)]
+    def _rows(self, index: int, values, empty=None) -> list:
+        """`values` in row `index`, `empty` (default: a new empty list) in the others."""
+        return [values if k == index else ([] if empty is None else empty)
+                for k in range(self.num_sequences)]
 
     def _tensors(self, ids: list[list[int]], prefix: list[list[int]],
                  log_probs: list[list[float]], flush: bool, outs: list, index: int,
-                 num_output: int | None = None, cum: list[float] | None = None,
+                 reasons: list[str], num_output: int | None = None, cum: list[float] | None = None,
                  logits: list[np.ndarray | None] | None = None,
                  context: np.ndarray | None = None) -> Tensors:
         first = next(o for o in outs if o is not None)
@@ -170,6 +177,7 @@ class OutputStream:
             "output_log_probs": _padded(log_probs, np.float32),
             "cum_log_probs": np.array([cum], dtype=np.float32),
             "sequence_index": _int32(index),
+            "finish_reason": np.array([[r.encode("utf-8") for r in reasons]], dtype=np.object_),
         }
         if "perf_metrics" in self.extras:
             tensors.update(_perf([o.metrics for o in outs

@@ -35,6 +35,8 @@ def test_grpc_streaming_sends_one_response_per_token(llm_server: ServerHandle):
     assert sum(c.counts["num_output_tokens"] for c in chunks) == MAX_TOKENS
     assert len(chunks) == MAX_TOKENS
     assert chunks[0].counts["num_input_tokens"] == len(PROMPT.encode())
+    # finish_reason: "" on every response but the last, which says max_tokens ended it
+    assert [c.finish_reasons for c in chunks] == [[""]] * (MAX_TOKENS - 1) + [["length"]]
 
 
 def test_streamed_text_equals_non_streamed_text(llm_server: ServerHandle):
@@ -53,6 +55,7 @@ def test_http_generate_and_generate_stream_match_grpc(llm_server: ServerHandle):
     assert single.text == grpc_text == joined(events)
     assert single.counts["num_output_tokens"] == MAX_TOKENS
     assert len(events) == MAX_TOKENS
+    assert single.finish_reasons == events[-1].finish_reasons == ["length"]
 
 
 def test_exclude_input_in_output_false_returns_the_prompt(llm_server: ServerHandle):
@@ -182,6 +185,7 @@ def test_stop_word_ends_the_request(llm_server: ServerHandle):
     out = generate_http(llm_server.urls.http, stopped)
     assert out.text == text[: text.index(stop) + 1]  # the stop word is kept, as TensorRT-LLM
     assert out.counts["num_output_tokens"] < 24
+    assert out.finish_reasons == ["stop"]
 
 
 def test_bad_word_is_never_produced(llm_server: ServerHandle):

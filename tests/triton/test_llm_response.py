@@ -29,11 +29,13 @@ def test_streaming_sends_deltas_with_the_streamed_tail_as_prefix():
     assert sent[2]["prefix_ids"].tolist() == [[[2, 3, 4, 10, 11, 12, 13, 14]]]
     assert sent[2]["num_output_tokens"].tolist() == [[5]]  # this response's tokens
     assert not sent[2]["flush"][0, 0]
+    assert sent[2]["finish_reason"].tolist() == [[b""]]  # not ended yet
     assert send(stream, output([])) is None  # a step without tokens sends nothing
     final = send(stream, output([], finished=True))
     assert final["flush"][0, 0] and final["sequence_length"].tolist() == [[0]]
     assert final["request_key"].tolist() == [[b"r#0"]]
     assert final["cached_tokens"].tolist() == [[64]]
+    assert final["finish_reason"].tolist() == [[b"length"]]
 
 
 def test_non_streaming_sends_one_response_with_everything():
@@ -44,6 +46,7 @@ def test_non_streaming_sends_one_response_with_everything():
     assert final["sequence_length"].tolist() == [[6]]
     assert final["num_output_tokens"].tolist() == [[3]]
     assert final["prefix_length"].tolist() == [[0]] and final["flush"][0, 0]
+    assert final["finish_reason"].tolist() == [[b"length"]]
     excluded = OutputStream("r#1", [1, 2, 3], streaming=False, exclude_input=True)
     assert send(excluded, output([9], finished=True))["output_ids"].tolist() == [[[9]]]
 
@@ -86,6 +89,8 @@ def test_several_sequences_stream_one_row_at_a_time():
     c = send(stream, output([9], finished=True), 0)  # sequence 0 ends: flush, not final
     assert c["prefix_ids"].tolist() == [[[7, 8], [0, 0], [0, 0]]]
     assert c["prefix_length"].tolist() == [[2, 0, 0]] and c["flush"][0, 0]
+    assert c["finish_reason"].tolist() == [[b"length", b"", b""]]  # only the row that ended
+    assert b["finish_reason"].tolist() == [[b"", b"", b""]]
     assert stream.unfinished == 2
     send(stream, output([4], finished=True), 1)
     last = send(stream, output([6], finished=True), 2)
@@ -136,6 +141,7 @@ def test_beam_search_sends_its_beams_in_one_final_response(streaming):
     assert done["prefix_length"].tolist() == [[0, 0, 0]] and done["prefix_ids"].shape == (1, 3, 0)
     assert done["flush"][0, 0] and done["sequence_index"].tolist() == [[-1]]
     assert done["request_key"].tolist() == [[b"r#0"]]
+    assert done["finish_reason"].tolist() == [[b"length", b"eos", b"eos"]]  # each beam's
 
 
 def test_beam_search_returns_the_best_k_beams():
