@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MODEL_REPO ?= model_repo
 
-.PHONY: install test lint serve clean model model-nemotron-h
+.PHONY: install test lint serve openai clean model model-nemotron-h
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,14 @@ test: $(STAMP)
 # HTTP_PORT, GRPC_PORT, METRICS_PORT say otherwise; Ctrl-C stops it.
 serve: $(STAMP)
 	$(PY) -m backend.triton.launcher --model-repository $(MODEL_REPO)
+
+# The OpenAI-compatible frontend (/v1/completions, /v1/chat/completions) on OPENAI_PORT (9000),
+# in front of the server `make serve` started (its gRPC port: GRPC_PORT, 8001).
+OPENAI_PORT ?= 9000
+GRPC_PORT ?= 8001
+openai: $(STAMP)
+	$(PY) -m backend.openai_api --triton-url 127.0.0.1:$(GRPC_PORT) \
+	  --model-repository $(MODEL_REPO) --port $(OPENAI_PORT)
 
 # Retrains the default model from scratch (about 46 minutes on 2 cores; MODEL_CARD.md):
 # stage 1 forms the retrieval circuit on short key-value stores with many questions, stage 2

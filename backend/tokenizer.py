@@ -157,10 +157,10 @@ def _read_special_names(config_file: Path) -> tuple[str | None, str | None]:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read tokenizer config {config_file}: {exc}") from exc
-    return _token_text(config.get("eos_token")), _token_text(config.get("pad_token"))
+    return token_text(config.get("eos_token")), token_text(config.get("pad_token"))
 
 
-def _token_text(entry: object) -> str | None:
+def token_text(entry: object) -> str | None:
     # transformers writes either "<tok>" or {"content": "<tok>", ...}.
     if isinstance(entry, dict):
         entry = entry.get("content")

@@ -1,0 +1,403 @@
+"""OpenAI request bodies -> ensemble inputs; stop strings; finish reasons; response bodies.
+
+Accepted (`/v1/completions` and `/v1/chat/completions`, as OpenAI's API and vLLM's frontend):
+`model`, `max_tokens` (chat: also `max_completion_tokens`; default 16 for completions, for chat
+up to the context limit), `temperature`, `top_p`, `n` (-> num_return_sequences), `seed`,
+`presence_penalty`, `frequency_penalty`, `stop` (a string or a list: generation ends where the
+text first holds one, which is not returned), `stream`, `stream_options.include_usage`,
+`response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
+(the prompt before the text) and a list of prompts; vLLM's extra fields `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
+`guided_grammar`, `cache_salt`; ours `session_id` (the ensemble's: a conversation's pages are
+kept longer). Fields this server cannot honour with a value that asks for something
+(`logprobs`, `top_logprobs`, `logit_bias`, `tools`, `best_of` other than n, `suffix`, images)
+are rejected with a 400 that names them, never silently dropped; other unknown fields are
+ignored, as OpenAI's SDK sends some (`user`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_N = 64  # the ensemble's num_return_sequences limit
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# The engine's finish reasons -> OpenAI's ("cancelled": vLLM's "abort").
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
+
+
+class RequestError(Exception):
+    """A request the frontend answers with an OpenAI error body and `status`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+        self.kind = kind
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class Plan:
+    """One OpenAI request, ready for the ensemble: a Triton request per prompt."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    prompts: list[str]
+    fields: dict[str, Any]  # ensemble inputs shared by the prompts (not text_input, max_tokens)
+    max_tokens: int | None  # None: up to the context limit
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
+    echo: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+            self.id = f"{prefix}-{uuid.uuid4().hex}"
+
+
+def parse_completion(body: Any, models: Container[str]) -> Plan:
+    body = _object(body)
+    model = _model(body, models)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise RequestError("'prompt' as token ids is not supported: send the text", "prompt")
+    else:
+        raise RequestError("'prompt' must be a string or a non-empty list of strings", "prompt")
+    _refuse(body, "suffix", None, "'suffix' (insertion) is not supported")
+    _refuse(body, "logprobs", None,
+            "'logprobs' is not supported by this frontend (the Triton generate endpoint's "
+            "return_log_probs gives the chosen tokens' log probabilities)")
+    n = _int(body, "n", 1, 1, MAX_N)
+    best_of = _int(body, "best_of", n, 1, MAX_N)
+    if best_of != n:
+        raise RequestError(f"'best_of' other than n ({best_of} != {n}) is not supported",
+                           "best_of")
+    max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
+    plan = Plan("completion", model, prompts, {}, max_tokens, n,
+                echo=_bool(body, "echo", False))
+    _common(body, plan)
+    return plan
+
+
+def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
+    """`template`: a `chat.ChatTemplate` (None: the model has none, a 400)."""
+    body = _object(body)
+    model = _model(body, models)
+    messages = chat_messages(body.get("messages"))
+    for name in ("tools", "functions"):
+        _refuse(body, name, None, f"'{name}' (tool calling) is not supported")
+    if body.get("tool_choice") not in (None, "none"):
+        raise RequestError("'tool_choice' is not supported (no tools)", "tool_choice")
+    if body.get("logprobs"):
+        raise RequestError("'logprobs' is not supported by this frontend (the Triton generate "
+                           "endpoint's return_log_probs gives the chosen tokens' log "
+                           "probabilities)", "logprobs")
+    if body.get("top_logprobs") not in (None, 0):
+        raise RequestError("'top_logprobs' is not supported", "top_logprobs")
+    if template is None:
+        raise RequestError("the model has no chat template (tokenizer_config.json's "
+                           "chat_template): use /v1/completions", "messages")
+    try:
+        prompt = template.render(messages, add_generation_prompt=True)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
+    limit = _int(body, "max_completion_tokens", None, 1)
+    max_tokens = _int(body, "max_tokens", limit, 1)
+    plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N))
+    _common(body, plan)
+    if not body.get("ignore_eos"):  # the template's turn end and the model's end ids
+        words = plan.fields.setdefault("stop_words", [])
+        words.extend(w for w in template.stop_words if w not in words)
+    return plan
+
+
+def chat_messages(messages: Any) -> list[dict[str, str]]:
+    """`messages` as [{"role", "content"}] with text content (parts joined); "developer" is
+    passed as "system", which chat templates know."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(f"{where} must be an object", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise RequestError(f"{where}.role must be one of {list(ROLES)}, got {role!r}", where)
+        if message.get("tool_calls"):
+            raise RequestError(f"{where}.tool_calls: tool calling is not supported", where)
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                        part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise RequestError(f"{where}.content[{j}]: only text parts are supported, "
+                                       f"got {kind!r}", where)
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string or a list of text parts", where)
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _common(body: Mapping[str, Any], plan: Plan) -> None:
+    """The sampling, stop, guide, cache and streaming fields both endpoints share."""
+    fields = plan.fields
+    _refuse(body, "logit_bias", None, "'logit_bias' is not supported")
+    numbers = (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
+               ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+               ("repetition_penalty", 0.0, None))
+    for name, low, high in numbers:
+        value = _number(body, name, low, high)
+        if value is not None:
+            fields[name] = value
+    if "top_p" in fields and fields["top_p"] == 0.0:
+        raise RequestError("'top_p' must be greater than 0", "top_p")
+    if "repetition_penalty" in fields and fields["repetition_penalty"] == 0.0:
+        raise RequestError("'repetition_penalty' must be greater than 0", "repetition_penalty")
+    top_k = _int(body, "top_k", None, -1)
+    if top_k is not None:
+        fields["top_k"] = max(top_k, 0)  # vLLM's -1 (all tokens) is the ensemble's 0
+    seed = _int(body, "seed", None, 0, (1 << 64) - 1)
+    if seed is not None:
+        fields["seed"] = seed
+    min_tokens = _int(body, "min_tokens", None, 0)
+    if min_tokens:
+        fields["min_tokens"] = min_tokens
+    if _bool(body, "ignore_eos", False):
+        fields["end_id"] = -1
+    if plan.n > 1:
+        fields["num_return_sequences"] = plan.n
+    plan.stop = _stop(body.get("stop"))
+    if plan.stop:
+        fields["stop_words"] = list(plan.stop)
+    for name in ("cache_salt", "session_id"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"'{name}' must be a non-empty string", name)
+            fields[name] = value
+    guide = _guide(body)
+    if guide is not None:
+        fields["guided_decoding_guide_type"], fields["guided_decoding_guide"] = guide
+    plan.stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None:
+        if not plan.stream:
+            raise RequestError("'stream_options' is only allowed with stream: true",
+                               "stream_options")
+        if not isinstance(options, dict):
+            raise RequestError("'stream_options' must be an object", "stream_options")
+        plan.include_usage = _bool(options, "include_usage", False, "stream_options.")
+
+
+def _guide(body: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(guide type, guide) from response_format or vLLM's guided_* fields; at most one."""
+    guides = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            guides.append(("json", ""))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise RequestError("response_format.json_schema.schema must be an object",
+                                   "response_format")
+            guides.append(("json_schema", json.dumps(schema)))
+        elif kind != "text":
+            raise RequestError("response_format.type must be 'text', 'json_object' or "
+                               f"'json_schema', got {kind!r}", "response_format")
+    value = body.get("guided_json")
+    if value is not None:
+        if isinstance(value, dict):
+            value = json.dumps(value)
+        if not isinstance(value, str):
+            raise RequestError("'guided_json' must be a JSON schema (object or string)",
+                               "guided_json")
+        guides.append(("json_schema", value))
+    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "ebnf_grammar")):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str) or not value:
+                raise RequestError(f"'{name}' must be a non-empty string", name)
+            guides.append((kind, value))
+    if len(guides) > 1:
+        raise RequestError("at most one of response_format (json), guided_json, guided_regex "
+                           "and guided_grammar may be given", "response_format")
+    return guides[0] if guides else None
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise RequestError("'stop' must be a non-empty string or a list of them", "stop")
+    return list(dict.fromkeys(values))
+
+
+def _object(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
+
+
+def _model(body: Mapping[str, Any], models: Container[str]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise RequestError("'model' must be a string", "model")
+    if model not in models:
+        raise RequestError(f"the model {model!r} does not exist", "model", 404,
+                           code="model_not_found")
+    return model
+
+
+def _refuse(body: Mapping[str, Any], name: str, allowed: Any, message: str) -> None:
+    value = body.get(name, allowed)
+    if value != allowed and value not in ({}, [], None):
+        raise RequestError(message, name)
+
+
+def _int(body: Mapping[str, Any], name: str, default: int | None, low: int | None = None,
+         high: int | None = None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"'{name}' must be an integer, got {value!r}", name)
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f"from {low}" + (f" to {high}" if high is not None else " up")
+        raise RequestError(f"'{name}' must be {bounds}, got {value}", name)
+    return value
+
+
+def _number(body: Mapping[str, Any], name: str, low: float, high: float | None) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"'{name}' must be a number, got {value!r}", name)
+    if value < low or (high is not None and value > high):
+        bounds = f"from {low}" + (f" to {high}" if high is not None else " up")
+        raise RequestError(f"'{name}' must be {bounds}, got {value}", name)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], name: str, default: bool, where: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"'{where}{name}' must be true or false, got {value!r}",
+                           f"{where}{name}")
+    return value
+
+
+class StopFilter:
+    """The text of one choice as it streams, cut before the first stop string it holds.
+
+    The last (longest stop - 1) characters are held back until the next text shows they do
+    not begin a stop string, so no client ever sees part of one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.hold = max(map(len, self.stops), default=1) - 1
+        self.pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The text that can go to the client now (the stop string and what follows never)."""
+        if self.stopped:
+            return ""
+        self.pending += text
+        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.pending, self.stopped = self.pending[:min(found)], "", True
+            return out
+        keep = min(self.hold, len(self.pending))
+        out = self.pending[:len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep:]
+        return out
+
+    def flush(self) -> str:
+        """What was held back, once the choice has ended."""
+        out, self.pending = ("" if self.stopped else self.pending), ""
+        return out
+
+
+def finish_reason(engine_reason: str, stopped: bool) -> str:
+    """OpenAI's finish_reason for a choice: "stop" where a stop string cut it."""
+    if stopped:
+        return "stop"
+    return FINISH_REASONS.get(engine_reason, "stop")
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chunk_body(plan: Plan, choices: list[dict[str, Any]],
+               usage_body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk (`text_completion` / `chat.completion.chunk`)."""
+    body = {"id": plan.id, "object": "chat.completion.chunk" if plan.kind == "chat"
+            else "text_completion", "created": plan.created, "model": plan.model,
+            "choices": choices}
+    if usage_body is not None:
+        body["usage"] = usage_body
+    return body
+
+
+def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
+                  role: bool = False) -> dict[str, Any]:
+    if plan.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if text is not None:
+            delta["content"] = text
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+
+
+def response_body(plan: Plan, texts: list[str], reasons: list[str],
+                  usage_body: dict[str, Any]) -> dict[str, Any]:
+    """The non-streamed answer: `chat.completion` / `text_completion`."""
+    if plan.kind == "chat":
+        choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                    "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        kind = "chat.completion"
+    else:
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        kind = "text_completion"
+    return {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model,
+            "choices": choices, "usage": usage_body}

@@ -1,0 +1,364 @@
+"""The OpenAI-compatible HTTP server (aiohttp) in front of a running Triton server.
+
+    python -m backend.openai_api --triton-url 127.0.0.1:8001 --model-repository model_repo \
+        --port 9000 [--served-model-name NAME ...]
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
+`stream: true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`,
+`GET /health/ready` (200 once Triton serves the ensemble). Each prompt is one ensemble request
+streamed from Triton (`upstream.py`), whatever the client asked, so every choice's text is cut
+at its stop strings as it comes and its finish reason is known; `usage` carries the prompt's
+`cached_tokens` (`prompt_tokens_details`, as OpenAI's): the tokens served from the prefix
+cache. Errors are OpenAI error bodies: 400 for what the request got wrong (the frontend's
+checks, `protocol.py`, and the server's INVALID_ARG), 404 for an unknown model, 503 when
+Triton is not ready, 500 otherwise. A client that goes away cancels its requests in Triton.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from backend.openai_api import protocol
+from backend.openai_api.chat import ChatTemplate
+from backend.openai_api.protocol import Plan, RequestError, StopFilter
+from backend.openai_api.upstream import ServedModel, Upstream, UpstreamError
+
+log = logging.getLogger("backend.openai_api")
+
+
+@dataclass
+class State:
+    upstream: Upstream
+    served: ServedModel
+    names: list[str]
+    tokenizer: Any  # backend.tokenizer.Tokenizer, or None (then max_tokens is required)
+    template: ChatTemplate | None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+STATE = web.AppKey("state", State)
+
+
+@dataclass
+class Choice:
+    stop: StopFilter
+    parts: list[str] = field(default_factory=list)
+    reason: str | None = None  # OpenAI's, once it ended
+
+
+class Run:
+    """The Triton requests of one OpenAI request (one a prompt) and its choices' progress."""
+
+    def __init__(self, state: State, plan: Plan) -> None:
+        self.state = state
+        self.plan = plan
+        self.requests = [self._fields(p) for p in plan.prompts]
+        self.choices = [Choice(StopFilter(plan.stop))
+                        for _ in range(len(plan.prompts) * plan.n)]
+        self.prompt_tokens = [0] * len(plan.prompts)
+        self.cached_tokens = [0] * len(plan.prompts)
+        self.completion_tokens = 0
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+
+    def _fields(self, prompt: str) -> dict[str, Any]:
+        max_tokens = self.plan.max_tokens
+        if max_tokens is None:  # up to the context limit, as vLLM's default
+            limit = self.state.served.max_context_len
+            if self.state.tokenizer is None:
+                raise RequestError("'max_tokens' is required (the frontend has no tokenizer "
+                                   "to count the prompt)", "max_tokens")
+            used = len(self.state.tokenizer.encode(prompt, add_special_tokens=True))
+            max_tokens = limit - used
+            if max_tokens < 1:
+                raise RequestError(f"the prompt has {used} tokens, which leaves none of the "
+                                   f"context limit of {limit} to generate", "messages")
+        return {**self.plan.fields, "text_input": prompt, "max_tokens": max_tokens,
+                "stream": True}
+
+    def start(self) -> None:
+        for p, fields in enumerate(self.requests):
+            self.tasks.append(asyncio.create_task(self._pump(p, fields)))
+
+    async def _pump(self, p: int, fields: dict[str, Any]) -> None:
+        try:
+            async for response in self.state.upstream.generate(fields):
+                await self.queue.put((p, response, None))
+        except UpstreamError as exc:
+            await self.queue.put((p, None, exc))
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken channel: reported to the client, not raised here
+            await self.queue.put((p, None, UpstreamError(f"{type(exc).__name__}: {exc}")))
+            return
+        await self.queue.put((p, None, None))  # this prompt's requests are done
+
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+    async def events(self):
+        """(choice index, text to send, OpenAI finish reason or None) as the responses come;
+        an upstream error raises it."""
+        closed: set[int] = set()  # prompts whose requests ended (or were cancelled)
+        n = self.plan.n
+        while len(closed) < len(self.requests):
+            p, response, error = await self.queue.get()
+            if error is not None:
+                raise error
+            if response is None:
+                closed.add(p)
+                continue
+            counts = response.counts
+            if "num_input_tokens" in counts:
+                self.prompt_tokens[p] = counts["num_input_tokens"]
+            self.completion_tokens += counts.get("num_output_tokens", 0)
+            if response.index == 0 and "cached_tokens" in counts:
+                self.cached_tokens[p] = counts["cached_tokens"]
+            for k, text in enumerate(response.texts):
+                engine_reason = response.reasons[k] if k < len(response.reasons) else ""
+                index = p * n + k
+                choice = self.choices[index]
+                if choice.reason is not None or not (text or engine_reason):
+                    continue
+                out = choice.stop.feed(text)
+                if choice.stop.stopped or engine_reason:
+                    out += choice.stop.flush()
+                    choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
+                choice.parts.append(out)
+                yield index, out, choice.reason
+                if choice.stop.stopped and p not in closed and self._prompt_done(p):
+                    self.tasks[p].cancel()  # every choice of it ended at a stop string
+                    closed.add(p)
+        for index, choice in enumerate(self.choices):  # ended without a reason: say why
+            if choice.reason is None:
+                tail = choice.stop.flush()
+                choice.parts.append(tail)
+                choice.reason = "stop"
+                yield index, tail, choice.reason
+
+    def _prompt_done(self, p: int) -> bool:
+        n = self.plan.n
+        return all(c.reason is not None for c in self.choices[p * n:(p + 1) * n])
+
+    def usage(self) -> dict[str, Any]:
+        return protocol.usage(sum(self.prompt_tokens), self.completion_tokens,
+                              sum(self.cached_tokens))
+
+    def texts(self) -> list[str]:
+        prefix = self.plan.prompts if self.plan.echo else None
+        return [(prefix[i // self.plan.n] if prefix else "") + "".join(c.parts)
+                for i, c in enumerate(self.choices)]
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    try:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise RequestError("the request body is not valid JSON") from None
+        plan = (protocol.parse_chat(body, state.names, state.template) if kind == "chat"
+                else protocol.parse_completion(body, state.names))
+        run = Run(state, plan)
+    except RequestError as exc:
+        return _error(exc)
+    run.start()
+    events = run.events()
+    try:
+        try:
+            first = await events.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except UpstreamError as exc:
+            return _error(_client_error(exc))
+        if plan.stream:
+            return await _stream(request, run, events, first)
+        if first is not None:
+            async for _ in events:
+                pass
+        reasons = [c.reason or "stop" for c in run.choices]
+        return web.json_response(protocol.response_body(plan, run.texts(), reasons,
+                                                        run.usage()))
+    except UpstreamError as exc:
+        return _error(_client_error(exc))
+    finally:
+        run.cancel()
+        await events.aclose()
+
+
+async def _stream(request: web.Request, run: Run, events, first) -> web.StreamResponse:
+    plan = run.plan
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+    await response.prepare(request)
+
+    async def send(body: Any) -> None:
+        await response.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
+
+    for index in range(len(run.choices)):  # the role (chat) or the echoed prompt first
+        if plan.kind == "chat":
+            await send(protocol.chunk_body(plan, [protocol.stream_choice(plan, index, "", None,
+                                                                         role=True)]))
+        elif plan.echo:
+            echo = plan.prompts[index // plan.n]
+            await send(protocol.chunk_body(plan, [protocol.stream_choice(plan, index, echo,
+                                                                         None)]))
+    try:
+        pending = [first] if first is not None else []
+        while True:
+            for index, text, reason in pending:
+                if text or reason:
+                    await send(protocol.chunk_body(
+                        plan, [protocol.stream_choice(plan, index, text, reason)]))
+            try:
+                pending = [await events.__anext__()]
+            except StopAsyncIteration:
+                break
+        if plan.include_usage:
+            await send(protocol.chunk_body(plan, [], run.usage()))
+    except UpstreamError as exc:
+        await send(_client_error(exc).body())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _client_error(exc: UpstreamError) -> RequestError:
+    if exc.status == 400:
+        return RequestError(exc.message)
+    kind = "service_unavailable" if exc.status == 503 else "internal_server_error"
+    return RequestError(f"the inference server failed: {exc.message}", status=exc.status,
+                        kind=kind)
+
+
+def _error(exc: RequestError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [_model(state, n) for n in state.names]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in state.names:
+        return _error(RequestError(f"the model {name!r} does not exist", "model", 404,
+                                   code="model_not_found"))
+    return web.json_response(_model(state, name))
+
+
+def _model(state: State, name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "suffixreplay",
+            "max_model_len": state.served.max_context_len}
+
+
+async def health_ready(request: web.Request) -> web.Response:
+    ready = await request.app[STATE].upstream.ready()
+    return web.Response(status=200 if ready else 503, text="ready" if ready else "not ready")
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler) -> web.StreamResponse:
+    """aiohttp's own errors (unknown route, wrong method) as OpenAI error bodies."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(RequestError(f"{request.method} {request.path}: {exc.reason}",
+                                   status=exc.status))
+
+
+async def make_app(triton_url: str, model_repository: str | Path,
+                   served_names: Sequence[str] = ()) -> web.Application:
+    """The app, connected to Triton (its configuration read once, here)."""
+    from backend.tokenizer import load_tokenizer
+
+    upstream = Upstream(triton_url)
+    served = await ServedModel.load(upstream, model_repository)
+    upstream.input_types = served.input_types
+    tokenizer = template = None
+    if served.tokenizer_dir is not None and served.tokenizer_dir.is_dir():
+        tokenizer = load_tokenizer(served.tokenizer_dir)
+        template = ChatTemplate.from_dir(served.tokenizer_dir, tokenizer.special_tokens)
+    else:
+        log.warning("no tokenizer folder under %s: chat and a missing max_tokens are refused",
+                    model_repository)
+    app = web.Application(middlewares=[json_errors], client_max_size=64 << 20)
+    app[STATE] = State(upstream, served, list(served_names) or ["ensemble"], tokenizer,
+                       template)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health/ready", health_ready)
+
+    async def close(app: web.Application) -> None:
+        await app[STATE].upstream.close()
+
+    app.on_cleanup.append(close)
+    return app
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m backend.openai_api",
+                                     description="OpenAI-compatible frontend for the ensemble")
+    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    parser.add_argument("--model-repository", default="model_repo",
+                        help="the folder Triton serves (for the tokenizer and chat template)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--served-model-name", action="append", default=[],
+                        help="name(s) clients use as `model` (default: ensemble)")
+    parser.add_argument("--wait-s", type=float, default=120.0,
+                        help="how long to wait for Triton to be ready at start")
+    return parser.parse_args(argv)
+
+
+async def _wait_ready(url: str, wait_s: float) -> None:
+    upstream = Upstream(url)
+    try:
+        deadline = time.monotonic() + wait_s
+        while not await upstream.ready():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"Triton at {url} did not serve the ensemble within {wait_s} s")
+            await asyncio.sleep(0.5)
+    finally:
+        await upstream.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    async def build() -> web.Application:
+        await _wait_ready(args.triton_url, args.wait_s)
+        return await make_app(args.triton_url, args.model_repository, args.served_model_name)
+
+    print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
+          f"{args.triton_url}", file=sys.stderr, flush=True)
+    web.run_app(build(), host=args.host, port=args.port, print=None,
+                handler_cancellation=True)

@@ -1,0 +1,210 @@
+"""The Triton side of the OpenAI frontend: one gRPC channel to the server, one bidirectional
+`ModelStreamInfer` stream a request (the ensemble is decoupled: every response of a request
+comes on it, the last flagged final), and the served configuration the frontend needs.
+
+`ServedModel.load` reads, from the running server: the ensemble's input dtypes (inputs are
+built with them), the preprocessing model's `tokenizer_dir` and hybrid_llm's `model_path` and
+`max_context_len` (resolved against `model_repository`, the folder the server was started with),
+so the frontend counts prompt tokens and renders chat templates with the tokenizer the server
+uses. Cancelling a stream (the HTTP client went away) cancels the request in the server.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ENSEMBLE = "ensemble"
+COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens")
+DEFAULT_CONTEXT_LEN = 8192  # hybrid_llm's default max_context_len (backend/engine/config.py)
+_NP = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
+       "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
+_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_INT64": "INT64",
+         "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
+_MAX_MESSAGE = 256 << 20
+
+
+class UpstreamError(Exception):
+    """The server answered with an error, or could not be reached; `status` is the HTTP status
+    for the client: 400 (the request's fault), 500 (the server's), 503 (unreachable)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+
+
+@dataclass
+class Response:
+    """One ensemble response: the row it carries (-1: all), each row's text and finish
+    reason, and the counts."""
+
+    index: int
+    texts: list[str]
+    reasons: list[str]
+    counts: dict[str, int] = field(default_factory=dict)
+    final: bool = False
+
+
+@dataclass
+class ServedModel:
+    input_types: dict[str, str]  # ensemble input -> config data_type (TYPE_INT32, ...)
+    tokenizer_dir: Path | None
+    model_dir: Path | None
+    max_context_len: int
+
+    @classmethod
+    async def load(cls, upstream: Upstream, model_repository: str | Path) -> ServedModel:
+        repo = Path(model_repository)
+        ensemble = await upstream.model_config(ENSEMBLE)
+        types = {i["name"]: i["data_type"] for i in ensemble.get("input", [])}
+        steps = [s.get("model_name") for s in
+                 ensemble.get("ensemble_scheduling", {}).get("step", [])]
+        tokenizer_dir = model_dir = None
+        limit = DEFAULT_CONTEXT_LEN
+        if "preprocessing" in steps:
+            params = _parameters(await upstream.model_config("preprocessing"))
+            if "tokenizer_dir" in params:
+                tokenizer_dir = repo / params["tokenizer_dir"]
+        if "hybrid_llm" in steps:
+            params = _parameters(await upstream.model_config("hybrid_llm"))
+            if "model_path" in params:
+                model_dir = repo / "hybrid_llm" / params["model_path"]
+            if params.get("max_context_len", "").isdigit():
+                limit = int(params["max_context_len"])
+        if model_dir is not None:  # the engine also stops at the model's positions
+            config = model_dir / "config.json"
+            if config.is_file():
+                data = json.loads(config.read_text(encoding="utf-8"))
+                positions = data.get("max_position_embeddings") or data.get(
+                    "text_config", {}).get("max_position_embeddings")
+                if isinstance(positions, int) and positions > 0:
+                    limit = min(limit, positions)
+        return cls(types, tokenizer_dir or model_dir, model_dir, limit)
+
+
+def _parameters(config: Mapping[str, Any]) -> dict[str, str]:
+    return {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+
+
+class Upstream:
+    def __init__(self, url: str) -> None:
+        import grpc
+        from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+        self.url = url
+        self._pb = service_pb2
+        self._channel = grpc.aio.insecure_channel(url, options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE)])
+        self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
+        self.input_types: dict[str, str] = {}
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def model_config(self, name: str) -> dict[str, Any]:
+        from google.protobuf.json_format import MessageToDict
+
+        reply = await self._stub.ModelConfig(self._pb.ModelConfigRequest(name=name))
+        return MessageToDict(reply.config, preserving_proto_field_name=True,
+                             use_integers_for_enums=False)
+
+    async def ready(self, model: str = ENSEMBLE) -> bool:
+        import grpc
+
+        try:
+            server = await self._stub.ServerReady(self._pb.ServerReadyRequest(), timeout=5)
+            served = await self._stub.ModelReady(self._pb.ModelReadyRequest(name=model),
+                                                 timeout=5)
+        except grpc.RpcError:
+            return False
+        return bool(server.ready and served.ready)
+
+    def request(self, fields: Mapping[str, Any]) -> Any:
+        """A ModelInferRequest for the ensemble (dtypes from its config)."""
+        from tritonclient.utils import serialize_byte_tensor
+
+        request = self._pb.ModelInferRequest(model_name=ENSEMBLE, id=uuid.uuid4().hex)
+        request.parameters["triton_enable_empty_final_response"].bool_param = True
+        for name, value in fields.items():
+            kind = self.input_types.get(name, "TYPE_STRING")
+            values = value if isinstance(value, (list, tuple)) else [value]
+            if kind == "TYPE_STRING":
+                array = np.array([[v.encode("utf-8") if isinstance(v, str) else v
+                                   for v in values]], dtype=np.object_)
+                raw = serialize_byte_tensor(array).item()
+            else:
+                array = np.array([values], dtype=_NP[kind])
+                raw = array.tobytes()
+            request.inputs.add(name=name, datatype=_WIRE[kind], shape=list(array.shape))
+            request.raw_input_contents.append(raw)
+        return request
+
+    async def generate(self, fields: Mapping[str, Any]) -> AsyncIterator[Response]:
+        """The request's responses (the empty final one included) as they come; an error
+        raises UpstreamError. Leaving the loop early cancels the request."""
+        import grpc
+        from tritonclient.grpc import InferResult
+
+        request = self.request(fields)
+
+        async def requests():
+            yield request
+
+        call = self._stub.ModelStreamInfer(requests())
+        done = False
+        try:
+            async for reply in call:
+                if reply.error_message:
+                    done = True
+                    message = reply.error_message
+                    raise UpstreamError(message, 400 if _invalid(message) else 500)
+                response = reply.infer_response
+                final = response.parameters["triton_final_response"].bool_param
+                yield _response(InferResult(response), response, final)
+                if final:
+                    done = True
+                    return
+            done = True
+            raise UpstreamError("the server closed the stream before the final response")
+        except grpc.RpcError as exc:
+            done = True
+            unavailable = exc.code() == grpc.StatusCode.UNAVAILABLE
+            raise UpstreamError(f"Triton at {self.url}: {exc.details()}",
+                                503 if unavailable else 500) from None
+        finally:
+            if not done:
+                call.cancel()
+
+
+def _response(result: Any, response: Any, final: bool) -> Response:
+    names = {o.name for o in response.outputs}
+
+    def strings(name: str) -> list[str]:
+        if name not in names:
+            return []
+        return [v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+                for v in result.as_numpy(name).reshape(-1)]
+
+    counts = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in COUNTS if n in names}
+    index = (int(result.as_numpy("sequence_index").reshape(-1)[0])
+             if "sequence_index" in names else -1)
+    return Response(index, strings("text_output"), strings("finish_reason"), counts, final)
+
+
+def _invalid(message: str) -> bool:
+    """Whether a server error is the request's fault. Inside a stream an error comes as a
+    message only; the models mark their own failures ("internal error: ...", the engine's
+    "the engine failed", an unloaded model), the rest are INVALID_ARG (a bad value, a prompt
+    over the context limit, a guide that does not compile) or Triton's own input checks."""
+    return not any(marker in message for marker in _SERVER_FAULTS)
+
+
+_SERVER_FAULTS = ("internal error", "the engine failed", "the model was unloaded")

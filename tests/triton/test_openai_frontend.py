@@ -1,0 +1,242 @@
+"""The OpenAI-compatible frontend (`python -m backend.openai_api`, a real process) in front of a
+real tritonserver, driven by the OpenAI SDK: the same text as Triton's own endpoints, streamed
+or not; stop strings; several prompts and choices; usage with cached tokens; guided JSON; clear
+errors; a client that goes away cancels its request and leaves no page held."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from backend.triton.server import ServerHandle
+from client.generate import GenerateParams, generate_http
+from tests.triton.conftest import free_ports
+from tests.triton.llm_helpers import idle_pool, long_prompt, pool_state, wait_until
+
+PROMPT = "The capital of France is"
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def frontend(llm_server: ServerHandle, tmp_path_factory) -> Iterator[str]:
+    """The frontend's base URL (http://127.0.0.1:PORT), its process stopped at the end."""
+    [port] = free_ports(1)
+    log = tmp_path_factory.mktemp("openai") / "frontend.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.openai_api", "--triton-url", llm_server.urls.grpc,
+             "--model-repository", str(llm_server.model_repository), "--port", str(port),
+             "--served-model-name", "ensemble", "--served-model-name", "tiny-qwen3.5"],
+            stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health/ready", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the frontend did not start:\n{log.read_text()}", pytrace=False)
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def sdk(frontend: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def greedy(**extra) -> dict:
+    """Every request yields exactly MAX_TOKENS tokens, whatever the model (min_tokens)."""
+    body = {"top_k": 1, "min_tokens": MAX_TOKENS, "cache_salt": uuid.uuid4().hex}
+    body.update(extra)
+    return body
+
+
+def post(frontend: str, path: str, body) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(frontend + path, data, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_models_are_listed_under_their_served_names(sdk: openai.OpenAI):
+    assert [m.id for m in sdk.models.list()] == ["ensemble", "tiny-qwen3.5"]
+    model = sdk.models.retrieve("tiny-qwen3.5")
+    assert model.id == "tiny-qwen3.5" and model.model_extra["max_model_len"] == 2048
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        sdk.models.retrieve("gpt-4")
+
+
+def test_completion_equals_tritons_generate(sdk: openai.OpenAI, llm_server: ServerHandle):
+    extra = greedy()
+    reply = sdk.completions.create(model="tiny-qwen3.5", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                   extra_body=extra)
+    triton = generate_http(llm_server.urls.http, GenerateParams(
+        PROMPT, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1,
+        cache_salt=extra["cache_salt"]))
+    [choice] = reply.choices
+    assert choice.text == triton.text and choice.finish_reason == "length"
+    assert reply.object == "text_completion" and reply.model == "tiny-qwen3.5"
+    assert reply.usage.prompt_tokens == len(PROMPT.encode())  # one byte token each
+    assert reply.usage.completion_tokens == MAX_TOKENS
+    assert reply.usage.total_tokens == len(PROMPT.encode()) + MAX_TOKENS
+    echoed = sdk.completions.create(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                    echo=True, extra_body=extra)
+    assert echoed.choices[0].text == PROMPT + triton.text
+
+
+def test_streamed_chat_equals_the_whole_answer(sdk: openai.OpenAI):
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "What is machine learning?"}]
+    extra = greedy()
+    whole = sdk.chat.completions.create(model="ensemble", messages=messages,
+                                        max_tokens=MAX_TOKENS, extra_body=extra)
+    [choice] = whole.choices
+    assert choice.message.role == "assistant" and whole.object == "chat.completion"
+    events = list(sdk.chat.completions.create(
+        model="ensemble", messages=messages, max_tokens=MAX_TOKENS, extra_body=extra,
+        stream=True, stream_options={"include_usage": True}))
+    assert events[0].choices[0].delta.role == "assistant"  # the role comes first
+    text = "".join(e.choices[0].delta.content or "" for e in events if e.choices)
+    reasons = [e.choices[0].finish_reason for e in events if e.choices]
+    assert text == choice.message.content
+    assert reasons[-1] == choice.finish_reason == "length" and not any(reasons[:-1])
+    usage = events[-1].usage  # the usage chunk, without choices, last
+    assert not events[-1].choices and usage.completion_tokens == MAX_TOKENS
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > len("What is machine learning?")
+
+
+def test_stop_strings_end_the_text_before_them(sdk: openai.OpenAI):
+    extra = greedy()
+    kwargs = dict(model="ensemble", prompt="Stop strings:", max_tokens=MAX_TOKENS)
+    text = sdk.completions.create(**kwargs, extra_body=extra).choices[0].text
+    stop = text[4:6]  # two characters: the frontend must hold one back while streaming
+    expected = text[:text.index(stop)]
+    extra = greedy(min_tokens=0, cache_salt=extra["cache_salt"])
+    cut = sdk.completions.create(**kwargs, stop=[stop], extra_body=extra).choices[0]
+    assert cut.text == expected and cut.finish_reason == "stop"
+    pieces = [(e.choices[0].text, e.choices[0].finish_reason) for e in
+              sdk.completions.create(**kwargs, stop=stop, stream=True, extra_body=extra)]
+    streamed = ""
+    for piece, _ in pieces:
+        streamed += piece
+        assert stop not in streamed  # never sent, not even in part and taken back
+    assert streamed == expected and pieces[-1][1] == "stop"
+
+
+def test_several_prompts_and_choices(sdk: openai.OpenAI):
+    extra = greedy(cache_salt=uuid.uuid4().hex)
+    reply = sdk.completions.create(model="ensemble", prompt=["First prompt", "Second prompt"],
+                                   n=2, max_tokens=MAX_TOKENS, extra_body=extra)
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in reply.choices]
+    assert texts[0] == texts[1] and texts[2] == texts[3]  # greedy: the same per prompt
+    singles = [sdk.completions.create(model="ensemble", prompt=p, max_tokens=MAX_TOKENS,
+                                      extra_body=extra).choices[0].text
+               for p in ("First prompt", "Second prompt")]
+    assert texts[0] == singles[0] and texts[2] == singles[1]
+    assert reply.usage.completion_tokens == 4 * MAX_TOKENS
+    assert reply.usage.prompt_tokens == len("First prompt") + len("Second prompt")
+    streamed: dict[int, str] = {}
+    for event in sdk.completions.create(model="ensemble", prompt=["First prompt",
+                                        "Second prompt"], n=2, max_tokens=MAX_TOKENS,
+                                        stream=True, extra_body=extra):
+        for c in event.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == texts
+
+
+def test_usage_reports_the_prompts_cached_tokens(sdk: openai.OpenAI):
+    salt = uuid.uuid4().hex
+    messages = [{"role": "user", "content": long_prompt("A long question to cache", 300)}]
+    usages = [sdk.chat.completions.create(model="ensemble", messages=messages, max_tokens=4,
+                                          extra_body={"cache_salt": salt, "top_k": 1}).usage
+              for _ in range(2)]
+    assert usages[0].prompt_tokens_details.cached_tokens == 0  # its own salt: cold
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert cached >= 256 and cached <= usages[1].prompt_tokens  # the whole pages of the prompt
+
+
+def test_response_format_json_schema_gives_json(sdk: openai.OpenAI):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+              "required": ["name"], "additionalProperties": False}
+    reply = sdk.chat.completions.create(
+        model="ensemble", messages=[{"role": "user", "content": "Your name as JSON"}],
+        max_tokens=64, response_format={"type": "json_schema",
+                                        "json_schema": {"name": "who", "schema": schema}})
+    value = json.loads(reply.choices[0].message.content)
+    assert set(value) == {"name"} and isinstance(value["name"], str)
+    assert reply.choices[0].finish_reason == "stop"
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    ("/v1/completions", {"model": "ensemble", "prompt": "x", "n": 0}, 400, "'n' must be from 1"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "'nope' does not exist"),
+    ("/v1/chat/completions", {"model": "ensemble", "messages": [{"role": "user"}]}, 400,
+     "messages[0].content must be a string"),
+    # found by the server (INVALID_ARG inside the gRPC stream), still a 400 with its reason
+    ("/v1/completions", {"model": "ensemble", "prompt": "x" * 2100, "max_tokens": 4}, 400,
+     "more than the context limit of 2048"),
+    ("/v1/completions", {"model": "ensemble", "prompt": "x", "guided_regex": "(["}, 400,
+     "not a valid regex"),
+    # the chat default max_tokens is what the context leaves: here nothing
+    ("/v1/chat/completions", {"model": "ensemble", "messages": [
+        {"role": "user", "content": "y" * 2100}]}, 400, "leaves none of the context limit"),
+    ("/v1/embeddings", {"model": "ensemble", "input": "x"}, 404, "Not Found"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("path, body, status, message", BAD)
+def test_bad_requests_get_openai_errors(frontend: str, llm_server: ServerHandle, path, body,
+                                        status, message):
+    got, reply = post(frontend, path, body)
+    assert got == status and message in reply["error"]["message"], reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    stream = dict(body, stream=True) if isinstance(body, dict) else body
+    got, reply = post(frontend, path, stream)  # streamed: the same error, before any event
+    assert got == status and message in reply["error"]["message"], reply
+    idle_pool(llm_server)
+
+
+def test_a_client_that_goes_away_cancels_its_request(frontend: str, llm_server: ServerHandle):
+    before = idle_pool(llm_server)
+    body = {"model": "ensemble", "prompt": long_prompt("Hang up on the frontend", 150),
+            "max_tokens": 1800, "min_tokens": 1800, "stream": True, "seed": 9}
+    request = urllib.request.Request(f"{frontend}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    events = []
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert response.status == 200
+        for raw in response:
+            line = raw.decode().strip()
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+            if len(events) == 3:
+                break
+        wait_until(lambda: pool_state(llm_server)["held_by_requests"] > 0, 10, "held pages")
+    # the connection is closed: the frontend cancels the gRPC stream, Triton the request
+    after = idle_pool(llm_server, timeout_s=30)
+    assert all(e["choices"][0]["finish_reason"] is None for e in events)
+    assert after["held_by_requests"] == 0
+    assert after["free_or_cached"] == before["free_or_cached"]

@@ -1,0 +1,230 @@
+"""The OpenAI frontend without a server: request bodies -> ensemble inputs, the errors for what
+is wrong, stop strings cut across streamed pieces, chat templates and their turn ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.openai_api.chat import ChatTemplate, TemplateError
+from backend.openai_api.protocol import (
+    RequestError,
+    StopFilter,
+    finish_reason,
+    parse_chat,
+    parse_completion,
+)
+from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
+
+MODELS = ("ensemble", "tiny")
+SPECIALS = byte_tokenizer().special_tokens  # <|endoftext|> 256, <|im_start|>, <|im_end|>, <|pad|>
+
+
+def chatml(end_ids=(256,)) -> ChatTemplate:
+    return ChatTemplate(CHATML_TEMPLATE, SPECIALS, eos_token="<|endoftext|>", end_ids=end_ids)
+
+
+def test_completion_fields_map_to_ensemble_inputs():
+    plan = parse_completion({
+        "model": "tiny", "prompt": ["a", "b"], "max_tokens": 7, "n": 3, "temperature": 0.5,
+        "top_p": 0.9, "seed": 11, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+        "stop": ["\n\n", "END", "END"], "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2,
+        "min_tokens": 2, "ignore_eos": True, "cache_salt": "tenant", "session_id": "s1",
+        "stream": True, "stream_options": {"include_usage": True}, "echo": True,
+        "user": "ignored", "logprobs": None, "logit_bias": {}, "best_of": 3}, MODELS)
+    assert plan.kind == "completion" and plan.model == "tiny" and plan.prompts == ["a", "b"]
+    assert plan.max_tokens == 7 and plan.n == 3 and plan.stream and plan.include_usage
+    assert plan.echo and plan.stop == ["\n\n", "END"]
+    assert plan.fields == {
+        "temperature": 0.5, "top_p": 0.9, "min_p": 0.1, "presence_penalty": 0.5,
+        "frequency_penalty": -0.5, "repetition_penalty": 1.2, "top_k": 0, "seed": 11,
+        "min_tokens": 2, "end_id": -1, "num_return_sequences": 3,
+        "stop_words": ["\n\n", "END"], "cache_salt": "tenant", "session_id": "s1"}
+    assert plan.id.startswith("cmpl-")
+    defaults = parse_completion({"model": "ensemble", "prompt": "x"}, MODELS)
+    assert defaults.max_tokens == 16 and defaults.fields == {} and defaults.n == 1
+    assert not defaults.stream and not defaults.echo
+
+
+BAD_COMPLETIONS = [
+    ({"prompt": "x"}, "'model' must be a string", 400),
+    ({"model": "gpt-4", "prompt": "x"}, "the model 'gpt-4' does not exist", 404),
+    ({"model": "tiny"}, "'prompt' must be a string", 400),
+    ({"model": "tiny", "prompt": []}, "'prompt' must be a string", 400),
+    ({"model": "tiny", "prompt": [1, 2, 3]}, "token ids is not supported", 400),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "'max_tokens' must be from 1", 400),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 2.5}, "'max_tokens' must be an integer", 400),
+    ({"model": "tiny", "prompt": "x", "max_tokens": True}, "must be an integer", 400),
+    ({"model": "tiny", "prompt": "x", "temperature": 2.5}, "'temperature' must be from 0.0", 400),
+    ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "must be a number", 400),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, "'top_p' must be greater than 0", 400),
+    ({"model": "tiny", "prompt": "x", "n": 65}, "'n' must be from 1 to 64", 400),
+    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 4}, "'best_of' other than n", 400),
+    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "'logprobs' is not supported", 400),
+    ({"model": "tiny", "prompt": "x", "suffix": "y"}, "'suffix'", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "'logit_bias'", 400),
+    ({"model": "tiny", "prompt": "x", "stop": [""]}, "'stop' must be a non-empty string", 400),
+    ({"model": "tiny", "prompt": "x", "stop": 5}, "'stop'", 400),
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
+     "only allowed with stream: true", 400),
+    ({"model": "tiny", "prompt": "x", "stream": "yes"}, "'stream' must be true or false", 400),
+    ({"model": "tiny", "prompt": "x", "seed": -1}, "'seed' must be from 0", 400),
+    ({"model": "tiny", "prompt": "x", "cache_salt": 3}, "'cache_salt' must be a non-empty", 400),
+    ({"model": "tiny", "prompt": "x", "response_format": {"type": "yaml"}},
+     "response_format.type must be", 400),
+    ({"model": "tiny", "prompt": "x", "guided_regex": "a+", "guided_json": {}},
+     "at most one of", 400),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, message, status", BAD_COMPLETIONS)
+def test_bad_completion_requests_say_what_is_wrong(body, message, status):
+    with pytest.raises(RequestError) as info:
+        parse_completion(body, MODELS)
+    assert message in info.value.message and info.value.status == status
+    error = info.value.body()["error"]
+    assert error["message"] == info.value.message and error["type"] == "invalid_request_error"
+
+
+def test_not_an_object_is_refused():
+    with pytest.raises(RequestError, match="must be a JSON object"):
+        parse_completion(["model", "tiny"], MODELS)
+
+
+def test_chat_renders_the_template_and_stops_at_the_turn_end():
+    plan = parse_chat({"model": "ensemble", "max_completion_tokens": 9, "messages": [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text",
+                                                                         "text": "there"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "And?"}], "stop": "X"}, MODELS, chatml())
+    assert plan.prompts == ["<|im_start|>system\nBe brief.<|im_end|>\n"
+                            "<|im_start|>user\nHi there<|im_end|>\n"
+                            "<|im_start|>assistant\n<|im_end|>\n"
+                            "<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n"]
+    assert plan.max_tokens == 9 and plan.kind == "chat" and plan.id.startswith("chatcmpl-")
+    # the client's stop string first, then the template's turn end and the model's end id
+    assert plan.fields["stop_words"] == ["X", "<|im_end|>", "<|endoftext|>"]
+    assert plan.stop == ["X"]  # only the client's are cut from the text
+    unbounded = parse_chat({"model": "ensemble", "messages": [{"role": "user", "content": "x"}],
+                            "ignore_eos": True}, MODELS, chatml())
+    assert unbounded.max_tokens is None  # up to the context limit
+    assert unbounded.fields == {"end_id": -1}  # no turn end either
+
+
+def test_chat_guides_from_response_format():
+    messages = [{"role": "user", "content": "x"}]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    plan = parse_chat({"model": "tiny", "messages": messages, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}, MODELS,
+        chatml())
+    assert plan.fields["guided_decoding_guide_type"] == "json_schema"
+    assert json.loads(plan.fields["guided_decoding_guide"]) == schema
+    plan = parse_chat({"model": "tiny", "messages": messages,
+                       "response_format": {"type": "json_object"}}, MODELS, chatml())
+    assert plan.fields["guided_decoding_guide_type"] == "json"
+    plan = parse_chat({"model": "tiny", "messages": messages, "guided_grammar": "root ::= \"a\""},
+                      MODELS, chatml())
+    assert plan.fields["guided_decoding_guide_type"] == "ebnf_grammar"
+
+
+BAD_CHATS = [
+    ({"messages": []}, "'messages' must be a non-empty list"),
+    ({"messages": "hi"}, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role must be one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "only text parts are supported, got 'image_url'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "'tools' (tool calling) is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "'tool_choice'"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "'logprobs'"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "'top_logprobs'"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+     "'max_completion_tokens' must be from 1"),
+    ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
+     "tool calling is not supported"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, message", BAD_CHATS)
+def test_bad_chat_requests_say_what_is_wrong(body, message):
+    with pytest.raises(RequestError) as info:
+        parse_chat({"model": "tiny", **body}, MODELS, chatml())
+    assert message in info.value.message and info.value.status == 400
+
+
+def test_chat_without_a_template_is_refused():
+    with pytest.raises(RequestError, match="no chat template"):
+        parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}]}, MODELS,
+                   None)
+
+
+def test_a_template_that_raises_is_a_bad_request():
+    strict = ChatTemplate("{% if messages[0]['role'] != 'user' %}{{ raise_exception("
+                          "'conversations start with the user') }}{% endif %}"
+                          "{% for m in messages %}{{ m['content'] }}{% endfor %}", SPECIALS)
+    with pytest.raises(TemplateError, match="start with the user"):
+        strict.render([{"role": "assistant", "content": "x"}])
+    with pytest.raises(RequestError, match="start with the user"):
+        parse_chat({"model": "tiny", "messages": [{"role": "system", "content": "x"}]}, MODELS,
+                   strict)
+
+
+def test_turn_end_is_found_for_other_templates():
+    llama3 = ("{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+              "{{ m['content'] }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+              "{% endif %}")
+    specials = {"<|start_header_id|>": 1, "<|end_header_id|>": 2, "<|eot_id|>": 3,
+                "<|end_of_text|>": 4}
+    assert ChatTemplate(llama3, specials, end_ids=[4, 3]).stop_words == [
+        "<|eot_id|>", "<|end_of_text|>"]
+    # A template whose turns end in plain text has no special turn end; end ids remain.
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert ChatTemplate(plain, specials, end_ids=[4]).stop_words == ["<|end_of_text|>"]
+    assert chatml(end_ids=()).stop_words == ["<|im_end|>"]
+
+
+def test_template_from_the_default_models_folder(tmp_path):
+    from backend.tokenizer import write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 256}))
+    template = ChatTemplate.from_dir(tmp_path, SPECIALS)
+    assert template is not None and template.stop_words == ["<|im_end|>", "<|endoftext|>"]
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert ChatTemplate.from_dir(tmp_path, SPECIALS) is None
+
+
+def feed_all(stop: StopFilter, pieces: list[str]) -> str:
+    out = "".join(stop.feed(p) for p in pieces)
+    return out + stop.flush()
+
+
+@pytest.mark.parametrize("pieces", [["Hello wor", "ld. STOP here"], ["Hello world. S", "T",
+                                    "OP", " here"], list("Hello world. STOP here")])
+def test_stop_string_is_cut_wherever_the_pieces_split_it(pieces):
+    stop = StopFilter(["STOP", "zz"])
+    sent = []
+    for piece in pieces:
+        sent.append(stop.feed(piece))
+        assert "S" not in "".join(sent)  # nothing of the stop string ever went out
+    assert "".join(sent) + stop.flush() == "Hello world. " and stop.stopped
+
+
+def test_earliest_stop_string_wins_and_text_without_one_is_whole():
+    stop = StopFilter(["world", "lo"])
+    assert feed_all(stop, ["Hello world"]) == "Hel" and stop.stopped
+    free = StopFilter(["xyz"])
+    assert feed_all(free, ["abc", "xy", "z"[:0], "d"]) == "abcxyd" and not free.stopped
+    none = StopFilter([])
+    assert none.feed("abc") == "abc" and none.flush() == ""
+
+
+def test_finish_reasons_in_openai_terms():
+    assert finish_reason("eos", False) == "stop" and finish_reason("stop", False) == "stop"
+    assert finish_reason("length", False) == "length"
+    assert finish_reason("length", True) == "stop"  # a stop string cut it
+    assert finish_reason("cancelled", False) == "abort"
