@@ -20,7 +20,14 @@ import pytest
 from backend.triton.server import ServerHandle
 from client.generate import GenerateParams, generate_http
 from tests.triton.conftest import free_ports
-from tests.triton.llm_helpers import idle_pool, long_prompt, pool_state, wait_until
+from tests.triton.llm_helpers import (
+    idle_pool,
+    long_prompt,
+    pool_state,
+    scrape,
+    value,
+    wait_until,
+)
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
@@ -220,7 +227,12 @@ def test_bad_requests_get_openai_errors(frontend: str, llm_server: ServerHandle,
 
 
 def test_a_client_that_goes_away_cancels_its_request(frontend: str, llm_server: ServerHandle):
+    def cancelled() -> float:
+        return value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                     reason="cancelled")
+
     before = idle_pool(llm_server)
+    cancelled_before = cancelled()
     body = {"model": "ensemble", "prompt": long_prompt("Hang up on the frontend", 150),
             "max_tokens": 1800, "min_tokens": 1800, "stream": True, "seed": 9}
     request = urllib.request.Request(f"{frontend}/v1/completions", json.dumps(body).encode(),
@@ -238,5 +250,7 @@ def test_a_client_that_goes_away_cancels_its_request(frontend: str, llm_server: 
     # the connection is closed: the frontend cancels the gRPC stream, Triton the request
     after = idle_pool(llm_server, timeout_s=30)
     assert all(e["choices"][0]["finish_reason"] is None for e in events)
+    # cancelled, not run to its end (1800 tokens)
+    wait_until(lambda: cancelled() == cancelled_before + 1, 10, "the cancelled-requests metric")
     assert after["held_by_requests"] == 0
     assert after["free_or_cached"] == before["free_or_cached"]
