@@ -26,6 +26,6 @@ COPY model_repo model_repo
 # hadolint ignore=DL3013
 RUN pip install --no-deps .
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # The Python backend imports `backend` from the working directory and PYTHONPATH.
 CMD ["tritonserver", "--model-repository", "model_repo"]
