@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -254,3 +255,25 @@ def test_a_client_that_goes_away_cancels_its_request(frontend: str, llm_server: 
     wait_until(lambda: cancelled() == cancelled_before + 1, 10, "the cancelled-requests metric")
     assert after["held_by_requests"] == 0
     assert after["free_or_cached"] == before["free_or_cached"]
+
+
+def test_concurrent_clients_get_their_own_answers(sdk: openai.OpenAI):
+    """Each client asks for its own number of tokens: a response routed to the wrong client
+    would show in its usage (texts are not compared: a batch may break a near-tie otherwise)."""
+    salt = uuid.uuid4().hex
+    asks = [(f"Concurrent request number {i}:", 4 + 3 * i) for i in range(4)]
+
+    def ask(prompt_and_tokens: tuple[str, int]) -> tuple[str, int, int]:
+        prompt, tokens = prompt_and_tokens
+        events = list(sdk.completions.create(
+            model="ensemble", prompt=prompt, max_tokens=tokens, stream=True,
+            stream_options={"include_usage": True},
+            extra_body=greedy(cache_salt=salt, min_tokens=tokens)))
+        text = "".join(e.choices[0].text for e in events if e.choices)
+        return text, events[-1].usage.prompt_tokens, events[-1].usage.completion_tokens
+
+    with ThreadPoolExecutor(len(asks)) as pool:
+        answers = list(pool.map(ask, asks))
+    for (prompt, tokens), (text, prompt_tokens, completion_tokens) in zip(asks, answers):
+        assert (prompt_tokens, completion_tokens) == (len(prompt), tokens)
+        assert text
