@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from backend.cache.config import CacheConfig
 from backend.engine import Engine, EngineConfig, Request, SamplingParams
-from client.bench.common import DEFAULT_MODEL, bench_main, config_of, machine, save_figure
+from client.bench.common import DEFAULT_MODEL, bench_main, config_of, machine, pyplot, save_figure
 from client.bench.workloads import TextSource
 
 RESULTS = Path(__file__).resolve().parent / "results" / "beam"
@@ -113,10 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     widths = [int(case[1:]) for case in results]
     fig, (pages, speed) = plt.subplots(1, 2, figsize=(10, 4))

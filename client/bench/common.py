@@ -33,6 +33,16 @@ def write_summary(path: Path, summary: dict[str, Any], echo: bool = True) -> Pat
     return path
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (benchmarks run without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig, path: Path) -> Path:
     """Lays out a matplotlib figure, writes it to `path` as a PNG (creating its folder) and
     closes it."""

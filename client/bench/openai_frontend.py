@@ -26,7 +26,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine, save_figure
+from client.bench.common import bench_main, config_of, machine, pyplot, save_figure
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -148,10 +148,7 @@ def summarize(args: argparse.Namespace, rows: dict) -> dict[str, Any]:
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
     lengths = list(results)

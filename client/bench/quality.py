@@ -28,7 +28,7 @@ from backend.replay.reference import (
     exact_run,
     replayed_states,
 )
-from client.bench.common import model_parser, save_figure, write_summary
+from client.bench.common import model_parser, pyplot, save_figure, write_summary
 from engine_build.corpus import load_split, to_ids
 from engine_build.evaluate import task_examples
 from engine_build.hf_export import hf_config
@@ -212,10 +212,7 @@ def build_summary(model, retrieval, heldout, k_cal, contexts, n, args) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     full = summary["retrieval"]["full"]
     ks = list(KS)

@@ -24,7 +24,7 @@ from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.engine import apply_calibration
 from backend.model import load_model
 from backend.replay.budget import ReplayConfig
-from client.bench.common import model_parser, save_figure, write_summary
+from client.bench.common import model_parser, pyplot, save_figure, write_summary
 from engine_build.corpus import load_split, to_ids
 
 RESULTS = Path(__file__).resolve().parent / "results" / "replay_cost"
@@ -89,10 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for policy, rows in results.items():

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from client.bench.common import save_figure
+from client.bench.common import pyplot, save_figure
 
 GOALS = {
     "branching_ttft_reduction_vs_checkpoint_agentic16k": (">=", 0.5, "0.55-0.70"),
@@ -168,10 +168,7 @@ def write_report(summary: dict, out: Path) -> Path:
 
 
 def plot_all(summary: dict, out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results, paths = summary["results"], []
     rag = {k: v for k, v in results.items() if k.startswith("rag_rate")}

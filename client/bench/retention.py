@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine, save_figure
+from client.bench.common import bench_main, config_of, machine, pyplot, save_figure
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -128,10 +128,7 @@ def summarize(args: argparse.Namespace, runs: dict) -> dict[str, Any]:
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     x = range(len(SYSTEMS))

@@ -34,6 +34,7 @@ from client.bench.common import (
     bench_main,
     config_of,
     machine,
+    pyplot,
     save_figure,
 )
 from client.bench.workloads import TextSource
@@ -136,10 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(speedup: dict[str, dict[str, float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cases = list(speedup)
     systems = list(next(iter(speedup.values())))
