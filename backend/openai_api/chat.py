@@ -1,7 +1,8 @@
 """The model's chat template: tokenizer_config.json's `chat_template` (Jinja) rendered in a
 sandbox with the variables transformers' `apply_chat_template` passes (`messages`,
-`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`), and the special tokens
-that end an assistant turn, which a chat request stops at.
+`add_generation_prompt`, `bos_token`, `eos_token`, `raise_exception`, `strftime_now`; a
+request's `chat_template_kwargs`, such as Qwen3's `enable_thinking`, on top), and the special
+tokens that end an assistant turn, which a chat request stops at.
 
 The turn end is found by rendering a probe conversation and reading what the template writes
 right after the assistant's text (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3); it counts
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ class ChatTemplate:
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         # transformers' tojson: no HTML escaping, unicode kept.
         env.filters["tojson"] = lambda value, indent=None: json.dumps(
             value, ensure_ascii=False, indent=indent)
@@ -76,12 +79,15 @@ class ChatTemplate:
         return cls(template, special_tokens, token_text(config.get("bos_token")),
                    token_text(config.get("eos_token")), end_ids)
 
-    def render(self, messages: Sequence[Mapping[str, Any]],
-               add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+               extra: Mapping[str, Any] | None = None) -> str:
+        """The prompt text; `extra`: more template variables (a request's
+        chat_template_kwargs), which cannot replace the ones above."""
+        variables = {**(extra or {}), "messages": list(messages),
+                     "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
         try:
-            return self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, tools=None)
+            return self._template.render(**variables)
         except TemplateError:
             raise
         except (self._jinja_error, TypeError, KeyError, ValueError) as exc:

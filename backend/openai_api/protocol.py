@@ -8,7 +8,8 @@ text first holds one, which is not returned), `stream`, `stream_options.include_
 `response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
 (the prompt before the text) and a list of prompts; vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
-`guided_grammar`, `cache_salt`; ours `session_id` (the ensemble's: a conversation's pages are
+`guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
+e.g. Qwen3's `enable_thinking`); ours `session_id` (the ensemble's: a conversation's pages are
 kept longer). Fields this server cannot honour with a value that asks for something
 (`logprobs`, `top_logprobs`, `logit_bias`, `tools`, `best_of` other than n, `suffix`, images)
 are rejected with a 400 that names them, never silently dropped; other unknown fields are
@@ -118,8 +119,11 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     if template is None:
         raise RequestError("the model has no chat template (tokenizer_config.json's "
                            "chat_template): use /v1/completions", "messages")
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     try:
-        prompt = template.render(messages, add_generation_prompt=True)
+        prompt = template.render(messages, add_generation_prompt=True, extra=extra)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from None
     limit = _int(body, "max_completion_tokens", None, 1)

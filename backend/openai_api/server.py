@@ -239,6 +239,8 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
             await send(protocol.chunk_body(plan, [], run.usage()))
     except UpstreamError as exc:
         await send(_client_error(exc).body())
+    except ConnectionResetError:  # the client went away: its requests are cancelled
+        return response
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

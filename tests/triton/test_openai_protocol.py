@@ -228,3 +228,17 @@ def test_finish_reasons_in_openai_terms():
     assert finish_reason("length", False) == "length"
     assert finish_reason("length", True) == "stop"  # a stop string cut it
     assert finish_reason("cancelled", False) == "abort"
+
+
+def test_chat_template_kwargs_reach_the_template():
+    thinking = ChatTemplate("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                            "{% if enable_thinking is defined and not enable_thinking %}"
+                            "<think></think>{% endif %}", SPECIALS)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat(body, MODELS, thinking).prompts == ["hi"]
+    off = parse_chat({**body, "chat_template_kwargs": {"enable_thinking": False,
+                                                       "messages": "ignored"}},
+                     MODELS, thinking)
+    assert off.prompts == ["hi<think></think>"]  # `messages` itself cannot be replaced
+    with pytest.raises(RequestError, match="'chat_template_kwargs' must be an object"):
+        parse_chat({**body, "chat_template_kwargs": "x"}, MODELS, thinking)
