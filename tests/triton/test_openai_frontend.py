@@ -277,3 +277,22 @@ def test_concurrent_clients_get_their_own_answers(sdk: openai.OpenAI):
     for (prompt, tokens), (text, prompt_tokens, completion_tokens) in zip(asks, answers):
         assert (prompt_tokens, completion_tokens) == (len(prompt), tokens)
         assert text
+
+
+def test_the_next_turn_of_a_chat_hits_the_last_ones_pages(sdk: openai.OpenAI):
+    """The template re-renders the history each turn; the previous prompt and answer are a
+    prefix of the next prompt, so their whole pages come from the cache (the answer's too:
+    here 244 + 40 tokens, 256 cached, against the first prompt's 192 alone)."""
+    extra = {"cache_salt": uuid.uuid4().hex, "top_k": 1, "session_id": uuid.uuid4().hex}
+    messages = [{"role": "system", "content": long_prompt("You answer questions", 200)},
+                {"role": "user", "content": "First question?"}]
+    first = sdk.chat.completions.create(model="ensemble", messages=messages, max_tokens=40,
+                                        extra_body=extra)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Second question?"}]
+    second = sdk.chat.completions.create(model="ensemble", messages=messages, max_tokens=4,
+                                         extra_body=extra)
+    computed = first.usage.prompt_tokens + first.usage.completion_tokens  # what turn 1 cached
+    assert second.usage.prompt_tokens > computed
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= (computed - 1) // 64 * 64 > first.usage.prompt_tokens // 64 * 64
