@@ -18,6 +18,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError as JinjaError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from backend.tokenizer import token_text
 
 _PROBE_USER = "\u2063probe-user\u2063"
@@ -36,9 +39,6 @@ class ChatTemplate:
     def __init__(self, template: str, special_tokens: Mapping[str, int],
                  bos_token: str | None = None, eos_token: str | None = None,
                  end_ids: Sequence[int] = ()) -> None:
-        from jinja2 import TemplateError as JinjaError
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -49,7 +49,6 @@ class ChatTemplate:
             self._template = env.from_string(template)
         except JinjaError as exc:
             raise ValueError(f"the chat template does not compile: {exc}") from exc
-        self._jinja_error = JinjaError
         self.bos_token = bos_token or ""
         self.eos_token = eos_token or ""
         by_id = {i: t for t, i in special_tokens.items()}
@@ -90,7 +89,7 @@ class ChatTemplate:
             return self._template.render(**variables)
         except TemplateError:
             raise
-        except (self._jinja_error, TypeError, KeyError, ValueError) as exc:
+        except (JinjaError, TypeError, KeyError, ValueError) as exc:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
 
     def _turn_end(self, specials: set[str]) -> str | None:

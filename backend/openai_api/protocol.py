@@ -85,8 +85,8 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
         raise RequestError("'prompt' as token ids is not supported: send the text", "prompt")
     else:
         raise RequestError("'prompt' must be a string or a non-empty list of strings", "prompt")
-    _refuse(body, "suffix", None, "'suffix' (insertion) is not supported")
-    _refuse(body, "logprobs", None,
+    _refuse(body, "suffix", "'suffix' (insertion) is not supported")
+    _refuse(body, "logprobs",
             "'logprobs' is not supported by this frontend (the Triton generate endpoint's "
             "return_log_probs gives the chosen tokens' log probabilities)")
     n = _int(body, "n", 1, 1, MAX_N)
@@ -107,7 +107,7 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     model = _model(body, models)
     messages = chat_messages(body.get("messages"))
     for name in ("tools", "functions"):
-        _refuse(body, name, None, f"'{name}' (tool calling) is not supported")
+        _refuse(body, name, f"'{name}' (tool calling) is not supported")
     if body.get("tool_choice") not in (None, "none"):
         raise RequestError("'tool_choice' is not supported (no tools)", "tool_choice")
     if body.get("logprobs"):
@@ -173,7 +173,7 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
 def _common(body: Mapping[str, Any], plan: Plan) -> None:
     """The sampling, stop, guide, cache and streaming fields both endpoints share."""
     fields = plan.fields
-    _refuse(body, "logit_bias", None, "'logit_bias' is not supported")
+    _refuse(body, "logit_bias", "'logit_bias' is not supported")
     numbers = (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                ("repetition_penalty", 0.0, None))
@@ -284,9 +284,9 @@ def _model(body: Mapping[str, Any], models: Container[str]) -> str:
     return model
 
 
-def _refuse(body: Mapping[str, Any], name: str, allowed: Any, message: str) -> None:
-    value = body.get(name, allowed)
-    if value != allowed and value not in ({}, [], None):
+def _refuse(body: Mapping[str, Any], name: str, message: str) -> None:
+    """A 400 for a field this server cannot honour, unless it is absent, null or empty."""
+    if body.get(name) not in ({}, [], None):
         raise RequestError(message, name)
 
 

@@ -23,10 +23,6 @@ import numpy as np
 ENSEMBLE = "ensemble"
 COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens")
 DEFAULT_CONTEXT_LEN = 8192  # hybrid_llm's default max_context_len (backend/engine/config.py)
-_NP = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_INT64": np.int64,
-       "TYPE_UINT64": np.uint64, "TYPE_FP32": np.float32, "TYPE_BOOL": np.bool_}
-_WIRE = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_INT64": "INT64",
-         "TYPE_UINT64": "UINT64", "TYPE_FP32": "FP32", "TYPE_BOOL": "BOOL"}
 _MAX_MESSAGE = 256 << 20
 
 
@@ -129,21 +125,22 @@ class Upstream:
 
     def request(self, fields: Mapping[str, Any]) -> Any:
         """A ModelInferRequest for the ensemble (dtypes from its config)."""
-        from tritonclient.utils import serialize_byte_tensor
+        from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
         request = self._pb.ModelInferRequest(model_name=ENSEMBLE, id=uuid.uuid4().hex)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
         for name, value in fields.items():
-            kind = self.input_types.get(name, "TYPE_STRING")
+            kind = self.input_types.get(name, "TYPE_STRING")  # config name: TYPE_INT32, ...
+            wire = "BYTES" if kind == "TYPE_STRING" else kind.removeprefix("TYPE_")
             values = value if isinstance(value, (list, tuple)) else [value]
-            if kind == "TYPE_STRING":
+            if wire == "BYTES":
                 array = np.array([[v.encode("utf-8") if isinstance(v, str) else v
                                    for v in values]], dtype=np.object_)
                 raw = serialize_byte_tensor(array).item()
             else:
-                array = np.array([values], dtype=_NP[kind])
+                array = np.array([values], dtype=triton_to_np_dtype(wire))
                 raw = array.tobytes()
-            request.inputs.add(name=name, datatype=_WIRE[kind], shape=list(array.shape))
+            request.inputs.add(name=name, datatype=wire, shape=list(array.shape))
             request.raw_input_contents.append(raw)
         return request
 
