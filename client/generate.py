@@ -64,6 +64,7 @@ class GenerateParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     return_log_probs: bool | None = None
+    num_top_log_probs: int | None = None  # the N likeliest tokens at each position (0..20)
     return_perf_metrics: bool | None = None
     return_context_logits: bool | None = None
     return_generation_logits: bool | None = None
@@ -104,6 +105,7 @@ class GenerateParams:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "return_log_probs": self.return_log_probs,
+            "num_top_log_probs": self.num_top_log_probs,
             "return_perf_metrics": self.return_perf_metrics,
             "return_context_logits": self.return_context_logits,
             "return_generation_logits": self.return_generation_logits,
@@ -151,6 +153,10 @@ class Chunk:
     # their batch dimension over gRPC ([K, T, V] and [P, V]); HTTP's JSON holds them flat.
     generation_logits: np.ndarray | None = None
     context_logits: np.ndarray | None = None
+    # With num_top_log_probs = N: the N likeliest tokens at each position a row carries and
+    # their log probabilities, [K, T, N] over gRPC (ids padded with -1), flat over HTTP.
+    top_log_prob_ids: np.ndarray | None = None
+    top_log_probs: np.ndarray | None = None
 
 
 def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
@@ -218,6 +224,7 @@ DTYPES = {
     "early_stopping": "BOOL",
     "exclude_input_in_output": "BOOL",
     "return_log_probs": "BOOL",
+    "num_top_log_probs": "INT32",
     "return_perf_metrics": "BOOL",
     "return_context_logits": "BOOL",
     "return_generation_logits": "BOOL",
@@ -324,7 +331,7 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     chunk = make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
                        output("cum_log_probs"), output("sequence_index"), perf,
                        output("finish_reason"))
-    for name in ("generation_logits", "context_logits"):
+    for name in ("generation_logits", "context_logits", "top_log_probs", "top_log_prob_ids"):
         if name in names:
             setattr(chunk, name, result.as_numpy(name)[0])
     return chunk
@@ -363,9 +370,11 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
     chunk = make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
                        body.get("cum_log_probs"), body.get("sequence_index"), perf,
                        body.get("finish_reason"))
-    for name in ("generation_logits", "context_logits"):
+    for name in ("generation_logits", "context_logits", "top_log_probs"):
         if name in body:
             setattr(chunk, name, np.asarray(body[name], dtype=np.float32).reshape(-1))
+    if "top_log_prob_ids" in body:
+        chunk.top_log_prob_ids = np.asarray(body["top_log_prob_ids"], dtype=np.int32).reshape(-1)
     return chunk
 
 

@@ -356,6 +356,7 @@ class Engine:
         done = threading.Event()
         tokens: list[int] = []
         log_probs: list[float] = []
+        tops: list[list[tuple[int, float]]] = []
         final: list[RequestOutput] = []
 
         first_logits: list = []
@@ -365,6 +366,7 @@ class Engine:
         def collect(out: RequestOutput) -> None:
             tokens.extend(out.new_token_ids)
             log_probs.extend(out.log_probs)
+            tops.extend(out.top_log_probs)
             if out.first_logits is not None:
                 first_logits.append(out.first_logits)
             if out.generation_logits is not None:
@@ -384,7 +386,7 @@ class Engine:
                 self.step()
         done.wait()
         out = final[0]
-        out.new_token_ids, out.log_probs = tokens, log_probs
+        out.new_token_ids, out.log_probs, out.top_log_probs = tokens, log_probs, tops
         if first_logits:
             out.first_logits = first_logits[0]
         if generation_logits:

@@ -12,6 +12,7 @@ from backend.engine.guided import Guide
 
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
 MAX_BEAM_WIDTH = 64
+MAX_TOP_LOG_PROBS = 20  # alternatives a position may return (OpenAI's and vLLM's limit)
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class SamplingParams:
     Penalties (neutral: 1 / 0 / 0) and `logit_bias` (token id, added value) change the logits
     before anything else, greedy included (`backend/engine/sampling.py` states the order);
     `return_log_probs` asks for each generated token's log probability under the model;
+    `top_log_probs` = N > 0 also asks for the N likeliest tokens at each generated position
+    with theirs (the same raw distribution; it implies return_log_probs);
     `guide` constrains the output to a JSON schema, JSON, a regex or a grammar
     (`backend/engine/guided.py`). `beam_width` > 1 is beam search (`backend/engine/beam.py`:
     deterministic, so temperature and seed do not apply; top_k / top_p must stay neutral),
@@ -44,6 +47,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     return_log_probs: bool = False
+    top_log_probs: int = 0
     guide: Guide | None = None
     beam_width: int = 1
     length_penalty: float = 1.0
@@ -80,6 +84,11 @@ class SamplingParams:
             raise ValueError("logit_bias names a token id twice")
         if not all(math.isfinite(value) for _, value in self.logit_bias):
             raise ValueError("logit_bias holds a value that is not finite")
+        if not 0 <= self.top_log_probs <= MAX_TOP_LOG_PROBS:
+            raise ValueError(f"top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], got "
+                             f"{self.top_log_probs}")
+        if self.top_log_probs and not self.return_log_probs:
+            object.__setattr__(self, "return_log_probs", True)
         if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got "
                              f"{self.beam_width}")
@@ -92,6 +101,9 @@ class SamplingParams:
                                  "leave them at 0 / 1 / 0")
             if self.guide is not None:
                 raise ValueError("guided decoding with beam search (beam_width > 1) is not "
+                                 "supported")
+            if self.top_log_probs:
+                raise ValueError("top_log_probs with beam search (beam_width > 1) is not "
                                  "supported")
 
     @property
@@ -153,6 +165,9 @@ class RequestOutput:
     # the model (its raw logits' log-softmax), and their sum over all tokens generated so far.
     log_probs: list[float] = field(default_factory=list)
     cum_log_prob: float = 0.0
+    # With SamplingParams.top_log_probs = N: for each of new_token_ids, the N likeliest
+    # tokens at its position as (token id, log probability), likeliest first.
+    top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Beam search (beam_width > 1): the finished beams, best first, in the request's final
     # output only (new_token_ids / log_probs / cum_log_prob are the best beam's).
     beams: list[BeamOutput] | None = None

@@ -32,6 +32,7 @@ from backend.engine.sampling import (
     make_generator,
     sample,
     token_log_probs,
+    top_log_probs,
 )
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.speculative import DraftPolicy, NgramDrafter
@@ -477,6 +478,7 @@ class Scheduler:
         drafts = drafts or [[] for _ in seqs]
         emitted: list[list[int]] = [[] for _ in seqs]
         log_probs: list[list[float]] = [[] for _ in seqs]
+        tops: list[list[list[tuple[int, float]]]] = [[] for _ in seqs]
         kept: list[list[torch.Tensor]] = [[] for _ in seqs]  # generation logits asked for
         reasons: list[str | None] = [None] * len(seqs)
         errors: list[str | None] = [None] * len(seqs)
@@ -485,8 +487,8 @@ class Scheduler:
         active = list(range(len(seqs)))
         for i in range(logits.shape[1]):
             rows, active = active, []
-            tokens, lps = self._draw([seqs[r] for r in rows], logits[rows, i])
-            for r, token, lp in zip(rows, tokens, lps):
+            tokens, lps, alternatives = self._draw([seqs[r] for r in rows], logits[rows, i])
+            for r, token, lp, top in zip(rows, tokens, lps, alternatives):
                 seq = seqs[r]
                 if i == 0 and not seq.prefix_inserted:
                     self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
@@ -504,6 +506,8 @@ class Scheduler:
                     emitted[r].append(token)
                     if lp is not None:
                         log_probs[r].append(lp)
+                    if top is not None:
+                        tops[r].append(top)
                     if seq.request.return_generation_logits:
                         kept[r].append(logits[r, i])
                 if reason is None and i < len(drafts[r]) and token == drafts[r][i]:
@@ -522,6 +526,7 @@ class Scheduler:
                 seq.cum_log_prob += sum(log_probs[r])
                 out.log_probs = log_probs[r]
                 out.cum_log_prob = seq.cum_log_prob
+                out.top_log_probs = tops[r]
             if first[r] and seq.request.return_first_logits:
                 out.first_logits = logits[r, 0].clone()
             if seq.request.return_generation_logits:
@@ -530,9 +535,12 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list]:
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor
+              ) -> tuple[list[int], list, list]:
         """One token per row from logits [B, V] (penalties, guides and the sampling
-        parameters applied), and its log probability for rows that return them (else None)."""
+        parameters applied), its log probability for rows that return them (else None) and
+        the row's likeliest alternatives [(id, log probability)] for rows that ask for
+        top_log_probs (else None)."""
         params = [s.request.sampling for s in seqs]
         counts = None
         if any(p.penalized for p in params):
@@ -550,7 +558,12 @@ class Scheduler:
             values = token_log_probs(logits[wanted], tokens[wanted]).tolist()
             for row, value in zip(wanted, values):
                 lps[row] = value
-        return tokens.tolist(), lps
+        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
+        for row, p in enumerate(params):
+            if p.top_log_probs:
+                ids, values = top_log_probs(logits[row:row + 1], p.top_log_probs)
+                tops[row] = list(zip(ids[0].tolist(), values[0].tolist()))
+        return tokens.tolist(), lps, tops
 
     def _jump_forward(self, seq: Sequence, new_ids: list[int]) -> str | None:
         """Appends the tokens the guide forces after the one just sampled (each the only

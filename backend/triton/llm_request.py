@@ -3,9 +3,11 @@
 
 Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on reshape):
   input_ids [1, T] INT32, input_lengths [1] INT32, request_output_len [1] INT32;
-  optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences [1]
-  INT32; temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty,
-  frequency_penalty, len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
+  optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences,
+  num_top_log_probs (ours: 0..20, the likeliest tokens to return at each generated position
+  with their log probabilities, as vLLM's `logprobs`; implies return_log_probs) [1] INT32;
+  temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+  len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
   return_num_input_tokens, return_num_output_tokens, return_log_probs, return_perf_metrics,
   return_context_logits, return_generation_logits [1] BOOL;
   early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
@@ -78,7 +80,8 @@ class LlmRequest:
         return frozenset(name for name, asked in (
             ("perf_metrics", self.return_perf_metrics),
             ("generation_logits", self.return_generation_logits),
-            ("context_logits", self.return_context_logits)) if asked)
+            ("context_logits", self.return_context_logits),
+            ("top_log_probs", self.sampling.top_log_probs > 0)) if asked)
 
     @property
     def beam_search(self) -> bool:
@@ -171,6 +174,7 @@ def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1
             frequency_penalty=finite(inputs, "frequency_penalty", 0.0),
             logit_bias=bias_of(inputs),
             return_log_probs=bool(scalar(inputs, "return_log_probs", "b", False)),
+            top_log_probs=int(scalar(inputs, "num_top_log_probs", "iu", 0)),
             guide=guide_of(inputs),
             beam_width=beam_width,
             length_penalty=finite(inputs, "len_penalty", 1.0),

@@ -22,8 +22,12 @@ outputs arrived for it:
   sequences), arrival_time_ns, first_scheduled_time_ns, first_token_time_ns,
   last_token_time_ns [1, 1] INT64 (wall-clock ns: the earliest of the sequences', the latest
   for the last token; 0: not yet), acceptance_rate [1, 1] FP32 (accepted / verified drafts);
-  generation_logits [1, K, T, V] FP32 (return_generation_logits: the raw logits that chose
-  each id a row carries, rows zero-padded to the longest) and context_logits [1, P, V] FP32
+  top_log_probs [1, K, T, N] FP32 and top_log_prob_ids [1, K, T, N] INT32 (ours; with
+  num_top_log_probs = N: the N likeliest tokens at the position of each generated id a row
+  carries, likeliest first, and the model's log probability of each; rows padded with id -1
+  and 0.0 to the longest), generation_logits [1, K, T, V] FP32 (return_generation_logits:
+  the raw logits that chose each id a row carries, rows zero-padded to the longest) and
+  context_logits [1, P, V] FP32
   (return_context_logits: the prompt's logits, on the response that carries the first
   sequence's first ids, or the one non-streamed response; [1, 0, 0] on the others).
 
@@ -73,12 +77,14 @@ class OutputStream:
         self.streaming = streaming
         self.exclude_input = exclude_input
         self.beam_search = beam_search  # one engine request; its final output has K rows
-        # the optional outputs asked for: "perf_metrics", "generation_logits", "context_logits"
+        # the optional outputs asked for: "perf_metrics", "generation_logits",
+        # "context_logits", "top_log_probs"
         self.extras = extras
         # per sequence: ids streamed so far (streaming) or collected (otherwise), log
         # probabilities collected (not streaming), its latest output (counts, sums)
         self.generated: list[list[int]] = [[] for _ in range(num_sequences)]
         self.log_probs: list[list[float]] = [[] for _ in range(num_sequences)]
+        self.tops: list[list[list[tuple[int, float]]]] = [[] for _ in range(num_sequences)]
         self.last: list[RequestOutput | None] = [None] * num_sequences
         self.unfinished = 1 if beam_search else num_sequences
         # generation logits collected (not streaming), the prompt's logits until sent
@@ -112,9 +118,10 @@ class OutputStream:
                                  out.finished, [out], index, self._rows(index, reason, ""),
                                  logits=[logits if k == index else None
                                          for k in range(self.num_sequences)],
-                                 context=context), final
+                                 context=context, tops=self._rows(index, out.top_log_probs)), final
         self.generated[index].extend(out.new_token_ids)
         self.log_probs[index].extend(out.log_probs)
+        self.tops[index].extend(out.top_log_probs)
         if logits is not None:
             self.logits[index].append(logits)
         if not final:
@@ -124,7 +131,7 @@ class OutputStream:
         reasons = [(o.finish_reason or "") if o is not None else "" for o in self.last]
         return self._tensors(ids, [[]] * self.num_sequences, self.log_probs, True, self.last, -1,
                              reasons, num_output=sum(len(g) for g in self.generated), logits=logits,
-                             context=self.context), True
+                             context=self.context, tops=self.tops), True
 
     def _beams(self, out: RequestOutput) -> tuple[Tensors | None, bool]:
         """A beam search's output: nothing before its final one, which holds the best K
@@ -158,7 +165,8 @@ class OutputStream:
                  log_probs: list[list[float]], flush: bool, outs: list, index: int,
                  reasons: list[str], num_output: int | None = None, cum: list[float] | None = None,
                  logits: list[np.ndarray | None] | None = None,
-                 context: np.ndarray | None = None) -> Tensors:
+                 context: np.ndarray | None = None,
+                 tops: list[list[list[tuple[int, float]]]] | None = None) -> Tensors:
         first = next(o for o in outs if o is not None)
         if cum is None:
             cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
@@ -184,6 +192,9 @@ class OutputStream:
                                   if o is not None and o.metrics is not None]))
         if "generation_logits" in self.extras:
             tensors["generation_logits"] = _padded_logits(logits or [None] * len(ids))
+        if "top_log_probs" in self.extras:
+            tensors["top_log_prob_ids"], tensors["top_log_probs"] = _padded_tops(
+                tops or [[]] * len(ids))
         if "context_logits" in self.extras:
             tensors["context_logits"] = (np.zeros((1, 0, 0), np.float32) if context is None
                                          else context[None].astype(np.float32, copy=False))
@@ -219,6 +230,20 @@ def _padded_logits(rows: list[np.ndarray | None]) -> np.ndarray:
         if row is not None and len(row):
             out[0, k, :len(row)] = row
     return out
+
+
+def _padded_tops(rows: list[list[list[tuple[int, float]]]]) -> tuple[np.ndarray, np.ndarray]:
+    """[1, K, T, N] ids (INT32, padding -1) and log probabilities (FP32, padding 0.0): row k's
+    alternatives at each of its positions."""
+    T = max(map(len, rows), default=0)
+    N = max((len(position) for row in rows for position in row), default=0)
+    ids = np.full((1, len(rows), T, N), -1, dtype=np.int32)
+    values = np.zeros((1, len(rows), T, N), dtype=np.float32)
+    for k, row in enumerate(rows):
+        for t, position in enumerate(row):
+            for n, (token, value) in enumerate(position):
+                ids[0, k, t, n], values[0, k, t, n] = token, value
+    return ids, values
 
 
 def _padded(rows: list[list], dtype) -> np.ndarray:

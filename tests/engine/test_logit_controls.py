@@ -114,6 +114,49 @@ def test_penalties_see_the_whole_prompt_on_a_cache_hit(hf, exact_engine):
     assert_no_leak(engine)
 
 
+def test_top_log_probs_are_the_models_likeliest_tokens(hf, engine):
+    """top_log_probs = N: at every generated position the N likeliest tokens of the model's
+    raw distribution (transformers' logits), likeliest first, whatever sampled the token
+    (here a seeded draw under penalties and a bias, so the chosen one is often not among
+    them); the chosen token's log probability comes with them (top_log_probs implies it).
+    A request beside it without them gets none."""
+    params = SamplingParams(max_tokens=24, temperature=1.3, seed=11, repetition_penalty=1.3,
+                            logit_bias=((ord("e"), 3.0),), top_log_probs=5)
+    assert params.return_log_probs
+    outs: dict[str, list] = {"top": [], "plain": []}
+    engine.submit(Request("top-lp", PROMPT, params, on_output=outs["top"].append))
+    engine.submit(Request("plain-lp", PROMPT, SamplingParams(max_tokens=24, top_k=1,
+                                                             return_log_probs=True),
+                          on_output=outs["plain"].append))
+    while engine.has_work:
+        engine.step()
+    assert all(o.top_log_probs == [] for o in outs["plain"])
+    tokens = [t for o in outs["top"] for t in o.new_token_ids]
+    tops = [t for o in outs["top"] for t in o.top_log_probs]
+    log_probs = [lp for o in outs["top"] for lp in o.log_probs]
+    assert len(tops) == len(tokens) == len(log_probs) == 24
+    rows = torch.log_softmax(hf_rows(hf, PROMPT, tokens), -1)
+    outside = 0
+    for i, (token, top) in enumerate(zip(tokens, tops)):
+        ids = [t for t, _ in top]
+        values = torch.tensor([v for _, v in top])
+        assert len(ids) == 5 == len(set(ids)), i
+        assert values.tolist() == sorted(values.tolist(), reverse=True), i
+        torch.testing.assert_close(values, rows[i][ids], atol=1e-4, rtol=0)
+        torch.testing.assert_close(values, rows[i].topk(5).values, atol=1e-4, rtol=0)
+        assert log_probs[i] == pytest.approx(float(rows[i][token]), abs=1e-4)
+        outside += token not in ids
+    assert outside > 0  # the draw (bias, penalty, temperature) left the model's top 5
+    assert_no_leak(engine)
+
+
+def test_top_log_probs_are_checked():
+    with pytest.raises(ValueError, match="top_log_probs must be in"):
+        SamplingParams(top_log_probs=21)
+    with pytest.raises(ValueError, match="top_log_probs with beam search"):
+        SamplingParams(beam_width=2, top_log_probs=1)
+
+
 def test_seeded_sampling_with_penalties_repeats(engine):
     params = SamplingParams(max_tokens=16, temperature=0.9, seed=7, frequency_penalty=0.5,
                             presence_penalty=0.2, repetition_penalty=1.1, return_log_probs=True)

@@ -112,11 +112,13 @@ def _run_batch(engine: Engine, prompts: list[list[int]],
                params: list[SamplingParams]) -> list[dict]:
     """Submits every request at once (one batch) and steps the engine to the end; each
     request's token ids, log probabilities, finish reason and output count."""
-    results = [dict(tokens=[], log_probs=[], reason=None, outputs=0) for _ in prompts]
+    results = [dict(tokens=[], log_probs=[], tops=[], reason=None, outputs=0)
+               for _ in prompts]
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         def collect(out, r=results[i]):
             r["tokens"] += out.new_token_ids
             r["log_probs"] += out.log_probs
+            r["tops"] += out.top_log_probs
             r["outputs"] += 1
             if out.finished:
                 r["reason"], r["cum"] = out.finish_reason, out.cum_log_prob
@@ -135,8 +137,8 @@ def _spec_stats(engine: Engine) -> tuple[int, int]:
 def test_greedy_outputs_and_log_probs_equal_a_token_a_step(engines):
     plain, spec = engines
     prompts = [plain.tokenizer.encode(t) for t in PROMPTS]
-    params = [SamplingParams(max_tokens=m, top_k=1, return_log_probs=True)
-              for m in (80, 64, 96, 40, 50)]
+    params = [SamplingParams(max_tokens=m, top_k=1, return_log_probs=True, top_log_probs=top)
+              for m, top in ((80, 3), (64, 0), (96, 0), (40, 5), (50, 0))]
     drafts0, kept0 = _spec_stats(spec)
     steps0 = spec.stats()["steps"]
     want = _run_batch(plain, prompts, params)
@@ -148,6 +150,11 @@ def test_greedy_outputs_and_log_probs_equal_a_token_a_step(engines):
         assert g["tokens"] == w["tokens"] and g["reason"] == w["reason"] == "length"
         torch.testing.assert_close(g["log_probs"], w["log_probs"], atol=1e-4, rtol=1e-4)
         assert g["cum"] == pytest.approx(w["cum"], abs=1e-3)
+        assert len(g["tops"]) == len(w["tops"]) == (len(g["tokens"]) if w["tops"] else 0)
+        for gt, wt in zip(g["tops"], w["tops"]):  # alternatives of a position drafted or not
+            assert [i for i, _ in gt] == [i for i, _ in wt]
+            torch.testing.assert_close([v for _, v in gt], [v for _, v in wt], atol=1e-4,
+                                       rtol=1e-4)
     # Several tokens an output: fewer steps than tokens (80 + 64 + ... in 5 requests).
     assert spec.stats()["steps"] - steps0 < max(p.max_tokens for p in params) - 10
 

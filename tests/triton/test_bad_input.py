@@ -49,6 +49,8 @@ HTTP_CASES = [
      "end_id=999 is outside the vocabulary [0, 260)"),
     ("end_id_negative", {"text_input": "hi", "max_tokens": 4, "end_id": -2},
      "end_id=-2 is outside the vocabulary"),
+    ("top_log_probs_21", {"text_input": "hi", "max_tokens": 4, "num_top_log_probs": 21},
+     "top_log_probs must be in [0, 20], got 21"),
 ]  # fmt: skip
 
 

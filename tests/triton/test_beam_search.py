@@ -176,6 +176,8 @@ BAD = [
      "guided decoding with beam search (beam_width > 1) is not supported"),
     ("length_penalty_inf", dict(beam_width=2, length_penalty=float("inf")),
      "len_penalty must be finite"),
+    ("top_log_probs", dict(beam_width=2, num_top_log_probs=3),
+     "top_log_probs with beam search (beam_width > 1) is not supported"),
 ]
 
 

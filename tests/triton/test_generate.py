@@ -7,6 +7,7 @@ import threading
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from backend.engine import Engine, EngineConfig, SamplingParams
@@ -225,6 +226,35 @@ def test_penalties_and_log_probs_equal_the_in_process_engine(llm_server: ServerH
     # Not asked for: none, and a zero sum.
     bare = generate_http(llm_server.urls.http, greedy(prompt))
     assert bare.log_probs == [] and bare.cum_log_prob == 0.0
+
+
+def test_top_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
+                                                  local_engine: Engine):
+    """num_top_log_probs = N: each response carries the N likeliest tokens at the positions of
+    the ids it carries, the engine's own (gRPC stream [K, T, N], HTTP generate flat)."""
+    prompt = long_prompt("The likeliest next tokens", 70)
+    params = GenerateParams(prompt, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
+                            temperature=0.8, seed=5, num_top_log_probs=4,
+                            cache_salt=uuid.uuid4().hex)
+    ids = local_engine.tokenizer.encode(prompt)
+    out = local_engine.generate(ids, SamplingParams(max_tokens=MAX_TOKENS,
+                                                    min_tokens=MAX_TOKENS, temperature=0.8,
+                                                    seed=5, top_log_probs=4))
+    want_ids = [[t for t, _ in position] for position in out.top_log_probs]
+    want_values = [[v for _, v in position] for position in out.top_log_probs]
+    chunks = list(stream_grpc(llm_server.urls.grpc, params))
+    with_ids = [c for c in chunks if c.top_log_prob_ids is not None and c.counts.get(
+        "num_output_tokens")]
+    got_ids = [row for c in with_ids for row in c.top_log_prob_ids[0].tolist()]
+    got_values = [row for c in with_ids for row in c.top_log_probs[0].tolist()]
+    assert got_ids == want_ids and len(got_ids) == MAX_TOKENS
+    assert np.allclose(got_values, want_values, atol=1e-4)
+    assert [lp for c in chunks for lp in c.log_probs] == pytest.approx(out.log_probs, abs=1e-4)
+    whole = generate_http(llm_server.urls.http, params)
+    assert whole.top_log_prob_ids.tolist() == [i for row in want_ids for i in row]
+    assert np.allclose(whole.top_log_probs, np.ravel(want_values), atol=1e-4)
+    # Not asked for: not sent.
+    assert generate_http(llm_server.urls.http, greedy(prompt)).top_log_probs is None
 
 
 def test_embedding_bias_words_steer_the_text(llm_server: ServerHandle):

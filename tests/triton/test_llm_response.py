@@ -77,6 +77,37 @@ def test_log_probs_follow_the_ids_they_score():
     assert bare["output_log_probs"].shape == (1, 1, 0) and bare["cum_log_probs"].tolist() == [[0]]
 
 
+def test_top_log_probs_follow_the_ids_they_score():
+    """[1, K, T, N] alternatives for the ids a response carries: streamed, the row of the
+    sequence sent; not streamed, every row's, padded with id -1 to the longest."""
+    def alternatives(out: RequestOutput, *tops) -> RequestOutput:
+        out.top_log_probs = [list(t) for t in tops]
+        return out
+
+    stream = OutputStream("r#0", [1], streaming=True, exclude_input=True, num_sequences=2,
+                          extras=frozenset({"top_log_probs"}))
+    a = send(stream, alternatives(scored([7, 8], [-0.5, -1.0], -1.5),
+                                  [(7, -0.5), (3, -1.0)], [(2, -0.2), (8, -1.0)]), 1)
+    assert a["top_log_prob_ids"].shape == (1, 2, 2, 2)
+    assert a["top_log_prob_ids"][0, 1].tolist() == [[7, 3], [2, 8]]
+    assert (a["top_log_prob_ids"][0, 0] == -1).all()  # the other row carries nothing
+    assert a["top_log_probs"][0, 1].tolist() == [[-0.5, -1.0], [pytest.approx(-0.2), -1.0]]
+    assert a["top_log_probs"].dtype.name == "float32"
+    end = send(stream, alternatives(scored([], [], -1.5, finished=True)), 1)
+    assert end["top_log_prob_ids"].shape == (1, 2, 0, 0)
+    whole = OutputStream("r#1", [1], streaming=False, exclude_input=True, num_sequences=2,
+                         extras=frozenset({"top_log_probs"}))
+    send(whole, alternatives(scored([5], [-0.1], -0.1, finished=True), [(5, -0.1)]), 1)
+    done = send(whole, alternatives(scored([6, 4], [-0.3, -0.4], -0.7, finished=True),
+                                    [(6, -0.3)], [(4, -0.4)]), 0)
+    assert done["top_log_prob_ids"].tolist() == [[[[6], [4]], [[5], [-1]]]]
+    assert done["top_log_probs"].tolist() == [[[[pytest.approx(-0.3)], [pytest.approx(-0.4)]],
+                                               [[pytest.approx(-0.1)], [0.0]]]]
+    # Not asked for: not sent (an ensemble passes on only what every response carries).
+    plain = OutputStream("r#2", [1], streaming=False, exclude_input=True)
+    assert "top_log_probs" not in send(plain, output([4], finished=True))
+
+
 def test_several_sequences_stream_one_row_at_a_time():
     stream = OutputStream("r#0", [1, 2, 3], streaming=True, exclude_input=True, num_sequences=3)
     a = send(stream, output([7, 8]), 0)
