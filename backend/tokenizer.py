@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+from functools import cached_property
 from pathlib import Path
 
 import tokenizers
@@ -117,6 +119,35 @@ class Tokenizer:
         """Text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, alone: an added token's text; a byte-level
+        piece mapped back through GPT-2's byte alphabet; a SentencePiece byte-fallback piece
+        (`<0xE2>`) its byte, any other piece with `▁` as a space. A token's bytes need not be
+        valid UTF-8 on their own (a character split over tokens); b"" for an unknown id."""
+        piece = self.tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        if token_id in self._added_ids:
+            return piece.encode("utf-8")
+        if self._byte_level and all(c in _BYTE_DECODER for c in piece):
+            return bytes(_BYTE_DECODER[c] for c in piece)
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    @cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.tok.get_added_tokens_decoder())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the decoder maps pieces through the byte alphabet (GPT-2, Llama 3, Qwen)."""
+        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" \
+            else [decoder]
+        return any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)
+
     def incremental_decoder(
         self, skip_special_tokens: bool = True, context_len: int = DEFAULT_CONTEXT_LEN
     ) -> IncrementalDecoder:
@@ -125,6 +156,10 @@ class Tokenizer:
 
     def _first_known(self, candidates: tuple[str, ...]) -> str | None:
         return next((t for t in candidates if self.tok.token_to_id(t) is not None), None)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def byte_tokenizer() -> Tokenizer:

@@ -123,3 +123,48 @@ def test_cli_writes_tokenizer(tmp_path, capsys):
     assert (tmp_path / "out" / "tokenizer.json").is_file()
     assert load_tokenizer(tmp_path / "out").eos_token_id == 256
     assert "tokenizer.json" in capsys.readouterr().out
+
+
+CORPUS = ["héllo wörld, hello world", "the quick brown fox", "世界 and 😀 again", "hello there"]
+
+
+def _trained(kind: str) -> tokenizers.Tokenizer:
+    """A small real tokenizer trained here: GPT-2-style byte-level BPE with merges, or a
+    SentencePiece-style BPE (Metaspace, byte fallback) as Llama 2 / Mistral ship."""
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+
+    if kind == "byte_level":
+        tok = tokenizers.Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    else:
+        tok = tokenizers.Tokenizer(models.BPE(byte_fallback=True))
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+        trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["</s>"] + [
+            f"<0x{b:02X}>" for b in range(256)])
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+@pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])
+def test_token_bytes_join_to_the_text(kind):
+    """Each token's bytes, alone, joined over an encoding, are the text's UTF-8 (merged
+    pieces, multi-byte characters split over tokens, byte fallback), and special tokens are
+    their text."""
+    from backend.tokenizer import Tokenizer
+
+    tok = Tokenizer(_trained(kind))
+    for text in CORPUS + ["hello wörld 世界 and ünknown ☃"]:
+        ids = tok.encode(text)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8"), (kind, text)
+        if kind == "byte_level":
+            assert any(len(tok.token_bytes(i)) > 1 for i in ids)  # merges, not single bytes
+    special = tok.special_tokens
+    first = next(iter(special))
+    assert tok.token_bytes(special[first]) == first.encode()
+    assert tok.token_bytes(10**6) == b""
+    assert tok._byte_level == (kind == "byte_level")

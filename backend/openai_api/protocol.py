@@ -6,14 +6,18 @@ up to the context limit), `temperature`, `top_p`, `n` (-> num_return_sequences),
 `presence_penalty`, `frequency_penalty`, `stop` (a string or a list: generation ends where the
 text first holds one, which is not returned), `stream`, `stream_options.include_usage`,
 `response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
-(the prompt before the text) and a list of prompts; vLLM's extra fields `top_k`, `min_p`,
+(the prompt before the text) and a list of prompts, `logprobs` (completions: how many
+alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the model's log probability of each
+returned token and of the likeliest tokens at its position (the raw distribution, whatever
+sampled the token), in OpenAI's two layouts; vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
 e.g. Qwen3's `enable_thinking`); ours `session_id` (the ensemble's: a conversation's pages are
 kept longer). Fields this server cannot honour with a value that asks for something
-(`logprobs`, `top_logprobs`, `logit_bias`, `tools`, `best_of` other than n, `suffix`, images)
-are rejected with a 400 that names them, never silently dropped; other unknown fields are
-ignored, as OpenAI's SDK sends some (`user`, ...).
+(`logit_bias`, `tools`, `best_of` other than n, `suffix`, images, the prompt's log
+probabilities: `echo` with `logprobs`, vLLM's `prompt_logprobs`) are rejected with a 400 that
+names them, never silently dropped; other unknown fields are ignored, as OpenAI's SDK sends
+some (`user`, ...).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 64  # the ensemble's num_return_sequences limit
+MAX_LOGPROBS = 20  # alternatives a position may return (the engine's limit, as vLLM's)
+MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The engine's finish reasons -> OpenAI's ("cancelled": vLLM's "abort").
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
@@ -64,6 +70,7 @@ class Plan:
     include_usage: bool = False
     stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
     echo: bool = False
+    logprobs: int | None = None  # None: not asked; else the alternatives a position returns
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -86,9 +93,6 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
     else:
         raise RequestError("'prompt' must be a string or a non-empty list of strings", "prompt")
     _refuse(body, "suffix", "'suffix' (insertion) is not supported")
-    _refuse(body, "logprobs",
-            "'logprobs' is not supported by this frontend (the Triton generate endpoint's "
-            "return_log_probs gives the chosen tokens' log probabilities)")
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", n, 1, MAX_N)
     if best_of != n:
@@ -96,7 +100,11 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
                            "best_of")
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
     plan = Plan("completion", model, prompts, {}, max_tokens, n,
-                echo=_bool(body, "echo", False))
+                echo=_bool(body, "echo", False),
+                logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS))
+    if plan.echo and plan.logprobs is not None:
+        raise RequestError("'logprobs' with 'echo' (log probabilities of the prompt's tokens) "
+                           "is not supported", "logprobs")
     _common(body, plan)
     return plan
 
@@ -110,12 +118,10 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
         _refuse(body, name, f"'{name}' (tool calling) is not supported")
     if body.get("tool_choice") not in (None, "none"):
         raise RequestError("'tool_choice' is not supported (no tools)", "tool_choice")
-    if body.get("logprobs"):
-        raise RequestError("'logprobs' is not supported by this frontend (the Triton generate "
-                           "endpoint's return_log_probs gives the chosen tokens' log "
-                           "probabilities)", "logprobs")
-    if body.get("top_logprobs") not in (None, 0):
-        raise RequestError("'top_logprobs' is not supported", "top_logprobs")
+    wanted = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    if top and not wanted:
+        raise RequestError("'top_logprobs' needs 'logprobs': true", "top_logprobs")
     if template is None:
         raise RequestError("the model has no chat template (tokenizer_config.json's "
                            "chat_template): use /v1/completions", "messages")
@@ -128,7 +134,8 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
         raise RequestError(str(exc), "messages") from None
     limit = _int(body, "max_completion_tokens", None, 1)
     max_tokens = _int(body, "max_tokens", limit, 1)
-    plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N))
+    plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N),
+                logprobs=(top or 0) if wanted else None)
     _common(body, plan)
     if not body.get("ignore_eos"):  # the template's turn end and the model's end ids
         words = plan.fields.setdefault("stop_words", [])
@@ -174,6 +181,12 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     """The sampling, stop, guide, cache and streaming fields both endpoints share."""
     fields = plan.fields
     _refuse(body, "logit_bias", "'logit_bias' is not supported")
+    _refuse(body, "prompt_logprobs", "'prompt_logprobs' (log probabilities of the prompt's "
+            "tokens) is not supported")
+    if plan.logprobs is not None:
+        fields["return_log_probs"] = True
+        if plan.logprobs:
+            fields["num_top_log_probs"] = plan.logprobs
     numbers = (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                ("repetition_penalty", 0.0, None))
@@ -357,6 +370,73 @@ class StopFilter:
         return out
 
 
+@dataclass
+class TokenLogprob:
+    """One returned token: its name and bytes, the model's log probability of it, where its
+    text starts in the choice's text, and the likeliest tokens at its position."""
+
+    token: str
+    bytes: list[int]
+    logprob: float
+    offset: int
+    top: list[tuple[str, list[int], float]] = field(default_factory=list)
+
+
+class TokenNames:
+    """Token id -> (name, bytes) as OpenAI names tokens: the token's text where its bytes
+    are UTF-8 on their own, else `bytes:\\xe2\\x80` (part of a character); `bytes` lets a
+    client join them back. Cached (a name is asked for at every position it is a candidate)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        named = self.cache.get(token_id)
+        if named is None:
+            raw = self.tokenizer.token_bytes(token_id)
+            try:
+                name = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                name = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+            named = self.cache[token_id] = (name, list(raw))
+        return named
+
+    def entry(self, token_id: int, logprob: float, offset: int,
+              top: Sequence[tuple[int, float]] = ()) -> TokenLogprob:
+        name, raw = self(token_id)
+        return TokenLogprob(name, raw, _floor(logprob), offset,
+                            [(*self(t), _floor(v)) for t, v in top])
+
+
+def _floor(value: float) -> float:
+    return max(float(value), MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
+
+
+def logprobs_body(plan: Plan, entries: Sequence[TokenLogprob],
+                  offset: int = 0) -> dict[str, Any] | None:
+    """A choice's `logprobs` for `entries` (None when the request did not ask): chat's
+    `{"content": [{token, logprob, bytes, top_logprobs}]}` or completions'
+    `{tokens, token_logprobs, top_logprobs, text_offset}` (each top_logprobs dict holds the
+    returned token too, so up to logprobs + 1 entries, as OpenAI's); `offset` is added to
+    each text offset (the echoed prompt's length)."""
+    if plan.logprobs is None:
+        return None
+    if plan.kind == "chat":
+        return {"content": [{"token": e.token, "logprob": e.logprob, "bytes": e.bytes,
+                             "top_logprobs": [{"token": t, "logprob": v, "bytes": b}
+                                              for t, b, v in e.top]} for e in entries],
+                "refusal": None}
+    tops = []
+    for e in entries:
+        top = {t: v for t, _, v in e.top}
+        top.setdefault(e.token, e.logprob)
+        tops.append(top)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": [e.offset + offset for e in entries]}
+
+
 def finish_reason(engine_reason: str, stopped: bool) -> str:
     """OpenAI's finish_reason for a choice: "stop" where a stop string cut it."""
     if stopped:
@@ -382,26 +462,28 @@ def chunk_body(plan: Plan, choices: list[dict[str, Any]],
 
 
 def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
-                  role: bool = False) -> dict[str, Any]:
+                  role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     if plan.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if text is not None:
             delta["content"] = text
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-    return {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
 
 def response_body(plan: Plan, texts: list[str], reasons: list[str],
-                  usage_body: dict[str, Any]) -> dict[str, Any]:
+                  usage_body: dict[str, Any],
+                  logprobs: Sequence[dict[str, Any] | None] | None = None) -> dict[str, Any]:
     """The non-streamed answer: `chat.completion` / `text_completion`."""
+    logprobs = logprobs or [None] * len(texts)
     if plan.kind == "chat":
         choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+                    "logprobs": lp, "finish_reason": r}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         kind = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons))]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         kind = "text_completion"
     return {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model,
             "choices": choices, "usage": usage_body}

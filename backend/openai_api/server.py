@@ -31,7 +31,7 @@ from aiohttp import web
 
 from backend.openai_api import protocol
 from backend.openai_api.chat import ChatTemplate
-from backend.openai_api.protocol import Plan, RequestError, StopFilter
+from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
 from backend.openai_api.upstream import ServedModel, Upstream, UpstreamError
 
 log = logging.getLogger("backend.openai_api")
@@ -45,6 +45,11 @@ class State:
     tokenizer: Any  # backend.tokenizer.Tokenizer, or None (then max_tokens is required)
     template: ChatTemplate | None
     created: int = field(default_factory=lambda: int(time.time()))
+    token_names: TokenNames | None = None  # for logprobs (with a tokenizer)
+
+    def __post_init__(self) -> None:
+        if self.tokenizer is not None and self.token_names is None:
+            self.token_names = TokenNames(self.tokenizer)
 
 
 STATE = web.AppKey("state", State)
@@ -55,6 +60,22 @@ class Choice:
     stop: StopFilter
     parts: list[str] = field(default_factory=list)
     reason: str | None = None  # OpenAI's, once it ended
+    # With logprobs: the choice's ids decoded as they come (where each token's text starts),
+    # the characters passed on so far, the tokens whose text has not been (held back by the
+    # stop filter) and those sent.
+    decoder: Any = None
+    decoded: int = 0
+    sent: int = 0
+    waiting: list[TokenLogprob] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def release(self) -> list[TokenLogprob]:
+        """The waiting tokens whose text starts within what was sent; once the choice ended,
+        the rest go (text cut at a stop string, or special tokens with no text)."""
+        out = [e for e in self.waiting if e.offset < self.sent]
+        self.waiting = [] if self.reason is not None else self.waiting[len(out):]
+        self.logprobs.extend(out)
+        return out
 
 
 class Run:
@@ -63,9 +84,15 @@ class Run:
     def __init__(self, state: State, plan: Plan) -> None:
         self.state = state
         self.plan = plan
+        if plan.logprobs is not None and state.token_names is None:
+            raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
+                               "did not find", "logprobs")
         self.requests = [self._fields(p) for p in plan.prompts]
         self.choices = [Choice(StopFilter(plan.stop))
                         for _ in range(len(plan.prompts) * plan.n)]
+        if plan.logprobs is not None:
+            for choice in self.choices:
+                choice.decoder = state.tokenizer.incremental_decoder()
         self.prompt_tokens = [0] * len(plan.prompts)
         self.cached_tokens = [0] * len(plan.prompts)
         self.completion_tokens = 0
@@ -110,8 +137,8 @@ class Run:
             task.cancel()
 
     async def events(self):
-        """(choice index, text to send, OpenAI finish reason or None) as the responses come;
-        an upstream error raises it."""
+        """(choice index, text to send, OpenAI finish reason or None, the tokens (logprobs)
+        that text carries) as the responses come; an upstream error raises it."""
         closed: set[int] = set()  # prompts whose requests ended (or were cancelled)
         n = self.plan.n
         while len(closed) < len(self.requests):
@@ -131,14 +158,19 @@ class Run:
                 engine_reason = response.reasons[k] if k < len(response.reasons) else ""
                 index = p * n + k
                 choice = self.choices[index]
-                if choice.reason is not None or not (text or engine_reason):
+                if choice.reason is not None:
+                    continue
+                if choice.decoder is not None and k < len(response.ids):
+                    self._score(choice, response, k)
+                if not (text or engine_reason):
                     continue
                 out = choice.stop.feed(text)
                 if choice.stop.stopped or engine_reason:
                     out += choice.stop.flush()
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
                 choice.parts.append(out)
-                yield index, out, choice.reason
+                choice.sent += len(out)
+                yield index, out, choice.reason, choice.release()
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string
                     closed.add(p)
@@ -146,8 +178,28 @@ class Run:
             if choice.reason is None:
                 tail = choice.stop.flush()
                 choice.parts.append(tail)
+                choice.sent += len(tail)
                 choice.reason = "stop"
-                yield index, tail, choice.reason
+                yield index, tail, choice.reason, choice.release()
+
+    def _score(self, choice: Choice, response: Any, k: int) -> None:
+        """Row k's tokens, each where its text starts in the choice's text, waiting for
+        their text to be sent."""
+        tops = response.tops[k] if k < len(response.tops) else []
+        for i, (token, logprob) in enumerate(zip(response.ids[k], response.log_probs[k])):
+            offset = choice.decoded
+            choice.decoded += len(choice.decoder.push(token))
+            choice.waiting.append(self.state.token_names.entry(
+                token, logprob, offset, tops[i] if i < len(tops) else ()))
+
+    def logprobs(self) -> list[dict[str, Any] | None]:
+        """Every choice's `logprobs` (non-streamed answers)."""
+        return [protocol.logprobs_body(self.plan, c.logprobs, self._echoed(i))
+                for i, c in enumerate(self.choices)]
+
+    def _echoed(self, index: int) -> int:
+        """Characters before choice `index`'s generated text (its prompt, with echo)."""
+        return len(self.plan.prompts[index // self.plan.n]) if self.plan.echo else 0
 
     def _prompt_done(self, p: int) -> bool:
         n = self.plan.n
@@ -199,7 +251,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
                 pass
         reasons = [c.reason or "stop" for c in run.choices]
         return web.json_response(protocol.response_body(plan, run.texts(), reasons,
-                                                        run.usage()))
+                                                        run.usage(), run.logprobs()))
     except UpstreamError as exc:
         return _error(_client_error(exc))
     finally:
@@ -227,10 +279,12 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
     try:
         pending = [first] if first is not None else []
         while True:
-            for index, text, reason in pending:
-                if text or reason:
+            for index, text, reason, tokens in pending:
+                if text or reason or tokens:
+                    logprobs = protocol.logprobs_body(plan, tokens, run._echoed(index))
                     await send(protocol.chunk_body(
-                        plan, [protocol.stream_choice(plan, index, text, reason)]))
+                        plan, [protocol.stream_choice(plan, index, text, reason,
+                                                      logprobs=logprobs)]))
             try:
                 pending = [await events.__anext__()]
             except StopAsyncIteration:

@@ -39,13 +39,17 @@ class UpstreamError(Exception):
 @dataclass
 class Response:
     """One ensemble response: the row it carries (-1: all), each row's text and finish
-    reason, and the counts."""
+    reason, and the counts; with return_log_probs each row's generated ids, their log
+    probabilities and (num_top_log_probs) the likeliest tokens at each one's position."""
 
     index: int
     texts: list[str]
     reasons: list[str]
     counts: dict[str, int] = field(default_factory=dict)
     final: bool = False
+    ids: list[list[int]] = field(default_factory=list)
+    log_probs: list[list[float]] = field(default_factory=list)
+    tops: list[list[list[tuple[int, float]]]] = field(default_factory=list)
 
 
 @dataclass
@@ -193,7 +197,20 @@ def _response(result: Any, response: Any, final: bool) -> Response:
     counts = {n: int(result.as_numpy(n).reshape(-1)[0]) for n in COUNTS if n in names}
     index = (int(result.as_numpy("sequence_index").reshape(-1)[0])
              if "sequence_index" in names else -1)
-    return Response(index, strings("text_output"), strings("finish_reason"), counts, final)
+    out = Response(index, strings("text_output"), strings("finish_reason"), counts, final)
+    log_probs = (result.as_numpy("output_log_probs")[0] if "output_log_probs" in names
+                 else None)  # [K, N]: N = 0 without return_log_probs
+    if log_probs is not None and log_probs.shape[1] and {"output_ids", "sequence_length"} <= names:
+        lengths = result.as_numpy("sequence_length")[0].tolist()
+        ids = result.as_numpy("output_ids")[0]
+        out.ids = [ids[k, :n].tolist() for k, n in enumerate(lengths)]
+        out.log_probs = [log_probs[k, :n].tolist() for k, n in enumerate(lengths)]
+        if "top_log_prob_ids" in names and "top_log_probs" in names:
+            top_ids = result.as_numpy("top_log_prob_ids")[0]  # [K, T, N]
+            top_values = result.as_numpy("top_log_probs")[0]
+            out.tops = [[[(int(t), float(v)) for t, v in zip(top_ids[k, i], top_values[k, i])
+                          if t >= 0] for i in range(n)] for k, n in enumerate(lengths)]
+    return out
 
 
 def _invalid(message: str) -> bool:

@@ -152,6 +152,75 @@ def test_stop_strings_end_the_text_before_them(sdk: openai.OpenAI):
     assert streamed == expected and pieces[-1][1] == "stop"
 
 
+def test_completion_logprobs_are_the_engines(sdk: openai.OpenAI, llm_server: ServerHandle):
+    """logprobs = 3 on a seeded sampled completion: each returned token with Triton's own
+    log probability of it and its three likeliest alternatives (the token itself added to
+    each dict), offsets into the text; the stream's tokens are the same ones."""
+    extra = {"seed": 3, "min_tokens": MAX_TOKENS, "cache_salt": uuid.uuid4().hex}
+    kwargs = dict(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0)
+    reply = sdk.completions.create(**kwargs, logprobs=3, extra_body=extra).choices[0]
+    triton = generate_http(llm_server.urls.http, GenerateParams(
+        PROMPT, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, temperature=1.0, seed=3,
+        num_top_log_probs=3, cache_salt=extra["cache_salt"]))
+    lp = reply.logprobs
+    assert reply.text == triton.text and len(lp.tokens) == MAX_TOKENS
+    assert lp.token_logprobs == pytest.approx(triton.log_probs, abs=1e-5)
+    names = [[chr(t) if t < 128 else None for t in triton.top_log_prob_ids[i:i + 3]]
+             for i in range(0, 3 * MAX_TOKENS, 3)]
+    for i, (token, top) in enumerate(zip(lp.tokens, lp.top_logprobs)):
+        assert top[token] == pytest.approx(lp.token_logprobs[i])  # the token is in its dict
+        want = {n: v for n, v in zip(names[i], triton.top_log_probs[3 * i:3 * i + 3]) if n}
+        assert {n: top[n] for n in want} == pytest.approx(want, abs=1e-5)
+        assert len(top) in (3, 4)  # the three likeliest, and the token where it is not one
+    def raw(token: str) -> bytes:  # a token's bytes back from its name
+        if token.startswith("bytes:"):
+            return bytes(int(h, 16) for h in token[len("bytes:"):].split("\\x")[1:])
+        return token.encode()
+
+    assert b"".join(map(raw, lp.tokens)) == reply.text.encode()
+    starts = [len(b"".join(map(raw, lp.tokens[:i])).decode(errors="ignore"))
+              for i in range(MAX_TOKENS)]
+    assert lp.text_offset == starts  # where each token's text starts (a split character: its)
+    streamed = [(t, v) for e in sdk.completions.create(**kwargs, logprobs=3, stream=True,
+                                                     extra_body=extra)
+                for c in e.choices if c.logprobs for t, v in zip(c.logprobs.tokens,
+                                                                  c.logprobs.token_logprobs)]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs))
+    plain = sdk.completions.create(**kwargs, extra_body=extra).choices[0]
+    assert plain.logprobs is None and plain.text == reply.text
+
+
+def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
+    """Chat logprobs: the tokens' bytes join to the answer (the turn end the template stops
+    at is not one of them), each with top_logprobs alternatives, likeliest first, streamed
+    too; a stop string cuts the tokens where it cuts the text."""
+    messages = [{"role": "user", "content": "Say something short."}]
+    extra = greedy(min_tokens=0)
+    kwargs = dict(model="ensemble", messages=messages, max_tokens=48, logprobs=True,
+                  top_logprobs=2, extra_body=extra)
+    choice = sdk.chat.completions.create(**kwargs).choices[0]
+    content = choice.logprobs.content
+    assert b"".join(bytes(t.bytes) for t in content) == choice.message.content.encode()
+    for t in content:
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
+        assert t.top_logprobs[0].token == t.token  # greedy: the likeliest
+        assert t.logprob == pytest.approx(t.top_logprobs[0].logprob)
+    streamed = [t for e in sdk.chat.completions.create(**kwargs, stream=True)
+                for c in e.choices if c.logprobs for t in c.logprobs.content]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    text = choice.message.content
+    if len(text) < 6:
+        pytest.skip(f"the answer {text!r} is too short to cut")
+    stop = text[3:5]
+    cut = sdk.chat.completions.create(**kwargs, stop=[stop]).choices[0]
+    assert cut.message.content == text[:text.index(stop)]
+    kept = b"".join(bytes(t.bytes) for t in cut.logprobs.content)
+    assert kept == cut.message.content.encode()
+    pieces = list(sdk.chat.completions.create(**kwargs, stop=[stop], stream=True))
+    tokens = [t for e in pieces for c in e.choices if c.logprobs for t in c.logprobs.content]
+    assert b"".join(bytes(t.bytes) for t in tokens) == kept
+
+
 def test_several_prompts_and_choices(sdk: openai.OpenAI):
     extra = greedy(cache_salt=uuid.uuid4().hex)
     reply = sdk.completions.create(model="ensemble", prompt=["First prompt", "Second prompt"],

@@ -11,7 +11,9 @@ from backend.openai_api.chat import ChatTemplate, TemplateError
 from backend.openai_api.protocol import (
     RequestError,
     StopFilter,
+    TokenNames,
     finish_reason,
+    logprobs_body,
     parse_chat,
     parse_completion,
 )
@@ -61,7 +63,11 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "top_p": 0}, "'top_p' must be greater than 0", 400),
     ({"model": "tiny", "prompt": "x", "n": 65}, "'n' must be from 1 to 64", 400),
     ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 4}, "'best_of' other than n", 400),
-    ({"model": "tiny", "prompt": "x", "logprobs": 2}, "'logprobs' is not supported", 400),
+    ({"model": "tiny", "prompt": "x", "logprobs": 21}, "'logprobs' must be from 0 to 20", 400),
+    ({"model": "tiny", "prompt": "x", "logprobs": True}, "'logprobs' must be an integer", 400),
+    ({"model": "tiny", "prompt": "x", "logprobs": 1, "echo": True},
+     "'logprobs' with 'echo' (log probabilities of the prompt's tokens) is not supported", 400),
+    ({"model": "tiny", "prompt": "x", "prompt_logprobs": 1}, "'prompt_logprobs'", 400),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "'suffix'", 400),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "'logit_bias'", 400),
     ({"model": "tiny", "prompt": "x", "stop": [""]}, "'stop' must be a non-empty string", 400),
@@ -85,6 +91,54 @@ def test_bad_completion_requests_say_what_is_wrong(body, message, status):
     assert message in info.value.message and info.value.status == status
     error = info.value.body()["error"]
     assert error["message"] == info.value.message and error["type"] == "invalid_request_error"
+
+
+def test_logprobs_ask_the_ensemble_for_log_probabilities_and_alternatives():
+    messages = [{"role": "user", "content": "x"}]
+    none = parse_completion({"model": "tiny", "prompt": "x", "logprobs": None}, MODELS)
+    assert none.logprobs is None and "return_log_probs" not in none.fields
+    chosen = parse_completion({"model": "tiny", "prompt": "x", "logprobs": 0}, MODELS)
+    assert chosen.logprobs == 0 and chosen.fields == {"return_log_probs": True}
+    five = parse_completion({"model": "tiny", "prompt": "x", "logprobs": 5}, MODELS)
+    assert five.fields == {"return_log_probs": True, "num_top_log_probs": 5}
+    chat = parse_chat({"model": "tiny", "messages": messages, "logprobs": True,
+                       "top_logprobs": 3}, MODELS, chatml())
+    assert chat.logprobs == 3 and chat.fields["num_top_log_probs"] == 3
+    only = parse_chat({"model": "tiny", "messages": messages, "logprobs": True}, MODELS,
+                      chatml())
+    assert only.logprobs == 0 and "num_top_log_probs" not in only.fields
+    off = parse_chat({"model": "tiny", "messages": messages, "logprobs": False,
+                      "top_logprobs": 0}, MODELS, chatml())
+    assert off.logprobs is None and "return_log_probs" not in off.fields
+
+
+def test_token_names_are_text_or_bytes():
+    names = TokenNames(byte_tokenizer())
+    assert names(ord("A")) == ("A", [65])
+    assert names(0xE2) == ("bytes:\\xe2", [0xE2])  # a lone lead byte: part of a character
+    assert names(258) == ("<|im_end|>", list(b"<|im_end|>"))
+    entry = names.entry(ord("h"), -0.25, 3, [(ord("h"), -0.25), (0xE2, float("-inf"))])
+    assert entry.token == "h" and entry.offset == 3
+    assert entry.top == [("h", [104], -0.25), ("bytes:\\xe2", [0xE2], -9999.0)]  # JSON: no -inf
+
+
+def test_logprobs_bodies_take_openai_layouts():
+    names = TokenNames(byte_tokenizer())
+    entries = [names.entry(ord("h"), -0.5, 0, [(ord("j"), -0.25), (ord("h"), -0.5)]),
+               names.entry(ord("i"), -2.0, 1, [(ord("o"), -0.1)])]
+    completion = parse_completion({"model": "tiny", "prompt": "x", "logprobs": 2}, MODELS)
+    assert logprobs_body(completion, entries, offset=10) == {
+        "tokens": ["h", "i"], "token_logprobs": [-0.5, -2.0],
+        "top_logprobs": [{"j": -0.25, "h": -0.5}, {"o": -0.1, "i": -2.0}],  # the token too
+        "text_offset": [10, 11]}
+    chat = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                       "logprobs": True, "top_logprobs": 1}, MODELS, chatml())
+    body = logprobs_body(chat, entries)
+    assert body["refusal"] is None and body["content"][1] == {
+        "token": "i", "logprob": -2.0, "bytes": [105],
+        "top_logprobs": [{"token": "o", "logprob": -0.1, "bytes": [111]}]}
+    plain = parse_completion({"model": "tiny", "prompt": "x"}, MODELS)
+    assert logprobs_body(plain, entries) is None
 
 
 def test_not_an_object_is_refused():
@@ -139,8 +193,12 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
      "'tools' (tool calling) is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "'tool_choice'"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "'logprobs'"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "'top_logprobs'"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2},
+     "'logprobs' must be true or false"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
+     "'top_logprobs' needs 'logprobs': true"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+     "'top_logprobs' must be from 0 to 20"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "'max_completion_tokens' must be from 1"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
