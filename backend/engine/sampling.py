@@ -26,7 +26,7 @@ Rules (TensorRT-LLM semantics where it has them):
   choice (where they would leave none, the grammar's choices stand).
 - Stop words are matched against the generated tokens only (never the prompt); the matched
   tokens stay in the output, as TensorRT-LLM returns them.
-- Log probabilities (`token_log_probs`, and the likeliest alternatives `top_log_probs`) are
+- Log probabilities (`scored_log_probs`: the chosen token's and the likeliest alternatives) are
   the model's: the log-softmax of its raw logits, before bias, penalties, masks and
   temperature (vLLM's default and TensorRT-LLM's PyTorch backend's "raw" mode), so they score
   the text, whatever sampled it.
@@ -107,18 +107,15 @@ def adjust_logits(row: torch.Tensor, params: SamplingParams, counts: TokenCounts
                 + params.presence_penalty * (generated > 0).to(row.dtype))
 
 
-def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The model's log probability of `tokens` [B] under the raw `logits` [B, V]: [B] fp32."""
+def scored_log_probs(logits: torch.Tensor, tokens: torch.Tensor, top: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One log-softmax of the raw `logits` [B, V]: the log probability of `tokens` [B] ([B]
+    fp32) and each row's `top` likeliest tokens, likeliest first (ids [B, top] int64 and
+    their log probabilities [B, top] fp32)."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return log_probs.gather(1, tokens.view(-1, 1).to(log_probs.device)).view(-1)
-
-
-def top_log_probs(logits: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `top` likeliest tokens of each row of the raw `logits` [B, V], likeliest first:
-    ids [B, top] int64 and their log probabilities [B, top] fp32 (the log-softmax
-    `token_log_probs` reads)."""
-    values, ids = torch.topk(torch.log_softmax(logits.float(), dim=-1), top, dim=-1)
-    return ids, values
+    chosen = log_probs.gather(1, tokens.view(-1, 1).to(log_probs.device)).view(-1)
+    values, ids = torch.topk(log_probs, top, dim=-1)
+    return chosen, ids, values
 
 
 def sample(

@@ -31,8 +31,7 @@ from backend.engine.sampling import (
     finish_reason,
     make_generator,
     sample,
-    token_log_probs,
-    top_log_probs,
+    scored_log_probs,
 )
 from backend.engine.sequence import SeqStatus, Sequence
 from backend.engine.speculative import DraftPolicy, NgramDrafter
@@ -553,16 +552,17 @@ class Scheduler:
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
                         counts, masks)
         lps: list[float | None] = [None] * len(seqs)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         wanted = [row for row, p in enumerate(params) if p.return_log_probs]
         if wanted:
-            values = token_log_probs(logits[wanted], tokens[wanted]).tolist()
-            for row, value in zip(wanted, values):
+            top = max(params[row].top_log_probs for row in wanted)
+            chosen, ids, values = scored_log_probs(logits[wanted], tokens[wanted], top)
+            ids, values = ids.tolist(), values.tolist()
+            for i, (row, value) in enumerate(zip(wanted, chosen.tolist())):
                 lps[row] = value
-        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
-        for row, p in enumerate(params):
-            if p.top_log_probs:
-                ids, values = top_log_probs(logits[row:row + 1], p.top_log_probs)
-                tops[row] = list(zip(ids[0].tolist(), values[0].tolist()))
+                n = params[row].top_log_probs
+                if n:
+                    tops[row] = list(zip(ids[i][:n], values[i][:n]))
         return tokens.tolist(), lps, tops
 
     def _jump_forward(self, seq: Sequence, new_ids: list[int]) -> str | None:

@@ -14,7 +14,7 @@ from backend.engine.sampling import (
     make_generator,
     match_stop,
     sample,
-    token_log_probs,
+    scored_log_probs,
 )
 
 V = 32
@@ -249,11 +249,19 @@ def test_token_counts_grow_incrementally_like_a_recount(ids, num_prompt, cuts):
     assert counts.num_counted == 1
 
 
-def test_token_log_probs_are_the_raw_log_softmax():
+def test_scored_log_probs_are_the_raw_log_softmax():
     logits = torch.randn(3, V, generator=torch.Generator().manual_seed(9))
     tokens = torch.tensor([0, 5, V - 1])
-    expected = [float(torch.log_softmax(logits[i].double(), -1)[t]) for i, t in enumerate(tokens)]
-    assert token_log_probs(logits, tokens).tolist() == pytest.approx(expected, abs=1e-5)
+    reference = torch.log_softmax(logits.double(), -1)
+    expected = [float(reference[i, t]) for i, t in enumerate(tokens)]
+    chosen, ids, values = scored_log_probs(logits, tokens, 3)
+    assert chosen.tolist() == pytest.approx(expected, abs=1e-5)
+    for i in range(3):  # the three likeliest, likeliest first
+        order = sorted(range(V), key=lambda t: -float(reference[i, t]))[:3]
+        assert ids[i].tolist() == order
+        assert values[i].tolist() == pytest.approx([float(reference[i, t]) for t in order],
+                                                   abs=1e-5)
+    assert scored_log_probs(logits, tokens, 0)[1].shape == (3, 0)
 
 
 @pytest.mark.parametrize(
