@@ -44,8 +44,9 @@ class CacheManager:
     def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
         """Matches the sequence's prefix, locks it, restores linear states at the match end
         (live state, or a replay queued into `replays`), and plans state snapshots."""
-        # Context logits: every prompt position is computed (the store holds no logits).
-        key = b"" if seq.request.return_context_logits else seq.prefix_key()
+        # Context logits, prompt log probabilities: every prompt position is computed (the
+        # store holds no logits).
+        key = b"" if seq.request.needs_prompt_logits else seq.prefix_key()
         match = self.store.match_prefix(key, seq.request.cache_salt, count_hits=False)
         found_on = self.store.locations(match)  # before promotion moves them
         nodes = self._usable_prefix(match)

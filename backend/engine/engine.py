@@ -174,9 +174,11 @@ class Engine:
         ids = request.prompt_ids
         if not ids:
             raise ValueError("the prompt is empty")
-        if request.return_context_logits and self.config.executor == "compiled":
-            raise ValueError("return_context_logits needs executor 'torch': a compiled "
-                             "engine's step returns the last position's logits only")
+        if request.needs_prompt_logits and self.config.executor == "compiled":
+            what = ("return_context_logits" if request.return_context_logits
+                    else "return_prompt_log_probs")
+            raise ValueError(f"{what} needs executor 'torch': a compiled engine's step "
+                             "returns the last position's logits only")
         if request.retention is not None and not isinstance(request.retention, RetentionConfig):
             raise ValueError(f"retention must be a RetentionConfig, got "
                              f"{type(request.retention).__name__}")
@@ -299,6 +301,12 @@ class Engine:
                 sum(len(rows) for rows in seq.context_rows) == seq.num_prompt_tokens:
             out.context_logits = torch.cat(seq.context_rows)  # the first output: the prompt's
             seq.context_rows = None
+        if seq is not None and seq.prompt_scores is not None and seq.first_token_time is not None \
+                and sum(len(s[0]) for s in seq.prompt_scores) == seq.num_prompt_tokens - 1:
+            out.prompt_log_probs = [v for values, _ in seq.prompt_scores for v in values]
+            if seq.request.sampling.top_log_probs:
+                out.prompt_top_log_probs = [t for _, tops in seq.prompt_scores for t in tops]
+            seq.prompt_scores = None
         if callback is not None:
             try:
                 callback(out)
@@ -351,7 +359,8 @@ class Engine:
                  request_id: str | None = None, return_first_logits: bool = False,
                  return_perf_metrics: bool = False, return_generation_logits: bool = False,
                  return_context_logits: bool = False,
-                 retention: RetentionConfig | None = None) -> RequestOutput:
+                 retention: RetentionConfig | None = None,
+                 return_prompt_log_probs: bool = False) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
@@ -362,6 +371,7 @@ class Engine:
         first_logits: list = []
         generation_logits: list = []
         context_logits: list = []
+        prompt_scores: list = []
 
         def collect(out: RequestOutput) -> None:
             tokens.extend(out.new_token_ids)
@@ -373,6 +383,8 @@ class Engine:
                 generation_logits.append(out.generation_logits)
             if out.context_logits is not None:
                 context_logits.append(out.context_logits)
+            if out.prompt_log_probs is not None:
+                prompt_scores.append((out.prompt_log_probs, out.prompt_top_log_probs))
             if out.finished:
                 final.append(out)
                 done.set()
@@ -380,7 +392,8 @@ class Engine:
         rid = request_id or f"generate-{id(done)}"
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
                             session_id, collect, return_first_logits, return_perf_metrics,
-                            return_generation_logits, return_context_logits, retention))
+                            return_generation_logits, return_context_logits,
+                            return_prompt_log_probs, retention))
         if self._thread is None:
             while not done.is_set():
                 self.step()
@@ -393,6 +406,8 @@ class Engine:
             out.generation_logits = torch.cat(generation_logits)
         if context_logits:
             out.context_logits = context_logits[0]
+        if prompt_scores:
+            out.prompt_log_probs, out.prompt_top_log_probs = prompt_scores[0]
         return out
 
     def stats(self) -> dict:

@@ -137,9 +137,20 @@ class Request:
     # return_context_logits) to the first output. The cache has no logits for the pages it
     # serves, so such a request computes its whole prompt (its pages still join the store).
     return_context_logits: bool = False
+    # Attach the log probability of each prompt token after the first under the model (and,
+    # with sampling.top_log_probs = N, the N likeliest tokens at its position) to the first
+    # output: what scoring a text needs (vLLM's prompt_logprobs, OpenAI's echo with
+    # logprobs). Computed from each prompt chunk's logits as it runs, so only the scores are
+    # kept; like context logits, the whole prompt is computed.
+    return_prompt_log_probs: bool = False
     # How long the store should keep the pages this request leaves behind (TensorRT-LLM's
     # KvCacheRetentionConfig; `backend/cache/retention.py`); None: the default priority.
     retention: RetentionConfig | None = None
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether every prompt position's logits are computed (no prefix match)."""
+        return self.return_context_logits or self.return_prompt_log_probs
 
 
 @dataclass
@@ -168,6 +179,11 @@ class RequestOutput:
     # With SamplingParams.top_log_probs = N: for each of new_token_ids, the N likeliest
     # tokens at its position as (token id, log probability), likeliest first.
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With Request.return_prompt_log_probs, on the first output: the log probability of each
+    # prompt token after the first (num_input_tokens - 1 values) and, with top_log_probs,
+    # the likeliest tokens at each of those positions.
+    prompt_log_probs: list[float] | None = None
+    prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
     # Beam search (beam_width > 1): the finished beams, best first, in the request's final
     # output only (new_token_ids / log_probs / cum_log_prob are the best beam's).
     beams: list[BeamOutput] | None = None

@@ -251,7 +251,7 @@ class Scheduler:
         way. Suffix replay only: its pages join with their anchors after every chunk, while
         the checkpoint policy's states join at the prompt's end."""
         if not self.config.share_running_prefills or self.cache.policy != "suffixreplay" \
-                or seq.prefill_waits >= MAX_PREFILL_WAITS or seq.request.return_context_logits:
+                or seq.prefill_waits >= MAX_PREFILL_WAITS or seq.request.needs_prompt_logits:
             return False
         key, salt = seq.prefix_key(), seq.request.cache_salt
         page_bytes = self.config.page_size * TOKEN_BYTES
@@ -453,10 +453,15 @@ class Scheduler:
         for b, (c, ctx) in enumerate(zip(chunks, context)):
             if ctx:
                 seq = c.seq
-                if c.start == 0 or seq.context_rows is None:
-                    seq.context_rows = []
                 take = min(c.end, seq.num_prompt_tokens) - c.start
-                seq.context_rows.append(logits[b, :take].clone())
+                if seq.request.return_context_logits:
+                    if c.start == 0 or seq.context_rows is None:
+                        seq.context_rows = []
+                    seq.context_rows.append(logits[b, :take].clone())
+                if seq.request.return_prompt_log_probs:
+                    if c.start == 0 or seq.prompt_scores is None:
+                        seq.prompt_scores = []
+                    seq.prompt_scores.append(_prompt_scores(seq, c.start, logits[b, :take]))
         L = 1 + max(len(c.draft) for c in chunks)
         out = logits.new_zeros(len(chunks), L, logits.shape[-1])
         for b, (c, ctx) in enumerate(zip(chunks, context)):
@@ -794,3 +799,18 @@ class Scheduler:
         group.search.reset()
         self.waiting.appendleft(leader)
         self.num_preemptions += 1
+
+
+def _prompt_scores(seq: Sequence, start: int, rows: torch.Tensor
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """A prompt chunk's scores: the logits `rows` at positions start.. predict the prompt
+    tokens after them (the last prompt position predicts the first generated token: not
+    scored); the log probability of each and its position's likeliest tokens."""
+    n = min(len(rows), seq.num_prompt_tokens - 1 - start)
+    if n <= 0:
+        return [], []
+    targets = torch.tensor(seq.tokens[start + 1:start + 1 + n])
+    top = seq.request.sampling.top_log_probs
+    chosen, ids, values = scored_log_probs(rows[:n], targets, top)
+    tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())] if top else []
+    return chosen.tolist(), tops

@@ -64,6 +64,10 @@ class Sequence:
     draft_tokens: int = 0  # speculative draft tokens verified for it
     # Request.return_context_logits: the prompt chunks' logits so far, until delivered
     context_rows: list[torch.Tensor] | None = field(default=None, repr=False)
+    # Request.return_prompt_log_probs: per prompt chunk, its positions' (log probability of
+    # the next prompt token, likeliest tokens), until delivered
+    prompt_scores: list[tuple[list[float], list[list[tuple[int, float]]]]] | None = field(
+        default=None, repr=False)
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
     prefill_waits: int = 0  # steps it stayed queued for a running prefill of its prefix
@@ -81,7 +85,7 @@ class Sequence:
     @property
     def wants_context_logits(self) -> bool:
         """Its prompt's logits are still to be computed (asked for, no output yet)."""
-        return self.request.return_context_logits and self.first_token_time is None
+        return self.request.needs_prompt_logits and self.first_token_time is None
 
     def prefix_key(self) -> bytes:
         """`encode_tokens(tokens[:-1])`, what the prefix store matches for it (at least one

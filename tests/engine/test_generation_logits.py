@@ -161,3 +161,54 @@ def test_context_logits_need_the_eager_executor(engine):
     compiled.config = replace(engine.config, executor="compiled")
     with pytest.raises(ValueError, match="return_context_logits needs executor 'torch'"):
         compiled.submit(Request("ctx", PROMPT, SamplingParams(), return_context_logits=True))
+
+
+def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf):
+    """return_prompt_log_probs: the log probability of each prompt token after the first under
+    transformers' logits at the position before it (and, with top_log_probs, that position's
+    likeliest tokens), from a prompt prefilled in several chunks beside another request,
+    computed whole although its pages are cached; with context logits on the same request,
+    both come; the scores come once, on the first output."""
+    chunked = Engine.from_model_dir(MODEL_DIR, EngineConfig(max_tokens_per_step=64))
+    prompt = PROMPT * 3  # 3 chunks of at most 64 tokens
+    chunked.generate(prompt, SamplingParams(max_tokens=2, top_k=1))  # its pages cached
+    outs: dict[str, list] = {"scored": [], "other": []}
+    chunked.submit(Request("other", PROMPT[::-1], SamplingParams(max_tokens=12, top_k=1),
+                           on_output=outs["other"].append))
+    chunked.submit(Request("scored", prompt, SamplingParams(max_tokens=5, top_k=1,
+                                                            top_log_probs=3),
+                           on_output=outs["scored"].append, return_prompt_log_probs=True,
+                           return_context_logits=True))
+    while chunked.has_work:
+        chunked.step()
+    chunked.scheduler.after_outputs()
+    first = outs["scored"][0]
+    assert first.cached_tokens == 0
+    want = torch.log_softmax(hf_prompt_rows(hf, prompt), -1)
+    targets = torch.tensor(prompt[1:])
+    expected = want[torch.arange(len(prompt) - 1), targets]
+    assert len(first.prompt_log_probs) == len(prompt) - 1
+    torch.testing.assert_close(torch.tensor(first.prompt_log_probs), expected, atol=ATOL,
+                               rtol=0)
+    top = want[:-1].topk(3)
+    assert [[t for t, _ in p] for p in first.prompt_top_log_probs] == top.indices.tolist()
+    torch.testing.assert_close(torch.tensor([[v for _, v in p] for p in
+                                             first.prompt_top_log_probs]), top.values,
+                               atol=ATOL, rtol=0)
+    assert first.context_logits.shape[0] == len(prompt)
+    assert all(o.prompt_log_probs is None for o in outs["scored"][1:])
+    # Not asked: none; a one-token prompt has nothing to score.
+    assert chunked.generate(prompt, SamplingParams(max_tokens=2)).prompt_log_probs is None
+    single = chunked.generate(prompt[:1], SamplingParams(max_tokens=2),
+                              return_prompt_log_probs=True)
+    assert single.prompt_log_probs == []
+
+
+def test_prompt_log_probs_need_the_eager_executor(engine):
+    from dataclasses import replace
+
+    compiled = Engine.__new__(Engine)
+    compiled.__dict__.update(engine.__dict__)
+    compiled.config = replace(engine.config, executor="compiled")
+    with pytest.raises(ValueError, match="return_prompt_log_probs needs executor 'torch'"):
+        compiled.submit(Request("lp", PROMPT, SamplingParams(), return_prompt_log_probs=True))
