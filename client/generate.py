@@ -65,6 +65,7 @@ class GenerateParams:
     frequency_penalty: float | None = None
     return_log_probs: bool | None = None
     num_top_log_probs: int | None = None  # the N likeliest tokens at each position (0..20)
+    return_prompt_log_probs: bool | None = None  # each prompt token's, and its alternatives
     return_perf_metrics: bool | None = None
     return_context_logits: bool | None = None
     return_generation_logits: bool | None = None
@@ -106,6 +107,7 @@ class GenerateParams:
             "frequency_penalty": self.frequency_penalty,
             "return_log_probs": self.return_log_probs,
             "num_top_log_probs": self.num_top_log_probs,
+            "return_prompt_log_probs": self.return_prompt_log_probs,
             "return_perf_metrics": self.return_perf_metrics,
             "return_context_logits": self.return_context_logits,
             "return_generation_logits": self.return_generation_logits,
@@ -157,6 +159,13 @@ class Chunk:
     # their log probabilities, [K, T, N] over gRPC (ids padded with -1), flat over HTTP.
     top_log_prob_ids: np.ndarray | None = None
     top_log_probs: np.ndarray | None = None
+    # With return_prompt_log_probs, on the response that carries them (else empty): the
+    # prompt's ids, each prompt token's log probability after the first, and (with
+    # num_top_log_probs) its position's alternatives [P - 1, N] over gRPC, flat over HTTP.
+    prompt_token_ids: np.ndarray | None = None
+    prompt_log_probs: np.ndarray | None = None
+    prompt_top_log_prob_ids: np.ndarray | None = None
+    prompt_top_log_probs: np.ndarray | None = None
 
 
 def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
@@ -187,6 +196,8 @@ class GenerateError(RuntimeError):
         self.message = message
 
 
+PROMPT_SCORES = ("prompt_token_ids", "prompt_log_probs", "prompt_top_log_prob_ids",
+                 "prompt_top_log_probs")
 RETENTION_RANGE_INPUTS = ("retention_token_range_starts", "retention_token_range_ends",
                           "retention_token_range_priorities",
                           "retention_token_range_durations_ms")
@@ -225,6 +236,7 @@ DTYPES = {
     "exclude_input_in_output": "BOOL",
     "return_log_probs": "BOOL",
     "num_top_log_probs": "INT32",
+    "return_prompt_log_probs": "BOOL",
     "return_perf_metrics": "BOOL",
     "return_context_logits": "BOOL",
     "return_generation_logits": "BOOL",
@@ -331,7 +343,8 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
     chunk = make_chunk(texts, elapsed_s, counts, final, output("output_log_probs"),
                        output("cum_log_probs"), output("sequence_index"), perf,
                        output("finish_reason"))
-    for name in ("generation_logits", "context_logits", "top_log_probs", "top_log_prob_ids"):
+    for name in ("generation_logits", "context_logits", "top_log_probs", "top_log_prob_ids",
+                 *PROMPT_SCORES):
         if name in names:
             setattr(chunk, name, result.as_numpy(name)[0])
     return chunk
@@ -370,11 +383,11 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
     chunk = make_chunk(texts, elapsed_s, counts, final, body.get("output_log_probs"),
                        body.get("cum_log_probs"), body.get("sequence_index"), perf,
                        body.get("finish_reason"))
-    for name in ("generation_logits", "context_logits", "top_log_probs"):
+    for name in ("generation_logits", "context_logits", "top_log_probs", "top_log_prob_ids",
+                 *PROMPT_SCORES):
         if name in body:
-            setattr(chunk, name, np.asarray(body[name], dtype=np.float32).reshape(-1))
-    if "top_log_prob_ids" in body:
-        chunk.top_log_prob_ids = np.asarray(body["top_log_prob_ids"], dtype=np.int32).reshape(-1)
+            dtype = np.int32 if name.endswith("ids") else np.float32
+            setattr(chunk, name, np.asarray(body[name], dtype=dtype).reshape(-1))
     return chunk
 
 

@@ -9,13 +9,14 @@ text first holds one, which is not returned), `stream`, `stream_options.include_
 (the prompt before the text) and a list of prompts, `logprobs` (completions: how many
 alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the model's log probability of each
 returned token and of the likeliest tokens at its position (the raw distribution, whatever
-sampled the token), in OpenAI's two layouts; vLLM's extra fields `top_k`, `min_p`,
+sampled the token), in OpenAI's two layouts, with `echo` the prompt's tokens too (the first
+one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
 e.g. Qwen3's `enable_thinking`); ours `session_id` (the ensemble's: a conversation's pages are
 kept longer). Fields this server cannot honour with a value that asks for something
-(`logit_bias`, `tools`, `best_of` other than n, `suffix`, images, the prompt's log
-probabilities: `echo` with `logprobs`, vLLM's `prompt_logprobs`) are rejected with a 400 that
+(`logit_bias`, `tools`, `best_of` other than n, `suffix`, images, vLLM's `prompt_logprobs`:
+use `echo` with `logprobs`) are rejected with a 400 that
 names them, never silently dropped; other unknown fields are ignored, as OpenAI's SDK sends
 some (`user`, ...).
 """
@@ -102,10 +103,9 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
     plan = Plan("completion", model, prompts, {}, max_tokens, n,
                 echo=_bool(body, "echo", False),
                 logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS))
-    if plan.echo and plan.logprobs is not None:
-        raise RequestError("'logprobs' with 'echo' (log probabilities of the prompt's tokens) "
-                           "is not supported", "logprobs")
     _common(body, plan)
+    if plan.echo and plan.logprobs is not None:  # the prompt's tokens are returned too
+        plan.fields["return_prompt_log_probs"] = True
     return plan
 
 
@@ -181,8 +181,8 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     """The sampling, stop, guide, cache and streaming fields both endpoints share."""
     fields = plan.fields
     _refuse(body, "logit_bias", "'logit_bias' is not supported")
-    _refuse(body, "prompt_logprobs", "'prompt_logprobs' (log probabilities of the prompt's "
-            "tokens) is not supported")
+    _refuse(body, "prompt_logprobs", "'prompt_logprobs' is not supported: use 'echo' with "
+            "'logprobs' (completions)")
     if plan.logprobs is not None:
         fields["return_log_probs"] = True
         if plan.logprobs:
@@ -377,7 +377,7 @@ class TokenLogprob:
 
     token: str
     bytes: list[int]
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing before it to score it)
     offset: int
     top: list[tuple[str, list[int], float]] = field(default_factory=list)
 
@@ -402,10 +402,10 @@ class TokenNames:
             named = self.cache[token_id] = (name, list(raw))
         return named
 
-    def entry(self, token_id: int, logprob: float, offset: int,
+    def entry(self, token_id: int, logprob: float | None, offset: int,
               top: Sequence[tuple[int, float]] = ()) -> TokenLogprob:
         name, raw = self(token_id)
-        return TokenLogprob(name, raw, _floor(logprob), offset,
+        return TokenLogprob(name, raw, None if logprob is None else _floor(logprob), offset,
                             [(*self(t), _floor(v)) for t, v in top])
 
 
@@ -413,13 +413,12 @@ def _floor(value: float) -> float:
     return max(float(value), MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
-def logprobs_body(plan: Plan, entries: Sequence[TokenLogprob],
-                  offset: int = 0) -> dict[str, Any] | None:
+def logprobs_body(plan: Plan, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
     """A choice's `logprobs` for `entries` (None when the request did not ask): chat's
     `{"content": [{token, logprob, bytes, top_logprobs}]}` or completions'
     `{tokens, token_logprobs, top_logprobs, text_offset}` (each top_logprobs dict holds the
-    returned token too, so up to logprobs + 1 entries, as OpenAI's); `offset` is added to
-    each text offset (the echoed prompt's length)."""
+    returned token too, so up to logprobs + 1 entries, as OpenAI's; a prompt's first token
+    has null for both, as OpenAI's echo gives it)."""
     if plan.logprobs is None:
         return None
     if plan.kind == "chat":
@@ -427,14 +426,15 @@ def logprobs_body(plan: Plan, entries: Sequence[TokenLogprob],
                              "top_logprobs": [{"token": t, "logprob": v, "bytes": b}
                                               for t, b, v in e.top]} for e in entries],
                 "refusal": None}
-    tops = []
+    tops: list[dict[str, float] | None] = []
     for e in entries:
         top = {t: v for t, _, v in e.top}
-        top.setdefault(e.token, e.logprob)
-        tops.append(top)
+        if e.logprob is not None:
+            top.setdefault(e.token, e.logprob)
+        tops.append(top if e.logprob is not None else None)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-            "text_offset": [e.offset + offset for e in entries]}
+            "text_offset": [e.offset for e in entries]}
 
 
 def finish_reason(engine_reason: str, stopped: bool) -> str:

@@ -60,20 +60,24 @@ class Choice:
     stop: StopFilter
     parts: list[str] = field(default_factory=list)
     reason: str | None = None  # OpenAI's, once it ended
-    # With logprobs: the choice's ids decoded as they come (where each token's text starts),
-    # the characters passed on so far, the tokens whose text has not been (held back by the
-    # stop filter) and those sent.
+    # With logprobs: the choice's ids decoded as they come (where each token's text starts in
+    # the choice's text, the echoed prompt included), the characters passed on so far, the
+    # echoed prompt's tokens (sent with the first generated ones), the tokens whose text has
+    # not been sent (held back by the stop filter) and those sent.
     decoder: Any = None
     decoded: int = 0
     sent: int = 0
+    prompt: list[TokenLogprob] = field(default_factory=list)
     waiting: list[TokenLogprob] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def release(self) -> list[TokenLogprob]:
-        """The waiting tokens whose text starts within what was sent; once the choice ended,
-        the rest go (text cut at a stop string, or special tokens with no text)."""
+        """The prompt's tokens, then the waiting tokens whose text starts within what was
+        sent; once the choice ended, the rest go (text cut at a stop string, or special
+        tokens with no text)."""
         out = [e for e in self.waiting if e.offset < self.sent]
         self.waiting = [] if self.reason is not None else self.waiting[len(out):]
+        out, self.prompt = self.prompt + out, []
         self.logprobs.extend(out)
         return out
 
@@ -91,8 +95,9 @@ class Run:
         self.choices = [Choice(StopFilter(plan.stop))
                         for _ in range(len(plan.prompts) * plan.n)]
         if plan.logprobs is not None:
-            for choice in self.choices:
+            for i, choice in enumerate(self.choices):
                 choice.decoder = state.tokenizer.incremental_decoder()
+                choice.decoded = choice.sent = len(self._echo(i))
         self.prompt_tokens = [0] * len(plan.prompts)
         self.cached_tokens = [0] * len(plan.prompts)
         self.completion_tokens = 0
@@ -154,6 +159,8 @@ class Run:
             self.completion_tokens += counts.get("num_output_tokens", 0)
             if response.index == 0 and "cached_tokens" in counts:
                 self.cached_tokens[p] = counts["cached_tokens"]
+            if response.prompt_ids and self.plan.echo:
+                self._score_prompt(p, response)
             for k, text in enumerate(response.texts):
                 engine_reason = response.reasons[k] if k < len(response.reasons) else ""
                 index = p * n + k
@@ -192,14 +199,28 @@ class Run:
             choice.waiting.append(self.state.token_names.entry(
                 token, logprob, offset, tops[i] if i < len(tops) else ()))
 
+    def _score_prompt(self, p: int, response: Any) -> None:
+        """Prompt p's tokens (echo with logprobs), placed in its text as decoded with its
+        special tokens (the echo shows them), for each of its choices."""
+        decoder = self.state.tokenizer.incremental_decoder(skip_special_tokens=False)
+        names, entries, offset = self.state.token_names, [], 0
+        tops = response.prompt_tops
+        for i, token in enumerate(response.prompt_ids):
+            logprob = None if i == 0 else response.prompt_log_probs[i - 1]
+            top = tops[i - 1] if 0 < i <= len(tops) else ()
+            entries.append(names.entry(token, logprob, offset, top))
+            offset += len(decoder.push(token))
+        n = self.plan.n
+        for choice in self.choices[p * n:(p + 1) * n]:
+            choice.prompt = list(entries)
+
     def logprobs(self) -> list[dict[str, Any] | None]:
         """Every choice's `logprobs` (non-streamed answers)."""
-        return [protocol.logprobs_body(self.plan, c.logprobs, self._echoed(i))
-                for i, c in enumerate(self.choices)]
+        return [protocol.logprobs_body(self.plan, c.logprobs) for c in self.choices]
 
-    def _echoed(self, index: int) -> int:
-        """Characters before choice `index`'s generated text (its prompt, with echo)."""
-        return len(self.plan.prompts[index // self.plan.n]) if self.plan.echo else 0
+    def _echo(self, index: int) -> str:
+        """Choice `index`'s text before what it generates (its prompt, with echo)."""
+        return self.plan.prompts[index // self.plan.n] if self.plan.echo else ""
 
     def _prompt_done(self, p: int) -> bool:
         n = self.plan.n
@@ -210,9 +231,7 @@ class Run:
                               sum(self.cached_tokens))
 
     def texts(self) -> list[str]:
-        prefix = self.plan.prompts if self.plan.echo else None
-        return [(prefix[i // self.plan.n] if prefix else "") + "".join(c.parts)
-                for i, c in enumerate(self.choices)]
+        return [self._echo(i) + "".join(c.parts) for i, c in enumerate(self.choices)]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -281,7 +300,7 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
         while True:
             for index, text, reason, tokens in pending:
                 if text or reason or tokens:
-                    logprobs = protocol.logprobs_body(plan, tokens, run._echoed(index))
+                    logprobs = protocol.logprobs_body(plan, tokens)
                     await send(protocol.chunk_body(
                         plan, [protocol.stream_choice(plan, index, text, reason,
                                                       logprobs=logprobs)]))

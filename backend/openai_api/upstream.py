@@ -50,6 +50,11 @@ class Response:
     ids: list[list[int]] = field(default_factory=list)
     log_probs: list[list[float]] = field(default_factory=list)
     tops: list[list[list[tuple[int, float]]]] = field(default_factory=list)
+    # With return_prompt_log_probs, on the one response that carries them: the prompt's ids,
+    # each one's log probability after the first and its position's likeliest tokens.
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_log_probs: list[float] = field(default_factory=list)
+    prompt_tops: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -208,9 +213,21 @@ def _response(result: Any, response: Any, final: bool) -> Response:
         if "top_log_prob_ids" in names and "top_log_probs" in names:
             top_ids = result.as_numpy("top_log_prob_ids")[0]  # [K, T, N]
             top_values = result.as_numpy("top_log_probs")[0]
-            out.tops = [[[(int(t), float(v)) for t, v in zip(top_ids[k, i], top_values[k, i])
-                          if t >= 0] for i in range(n)] for k, n in enumerate(lengths)]
+            out.tops = [_alternatives(top_ids[k, :n], top_values[k, :n])
+                        for k, n in enumerate(lengths)]
+    if "prompt_token_ids" in names and result.as_numpy("prompt_token_ids").size:
+        out.prompt_ids = result.as_numpy("prompt_token_ids").reshape(-1).tolist()
+        out.prompt_log_probs = result.as_numpy("prompt_log_probs").reshape(-1).tolist()
+        if "prompt_top_log_prob_ids" in names:
+            out.prompt_tops = _alternatives(result.as_numpy("prompt_top_log_prob_ids")[0],
+                                            result.as_numpy("prompt_top_log_probs")[0])
     return out
+
+
+def _alternatives(ids: np.ndarray, values: np.ndarray) -> list[list[tuple[int, float]]]:
+    """[T, N] ids (-1: padding) and log probabilities -> each position's (id, value)."""
+    return [[(int(t), float(v)) for t, v in zip(row_ids, row_values) if t >= 0]
+            for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
 def _invalid(message: str) -> bool:

@@ -152,6 +152,7 @@ class HybridLlm:
                 return_generation_logits=parsed.return_generation_logits,
                 # one prompt: its logits once, from the first sequence (which computes it)
                 return_context_logits=parsed.return_context_logits and k == 0,
+                return_prompt_log_probs=parsed.return_prompt_log_probs and k == 0,
                 retention=parsed.retention,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]

@@ -9,7 +9,8 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
   len_penalty [1] FP32; seed [1] UINT64; streaming, exclude_input_in_output,
   return_num_input_tokens, return_num_output_tokens, return_log_probs, return_perf_metrics,
-  return_context_logits, return_generation_logits [1] BOOL;
+  return_context_logits, return_generation_logits, return_prompt_log_probs (ours: each prompt
+  token's log probability, and its position's num_top_log_probs likeliest tokens) [1] BOOL;
   early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
@@ -72,6 +73,7 @@ class LlmRequest:
     return_perf_metrics: bool = False  # the engine's RequestMetrics in each response
     return_context_logits: bool = False  # the prompt's logits (its first sequence's)
     return_generation_logits: bool = False  # each generated token's logits
+    return_prompt_log_probs: bool = False  # the prompt tokens' log probabilities (first seq's)
     retention: RetentionConfig | None = None  # the store's priorities for its pages
 
     @property
@@ -81,7 +83,8 @@ class LlmRequest:
             ("perf_metrics", self.return_perf_metrics),
             ("generation_logits", self.return_generation_logits),
             ("context_logits", self.return_context_logits),
-            ("top_log_probs", self.sampling.top_log_probs > 0)) if asked)
+            ("top_log_probs", self.sampling.top_log_probs > 0),
+            ("prompt_log_probs", self.return_prompt_log_probs)) if asked)
 
     @property
     def beam_search(self) -> bool:
@@ -123,6 +126,7 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         return_perf_metrics=bool(scalar(inputs, "return_perf_metrics", "b", False)),
         return_context_logits=bool(scalar(inputs, "return_context_logits", "b", False)),
         return_generation_logits=bool(scalar(inputs, "return_generation_logits", "b", False)),
+        return_prompt_log_probs=bool(scalar(inputs, "return_prompt_log_probs", "b", False)),
         retention=retention_of(inputs),
     )
 

@@ -27,9 +27,13 @@ outputs arrived for it:
   carries, likeliest first, and the model's log probability of each; rows padded with id -1
   and 0.0 to the longest), generation_logits [1, K, T, V] FP32 (return_generation_logits:
   the raw logits that chose each id a row carries, rows zero-padded to the longest) and
-  context_logits [1, P, V] FP32
-  (return_context_logits: the prompt's logits, on the response that carries the first
-  sequence's first ids, or the one non-streamed response; [1, 0, 0] on the others).
+  context_logits [1, P, V] FP32 (return_context_logits: the prompt's logits, on the response
+  that carries the first sequence's first ids, or the one non-streamed response; [1, 0, 0] on
+  the others);
+  return_prompt_log_probs (ours), on that same response: prompt_token_ids [1, P] INT32,
+  prompt_log_probs [1, P - 1] FP32 (each prompt token's after the first) and
+  prompt_top_log_prob_ids [1, P - 1, N] INT32 / prompt_top_log_probs FP32 (its position's
+  num_top_log_probs likeliest tokens; N = 0 without them); empty on the others.
 
 Streaming: one response per engine output that brought tokens, for one sequence: its row holds
 only those ids (never the prompt), the other rows none (length 0, no prefix), and
@@ -90,6 +94,7 @@ class OutputStream:
         # generation logits collected (not streaming), the prompt's logits until sent
         self.logits: list[list[np.ndarray]] = [[] for _ in range(num_sequences)]
         self.context: np.ndarray | None = None
+        self.prompt_scores: tuple[list[float], list] | None = None  # until sent
 
     @property
     def num_sequences(self) -> int:
@@ -105,6 +110,8 @@ class OutputStream:
         final = self.unfinished == 0
         if out.context_logits is not None:
             self.context = _numpy(out.context_logits)
+        if out.prompt_log_probs is not None:
+            self.prompt_scores = (out.prompt_log_probs, out.prompt_top_log_probs or [])
         logits = None if out.generation_logits is None else _numpy(out.generation_logits)
         if self.streaming:
             if not out.new_token_ids and not out.finished:
@@ -113,12 +120,14 @@ class OutputStream:
             self.generated[index].extend(out.new_token_ids)
             rows = self._rows(index, out.new_token_ids)
             context, self.context = self.context, None
+            scores, self.prompt_scores = self.prompt_scores, None
             reason = (out.finish_reason or "") if out.finished else ""
             return self._tensors(rows, self._rows(index, prefix), self._rows(index, out.log_probs),
                                  out.finished, [out], index, self._rows(index, reason, ""),
                                  logits=[logits if k == index else None
                                          for k in range(self.num_sequences)],
-                                 context=context, tops=self._rows(index, out.top_log_probs)), final
+                                 context=context, tops=self._rows(index, out.top_log_probs),
+                                 scores=scores), final
         self.generated[index].extend(out.new_token_ids)
         self.log_probs[index].extend(out.log_probs)
         self.tops[index].extend(out.top_log_probs)
@@ -131,7 +140,7 @@ class OutputStream:
         reasons = [(o.finish_reason or "") if o is not None else "" for o in self.last]
         return self._tensors(ids, [[]] * self.num_sequences, self.log_probs, True, self.last, -1,
                              reasons, num_output=sum(len(g) for g in self.generated), logits=logits,
-                             context=self.context, tops=self.tops), True
+                             context=self.context, tops=self.tops, scores=self.prompt_scores), True
 
     def _beams(self, out: RequestOutput) -> tuple[Tensors | None, bool]:
         """A beam search's output: nothing before its final one, which holds the best K
@@ -152,9 +161,11 @@ class OutputStream:
         logits = [None if b.logits is None else _numpy(b.logits) for b in beams]
         logits += [None] * (self.num_sequences - len(beams))
         context = None if out.context_logits is None else _numpy(out.context_logits)
+        scores = None if out.prompt_log_probs is None else (out.prompt_log_probs,
+                                                            out.prompt_top_log_probs or [])
         return self._tensors(ids, [[]] * self.num_sequences, log_probs, True, [out], -1, reasons,
                              num_output=sum(map(len, generated)), cum=cum, logits=logits,
-                             context=context), True
+                             context=context, scores=scores), True
 
     def _rows(self, index: int, values, empty=None) -> list:
         """`values` in row `index`, `empty` (default: a new empty list) in the others."""
@@ -166,7 +177,8 @@ class OutputStream:
                  reasons: list[str], num_output: int | None = None, cum: list[float] | None = None,
                  logits: list[np.ndarray | None] | None = None,
                  context: np.ndarray | None = None,
-                 tops: list[list[list[tuple[int, float]]]] | None = None) -> Tensors:
+                 tops: list[list[list[tuple[int, float]]]] | None = None,
+                 scores: tuple[list[float], list] | None = None) -> Tensors:
         first = next(o for o in outs if o is not None)
         if cum is None:
             cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
@@ -195,10 +207,27 @@ class OutputStream:
         if "top_log_probs" in self.extras:
             tensors["top_log_prob_ids"], tensors["top_log_probs"] = _padded_tops(
                 tops or [[]] * len(ids))
+        if "prompt_log_probs" in self.extras:
+            tensors.update(self._prompt_tensors(scores))
         if "context_logits" in self.extras:
             tensors["context_logits"] = (np.zeros((1, 0, 0), np.float32) if context is None
                                          else context[None].astype(np.float32, copy=False))
         return tensors
+
+
+    def _prompt_tensors(self, scores: tuple[list[float], list] | None) -> Tensors:
+        """The prompt's ids and scores (return_prompt_log_probs), or empty ones."""
+        values, tops = scores if scores is not None else ([], [])
+        top_ids, top_values = _padded_tops([tops])
+        if not tops:  # [1, 1, 0, 0] -> [1, P - 1, 0]
+            top_ids = np.zeros((1, len(values), 0), np.int32)
+            top_values = np.zeros((1, len(values), 0), np.float32)
+        else:
+            top_ids, top_values = top_ids[0], top_values[0]
+        prompt = self.prompt_ids if scores is not None else []
+        return {"prompt_token_ids": np.array([prompt], dtype=np.int32).reshape(1, -1),
+                "prompt_log_probs": np.array([values], dtype=np.float32).reshape(1, -1),
+                "prompt_top_log_prob_ids": top_ids, "prompt_top_log_probs": top_values}
 
 
 def _perf(metrics: list[RequestMetrics]) -> Tensors:

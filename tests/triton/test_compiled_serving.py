@@ -45,6 +45,18 @@ def test_compiled_engine_serves_what_the_eager_engine_generates(triton_server, a
     with pytest.raises(GenerateError, match="return_context_logits needs executor 'torch'"):
         generate_http(server.urls.http, GenerateParams("Hello", max_tokens=2,
                                                        return_context_logits=True))
+    with pytest.raises(GenerateError, match="return_prompt_log_probs needs executor 'torch'"):
+        generate_http(server.urls.http, GenerateParams("Hello", max_tokens=2,
+                                                       return_prompt_log_probs=True))
+    # Generated tokens' alternatives need no prompt logits: served compiled too.
+    top = generate_http(server.urls.http, GenerateParams("Hello", max_tokens=3, top_k=1,
+                                                         num_top_log_probs=2))
+    want = eager.generate(eager.tokenizer.encode("Hello"),
+                          SamplingParams(max_tokens=3, top_k=1, top_log_probs=2))
+    assert top.top_log_prob_ids.tolist() == [t for p in want.top_log_probs for t, _ in p]
+    torch.testing.assert_close(torch.from_numpy(top.top_log_probs),
+                               torch.tensor([v for p in want.top_log_probs for _, v in p]),
+                               atol=1e-3, rtol=0)
 
 
 def test_compiled_engine_serves_int8_anchors_through_the_dram_tier(triton_server, aot_engine):

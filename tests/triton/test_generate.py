@@ -257,6 +257,36 @@ def test_top_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
     assert generate_http(llm_server.urls.http, greedy(prompt)).top_log_probs is None
 
 
+def test_prompt_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
+                                                     local_engine: Engine):
+    """return_prompt_log_probs: the prompt's ids and each of its tokens' log probability after
+    the first (and with num_top_log_probs its position's alternatives) come once, the
+    engine's own, streamed (gRPC, with two sequences: from the first) or not (HTTP)."""
+    prompt = long_prompt("Score every token of this prompt", 80)
+    ids = local_engine.tokenizer.encode(prompt)
+    out = local_engine.generate(ids, SamplingParams(max_tokens=2, top_k=1, top_log_probs=2),
+                                return_prompt_log_probs=True)
+    params = GenerateParams(prompt, max_tokens=2, top_k=1, num_top_log_probs=2,
+                            return_prompt_log_probs=True, num_return_sequences=2,
+                            cache_salt=uuid.uuid4().hex)
+    chunks = list(stream_grpc(llm_server.urls.grpc, params))
+    carrying = [c for c in chunks if c.prompt_log_probs is not None and
+                c.prompt_log_probs.size]
+    assert len(carrying) == 1
+    [scored] = carrying
+    assert scored.prompt_token_ids.tolist() == ids
+    assert np.allclose(scored.prompt_log_probs, out.prompt_log_probs, atol=1e-4)
+    assert scored.prompt_top_log_prob_ids.tolist() == [[t for t, _ in p]
+                                                       for p in out.prompt_top_log_probs]
+    whole = generate_http(llm_server.urls.http, GenerateParams(
+        prompt, max_tokens=2, top_k=1, return_prompt_log_probs=True,
+        cache_salt=params.cache_salt))
+    assert whole.prompt_token_ids.tolist() == ids
+    assert np.allclose(whole.prompt_log_probs, out.prompt_log_probs, atol=1e-4)
+    assert whole.prompt_top_log_probs.size == 0
+    assert whole.counts["cached_tokens"] == 0  # scored: computed whole, though cached
+
+
 def test_embedding_bias_words_steer_the_text(llm_server: ServerHandle):
     """TensorRT-LLM's embedding_bias_words / _weights: preprocessing turns them into a bias
     over the vocabulary, which the engine adds to the logits."""

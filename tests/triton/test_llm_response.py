@@ -108,6 +108,35 @@ def test_top_log_probs_follow_the_ids_they_score():
     assert "top_log_probs" not in send(plain, output([4], finished=True))
 
 
+def test_prompt_scores_come_once_with_the_prompt_ids():
+    """return_prompt_log_probs: the response carrying the first sequence's first ids has the
+    prompt's ids, scores and alternatives; the others empty ones (same outputs, no data)."""
+    stream = OutputStream("r#0", [5, 6, 7], streaming=True, exclude_input=True,
+                          extras=frozenset({"prompt_log_probs", "top_log_probs"}))
+    first = output([9])
+    first.prompt_log_probs = [-1.0, -2.0]
+    first.prompt_top_log_probs = [[(6, -1.0), (1, -1.5)], [(3, -0.5), (7, -2.0)]]
+    a = send(stream, first)
+    assert a["prompt_token_ids"].tolist() == [[5, 6, 7]]
+    assert a["prompt_log_probs"].tolist() == [[-1.0, -2.0]]
+    assert a["prompt_top_log_prob_ids"].tolist() == [[[6, 1], [3, 7]]]
+    assert a["prompt_top_log_probs"].tolist() == [[[-1.0, -1.5], [-0.5, -2.0]]]
+    b = send(stream, output([4], finished=True))
+    assert b["prompt_token_ids"].shape == (1, 0) and b["prompt_log_probs"].shape == (1, 0)
+    assert b["prompt_top_log_prob_ids"].shape == (1, 0, 0)
+    # Without alternatives: [1, P - 1, 0]; not streamed: on the one response.
+    whole = OutputStream("r#1", [5, 6, 7], streaming=False, exclude_input=True,
+                         extras=frozenset({"prompt_log_probs"}))
+    only = output([9], finished=True)
+    only.prompt_log_probs = [-1.0, -2.0]
+    done = send(whole, only)
+    assert done["prompt_log_probs"].tolist() == [[-1.0, -2.0]]
+    assert done["prompt_top_log_probs"].shape == (1, 2, 0)
+    assert "prompt_log_probs" not in send(OutputStream("r#2", [1], streaming=False,
+                                                       exclude_input=True),
+                                          output([4], finished=True))
+
+
 def test_several_sequences_stream_one_row_at_a_time():
     stream = OutputStream("r#0", [1, 2, 3], streaming=True, exclude_input=True, num_sequences=3)
     a = send(stream, output([7, 8]), 0)

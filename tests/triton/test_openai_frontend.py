@@ -190,6 +190,32 @@ def test_completion_logprobs_are_the_engines(sdk: openai.OpenAI, llm_server: Ser
     assert plain.logprobs is None and plain.text == reply.text
 
 
+def test_echo_with_logprobs_scores_the_prompt(sdk: openai.OpenAI, llm_server: ServerHandle):
+    """echo + logprobs (how evaluation harnesses score a text, lm-eval's loglikelihood): the
+    prompt's tokens come first, the first with null, each other with Triton's prompt log
+    probability and its alternatives, then the generated ones; the same streamed."""
+    prompt = "Paris is the capital of France."
+    kwargs = dict(model="ensemble", prompt=prompt, max_tokens=1, temperature=0.0, echo=True,
+                  logprobs=2, extra_body={"cache_salt": uuid.uuid4().hex})
+    choice = sdk.completions.create(**kwargs).choices[0]
+    triton = generate_http(llm_server.urls.http, GenerateParams(
+        prompt, max_tokens=1, top_k=1, num_top_log_probs=2, return_prompt_log_probs=True))
+    lp, P = choice.logprobs, len(prompt)  # one byte token a character
+    assert choice.text.startswith(prompt) and len(lp.tokens) == P + 1
+    assert "".join(lp.tokens[:P]) == prompt and lp.text_offset == list(range(P + 1))
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:P] == pytest.approx(triton.prompt_log_probs.tolist(), abs=1e-5)
+    alternatives = triton.prompt_top_log_prob_ids.reshape(P - 1, 2)
+    for i in range(1, P):
+        names = {chr(t) for t in alternatives[i - 1] if t < 128}
+        assert names <= set(lp.top_logprobs[i]) and lp.tokens[i] in lp.top_logprobs[i]
+    assert lp.token_logprobs[P] == pytest.approx(triton.log_probs[0], abs=1e-5)
+    streamed = [(t, v) for e in sdk.completions.create(**kwargs, stream=True)
+                for c in e.choices if c.logprobs
+                for t, v in zip(c.logprobs.tokens, c.logprobs.token_logprobs)]
+    assert streamed == list(zip(lp.tokens, lp.token_logprobs))
+
+
 def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
     """Chat logprobs: the tokens' bytes join to the answer (the turn end the template stops
     at is not one of them), each with top_logprobs alternatives, likeliest first, streamed

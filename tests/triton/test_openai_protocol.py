@@ -65,8 +65,6 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 4}, "'best_of' other than n", 400),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, "'logprobs' must be from 0 to 20", 400),
     ({"model": "tiny", "prompt": "x", "logprobs": True}, "'logprobs' must be an integer", 400),
-    ({"model": "tiny", "prompt": "x", "logprobs": 1, "echo": True},
-     "'logprobs' with 'echo' (log probabilities of the prompt's tokens) is not supported", 400),
     ({"model": "tiny", "prompt": "x", "prompt_logprobs": 1}, "'prompt_logprobs'", 400),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "'suffix'", 400),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "'logit_bias'", 400),
@@ -107,6 +105,10 @@ def test_logprobs_ask_the_ensemble_for_log_probabilities_and_alternatives():
     only = parse_chat({"model": "tiny", "messages": messages, "logprobs": True}, MODELS,
                       chatml())
     assert only.logprobs == 0 and "num_top_log_probs" not in only.fields
+    echo = parse_completion({"model": "tiny", "prompt": "x", "logprobs": 1, "echo": True},
+                            MODELS)
+    assert echo.fields == {"return_log_probs": True, "num_top_log_probs": 1,
+                           "return_prompt_log_probs": True}
     off = parse_chat({"model": "tiny", "messages": messages, "logprobs": False,
                       "top_logprobs": 0}, MODELS, chatml())
     assert off.logprobs is None and "return_log_probs" not in off.fields
@@ -124,13 +126,16 @@ def test_token_names_are_text_or_bytes():
 
 def test_logprobs_bodies_take_openai_layouts():
     names = TokenNames(byte_tokenizer())
-    entries = [names.entry(ord("h"), -0.5, 0, [(ord("j"), -0.25), (ord("h"), -0.5)]),
-               names.entry(ord("i"), -2.0, 1, [(ord("o"), -0.1)])]
+    entries = [names.entry(ord("h"), -0.5, 10, [(ord("j"), -0.25), (ord("h"), -0.5)]),
+               names.entry(ord("i"), -2.0, 11, [(ord("o"), -0.1)])]
     completion = parse_completion({"model": "tiny", "prompt": "x", "logprobs": 2}, MODELS)
-    assert logprobs_body(completion, entries, offset=10) == {
+    assert logprobs_body(completion, entries) == {
         "tokens": ["h", "i"], "token_logprobs": [-0.5, -2.0],
         "top_logprobs": [{"j": -0.25, "h": -0.5}, {"o": -0.1, "i": -2.0}],  # the token too
         "text_offset": [10, 11]}
+    first = names.entry(ord("x"), None, 0)  # an echoed prompt's first token: nothing scores it
+    assert logprobs_body(completion, [first])["top_logprobs"] == [None]
+    assert logprobs_body(completion, [first])["token_logprobs"] == [None]
     chat = parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "x"}],
                        "logprobs": True, "top_logprobs": 1}, MODELS, chatml())
     body = logprobs_body(chat, entries)
