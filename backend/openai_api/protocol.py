@@ -6,11 +6,12 @@ up to the context limit), `temperature`, `top_p`, `n` (-> num_return_sequences),
 `presence_penalty`, `frequency_penalty`, `stop` (a string or a list: generation ends where the
 text first holds one, which is not returned), `stream`, `stream_options.include_usage`,
 `response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
-(the prompt before the text) and a list of prompts, `logprobs` (completions: how many
-alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the model's log probability of each
-returned token and of the likeliest tokens at its position (the raw distribution, whatever
-sampled the token), in OpenAI's two layouts, with `echo` the prompt's tokens too (the first
-one has none); vLLM's extra fields `top_k`, `min_p`,
+(the prompt before the text), a list of prompts and prompts as token ids (one list or a list
+of lists: sent as their text, which must encode back to the same ids), `logprobs`
+(completions: how many alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the
+model's log probability of each returned token and of the likeliest tokens at its position
+(the raw distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the
+prompt's tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
 e.g. Qwen3's `enable_thinking`); ours `session_id` (the ensemble's: a conversation's pages are
@@ -63,7 +64,7 @@ class Plan:
 
     kind: str  # "completion" | "chat"
     model: str
-    prompts: list[str]
+    prompts: list[str]  # token-id prompts: their text, once the server's tokenizer made it
     fields: dict[str, Any]  # ensemble inputs shared by the prompts (not text_input, max_tokens)
     max_tokens: int | None  # None: up to the context limit
     n: int = 1
@@ -72,6 +73,7 @@ class Plan:
     stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
     echo: bool = False
     logprobs: int | None = None  # None: not asked; else the alternatives a position returns
+    prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -85,14 +87,19 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
     body = _object(body)
     model = _model(body, models)
     prompt = body.get("prompt")
+    ids: list[list[int] | None] = []
     if isinstance(prompt, str):
         prompts = [prompt]
     elif (isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt)):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
-        raise RequestError("'prompt' as token ids is not supported: send the text", "prompt")
+    elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        prompts, ids = [""], [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, list) and p and all(_is_id(t) for t in p) for p in prompt):
+        prompts, ids = [""] * len(prompt), [list(p) for p in prompt]
     else:
-        raise RequestError("'prompt' must be a string or a non-empty list of strings", "prompt")
+        raise RequestError("'prompt' must be a string, a non-empty list of strings, a list of "
+                           "token ids or a list of such lists", "prompt")
     _refuse(body, "suffix", "'suffix' (insertion) is not supported")
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = _int(body, "best_of", n, 1, MAX_N)
@@ -102,7 +109,7 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
     max_tokens = _int(body, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, 1)
     plan = Plan("completion", model, prompts, {}, max_tokens, n,
                 echo=_bool(body, "echo", False),
-                logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS))
+                logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS), prompt_ids=ids)
     _common(body, plan)
     if plan.echo and plan.logprobs is not None:  # the prompt's tokens are returned too
         plan.fields["return_prompt_log_probs"] = True
@@ -141,6 +148,33 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
         words = plan.fields.setdefault("stop_words", [])
         words.extend(w for w in template.stop_words if w not in words)
     return plan
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def prompt_texts(plan: Plan, tokenizer: Any, add_special_tokens: bool) -> None:
+    """Token-id prompts -> their text (what the ensemble takes), kept only where the server's
+    tokenizer (preprocessing's `add_special_tokens`) encodes it back to the same ids, so the
+    model sees exactly the ids sent; a 400 otherwise, or without a tokenizer."""
+    for i, ids in enumerate(plan.prompt_ids):
+        if ids is None:
+            continue
+        where = f"prompt[{i}]" if len(plan.prompt_ids) > 1 else "prompt"
+        if tokenizer is None:
+            raise RequestError(f"{where}: token ids need the model's tokenizer, which the "
+                               "frontend did not find: send the text", "prompt")
+        vocab = tokenizer.vocab_size
+        bad = [t for t in ids if t >= vocab]
+        if bad:
+            raise RequestError(f"{where}: token id {bad[0]} is outside the vocabulary "
+                               f"[0, {vocab})", "prompt")
+        text = tokenizer.decode(ids, skip_special_tokens=False)
+        if tokenizer.encode(text, add_special_tokens=add_special_tokens) != ids:
+            raise RequestError(f"{where}: these token ids are not how the server's tokenizer "
+                               f"encodes their text {text[:40]!r}: send the text", "prompt")
+        plan.prompts[i] = text
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:

@@ -88,6 +88,7 @@ class Run:
     def __init__(self, state: State, plan: Plan) -> None:
         self.state = state
         self.plan = plan
+        protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
         if plan.logprobs is not None and state.token_names is None:
             raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
                                "did not find", "logprobs")
@@ -111,7 +112,8 @@ class Run:
             if self.state.tokenizer is None:
                 raise RequestError("'max_tokens' is required (the frontend has no tokenizer "
                                    "to count the prompt)", "max_tokens")
-            used = len(self.state.tokenizer.encode(prompt, add_special_tokens=True))
+            used = len(self.state.tokenizer.encode(
+                prompt, add_special_tokens=self.state.served.add_special_tokens))
             max_tokens = limit - used
             if max_tokens < 1:
                 raise RequestError(f"the prompt has {used} tokens, which leaves none of the "

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from backend.triton.params import get_bool_param
+
 ENSEMBLE = "ensemble"
 COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens")
 DEFAULT_CONTEXT_LEN = 8192  # hybrid_llm's default max_context_len (backend/engine/config.py)
@@ -63,6 +65,7 @@ class ServedModel:
     tokenizer_dir: Path | None
     model_dir: Path | None
     max_context_len: int
+    add_special_tokens: bool = True  # preprocessing's, for prompts sent as token ids
 
     @classmethod
     async def load(cls, upstream: Upstream, model_repository: str | Path) -> ServedModel:
@@ -73,10 +76,13 @@ class ServedModel:
                  ensemble.get("ensemble_scheduling", {}).get("step", [])]
         tokenizer_dir = model_dir = None
         limit = DEFAULT_CONTEXT_LEN
+        special = True
         if "preprocessing" in steps:
-            params = _parameters(await upstream.model_config("preprocessing"))
+            config = await upstream.model_config("preprocessing")
+            params = _parameters(config)
             if "tokenizer_dir" in params:
                 tokenizer_dir = repo / params["tokenizer_dir"]
+            special = get_bool_param(config, "add_special_tokens", True)  # as preprocessing
         if "hybrid_llm" in steps:
             params = _parameters(await upstream.model_config("hybrid_llm"))
             if "model_path" in params:
@@ -91,7 +97,7 @@ class ServedModel:
                     "text_config", {}).get("max_position_embeddings")
                 if isinstance(positions, int) and positions > 0:
                     limit = min(limit, positions)
-        return cls(types, tokenizer_dir or model_dir, model_dir, limit)
+        return cls(types, tokenizer_dir or model_dir, model_dir, limit, special)
 
 
 def _parameters(config: Mapping[str, Any]) -> dict[str, str]:

@@ -247,6 +247,22 @@ def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
     assert b"".join(bytes(t.bytes) for t in tokens) == kept
 
 
+def test_token_id_prompts_equal_their_text(sdk: openai.OpenAI):
+    """Prompts as token ids (one list, or a list of lists, as evaluation harnesses send
+    them) answer as their text does, usage counting those ids."""
+    extra = greedy()
+    texts = ["Token ids in", "and more ids"]
+    want = [sdk.completions.create(model="ensemble", prompt=t, max_tokens=MAX_TOKENS,
+                                   extra_body=extra).choices[0].text for t in texts]
+    ids = [list(t.encode()) for t in texts]  # the byte tokenizer: one id a byte
+    one = sdk.completions.create(model="ensemble", prompt=ids[0], max_tokens=MAX_TOKENS,
+                                 extra_body=extra)
+    assert one.choices[0].text == want[0] and one.usage.prompt_tokens == len(ids[0])
+    both = sdk.completions.create(model="ensemble", prompt=ids, max_tokens=MAX_TOKENS,
+                                  echo=True, extra_body=extra)
+    assert [c.text for c in both.choices] == [t + w for t, w in zip(texts, want)]
+
+
 def test_several_prompts_and_choices(sdk: openai.OpenAI):
     extra = greedy(cache_salt=uuid.uuid4().hex)
     reply = sdk.completions.create(model="ensemble", prompt=["First prompt", "Second prompt"],
@@ -307,6 +323,8 @@ BAD = [
     ("/v1/chat/completions", {"model": "ensemble", "messages": [
         {"role": "user", "content": "y" * 2100}]}, 400, "leaves none of the context limit"),
     ("/v1/embeddings", {"model": "ensemble", "input": "x"}, 404, "Not Found"),
+    ("/v1/completions", {"model": "ensemble", "prompt": [72, 999]}, 400,
+     "token id 999 is outside the vocabulary"),
 ]  # fmt: skip
 
 

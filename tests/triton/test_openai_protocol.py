@@ -16,6 +16,7 @@ from backend.openai_api.protocol import (
     logprobs_body,
     parse_chat,
     parse_completion,
+    prompt_texts,
 )
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
 
@@ -54,7 +55,10 @@ BAD_COMPLETIONS = [
     ({"model": "gpt-4", "prompt": "x"}, "the model 'gpt-4' does not exist", 404),
     ({"model": "tiny"}, "'prompt' must be a string", 400),
     ({"model": "tiny", "prompt": []}, "'prompt' must be a string", 400),
-    ({"model": "tiny", "prompt": [1, 2, 3]}, "token ids is not supported", 400),
+    ({"model": "tiny", "prompt": [1, -2, 3]}, "'prompt' must be a string", 400),
+    ({"model": "tiny", "prompt": [[1], []]}, "'prompt' must be a string", 400),
+    ({"model": "tiny", "prompt": [[1], "x"]}, "'prompt' must be a string", 400),
+    ({"model": "tiny", "prompt": [True, 2]}, "'prompt' must be a string", 400),
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "'max_tokens' must be from 1", 400),
     ({"model": "tiny", "prompt": "x", "max_tokens": 2.5}, "'max_tokens' must be an integer", 400),
     ({"model": "tiny", "prompt": "x", "max_tokens": True}, "must be an integer", 400),
@@ -144,6 +148,27 @@ def test_logprobs_bodies_take_openai_layouts():
         "top_logprobs": [{"token": "o", "logprob": -0.1, "bytes": [111]}]}
     plain = parse_completion({"model": "tiny", "prompt": "x"}, MODELS)
     assert logprobs_body(plain, entries) is None
+
+
+def test_token_id_prompts_are_sent_as_their_text_when_it_encodes_back():
+    tok = byte_tokenizer()
+    one = parse_completion({"model": "tiny", "prompt": [72, 105, 258]}, MODELS)
+    two = parse_completion({"model": "tiny", "prompt": [[72, 105], [0xC3, 0xA9]]}, MODELS)
+    assert one.prompt_ids == [[72, 105, 258]] and two.prompt_ids == [[72, 105], [0xC3, 0xA9]]
+    prompt_texts(one, tok, True)
+    prompt_texts(two, tok, True)
+    assert one.prompts == ["Hi<|im_end|>"] and two.prompts == ["Hi", "é"]
+    text = parse_completion({"model": "tiny", "prompt": ["a", "b"]}, MODELS)
+    prompt_texts(text, tok, True)
+    assert text.prompts == ["a", "b"]  # text prompts untouched
+    for ids, message in (([0xE2], "are not how the server's tokenizer encodes"),  # half a char
+                         ([72, 999], "token id 999 is outside the vocabulary [0, 260)")):
+        plan = parse_completion({"model": "tiny", "prompt": [ids, [72]]}, MODELS)
+        with pytest.raises(RequestError, match=r"prompt\[0\]: ") as info:
+            prompt_texts(plan, tok, True)
+        assert message in info.value.message and info.value.status == 400
+    with pytest.raises(RequestError, match="need the model's tokenizer"):
+        prompt_texts(parse_completion({"model": "tiny", "prompt": [72]}, MODELS), None, True)
 
 
 def test_not_an_object_is_refused():
