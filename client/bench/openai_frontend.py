@@ -1,9 +1,11 @@
 """What the OpenAI-compatible frontend costs: the same greedy requests sent straight to Triton
 (gRPC streaming, `client.generate.stream_grpc`) and through `backend.openai_api` with the
-OpenAI SDK (`/v1/completions`, streamed), to one server, alternating request by request.
+OpenAI SDK (`/v1/completions`, streamed), without and with `logprobs` = 5 (each token's log
+probability and five alternatives), to one server, alternating request by request.
 
 Reported per path and prompt length: time to first token and the mean time between the
-following tokens (both from the client's side), and the frontend's extra milliseconds. Each
+following tokens (both from the client's side), the frontend's extra milliseconds and what
+logprobs add to them. Each
 request carries its own cache salt, so neither path gets a cache hit the other did not.
 
     python -m client.bench.openai_frontend [--prompt-tokens 64 1024] [--rounds 10]
@@ -32,7 +34,8 @@ from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
 
 RESULTS = Path(__file__).resolve().parent / "results" / "openai_frontend"
-PATHS = ("triton_grpc", "openai_frontend")
+PATHS = ("triton_grpc", "openai_frontend", "openai_logprobs")
+LOGPROBS = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -76,15 +79,18 @@ def via_triton(url: str, prompt: str, args: argparse.Namespace) -> dict[str, flo
     return _row(times)
 
 
-def via_openai(client: Any, prompt: str, args: argparse.Namespace) -> dict[str, float]:
+def via_openai(client: Any, prompt: str, args: argparse.Namespace,
+               logprobs: int | None = None) -> dict[str, float]:
     start = time.perf_counter()
     times = []
     for event in client.completions.create(
             model="ensemble", prompt=prompt, max_tokens=args.max_tokens, stream=True,
-            extra_body={"top_k": 1, "min_tokens": args.max_tokens,
-                        "cache_salt": uuid.uuid4().hex}):
+            logprobs=logprobs, extra_body={"top_k": 1, "min_tokens": args.max_tokens,
+                                           "cache_salt": uuid.uuid4().hex}):
         if event.choices and event.choices[0].text:
             times.append(time.perf_counter() - start)
+            if logprobs is not None and not event.choices[0].logprobs.tokens:
+                raise RuntimeError("a streamed token came without its logprobs")
     return _row(times)
 
 
@@ -105,6 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
             via_triton(server.urls.grpc, prompt_of(64, -1), args)  # warm-up, both paths
             via_openai(client, prompt_of(64, -2), args)
+            via_openai(client, prompt_of(64, -3), args, LOGPROBS)
             total = args.rounds * len(args.prompt_tokens) * len(PATHS)
             with tqdm(total=total, desc="openai_frontend", unit="req") as bar:
                 for r in range(args.rounds):
@@ -113,7 +120,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         order = PATHS if r % 2 == 0 else PATHS[::-1]
                         for path in order:
                             row = (via_triton(server.urls.grpc, prompt, args)
-                                   if path == "triton_grpc" else via_openai(client, prompt, args))
+                                   if path == "triton_grpc" else via_openai(
+                                       client, prompt, args,
+                                       LOGPROBS if path == "openai_logprobs" else None))
                             rows[n][path].append(row)
                             bar.update()
     return summarize(args, rows)
@@ -129,22 +138,27 @@ def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def summarize(args: argparse.Namespace, rows: dict) -> dict[str, Any]:
     results = {str(n): {p: _stats(r[p]) for p in PATHS} for n, r in rows.items()}
-    extra = {n: {"ttft_ms": round(r["openai_frontend"]["ttft_mean_ms"]
-                                  - r["triton_grpc"]["ttft_mean_ms"], 1),
-                 "itl_ms": round(r["openai_frontend"]["itl_mean_ms"]
-                                 - r["triton_grpc"]["itl_mean_ms"], 2)}
-             for n, r in results.items()}
+    extra = {n: _extra(r, "openai_frontend", "triton_grpc") for n, r in results.items()}
     summary = {
         "results": results,
         "frontend_extra": extra,
+        "logprobs_extra": {n: _extra(r, "openai_logprobs", "openai_frontend")
+                           for n, r in results.items()},
         "note": "the same greedy requests (a fresh cache salt each) to one server, straight "
                 "over gRPC streaming and through the OpenAI frontend with the OpenAI SDK, "
-                "alternating; times seen by the client; itl: mean gap between streamed tokens",
+                f"alternating, the frontend also with logprobs={LOGPROBS}; times seen by the "
+                "client; itl: mean gap between streamed tokens",
         "config": config_of(args),
         "machine": machine(),
     }
     plot(results, args.out.with_name("openai_frontend.png"))
     return summary
+
+
+def _extra(r: dict[str, dict[str, float]], path: str, base: str) -> dict[str, float]:
+    """What `path` adds to `base`'s mean TTFT and inter-token time (ms)."""
+    return {"ttft_ms": round(r[path]["ttft_mean_ms"] - r[base]["ttft_mean_ms"], 1),
+            "itl_ms": round(r[path]["itl_mean_ms"] - r[base]["itl_mean_ms"], 2)}
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
@@ -154,9 +168,9 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
     lengths = list(results)
     for ax, key, label in ((axes[0], "ttft_mean_ms", "mean time to first token (ms)"),
                            (axes[1], "itl_mean_ms", "mean inter-token time (ms)")):
-        for offset, p in ((-0.2, "triton_grpc"), (0.2, "openai_frontend")):
+        for offset, p in zip((-0.27, 0, 0.27), PATHS):
             ax.bar([i + offset for i in range(len(lengths))],
-                   [results[n][p][key] for n in lengths], width=0.4, label=p)
+                   [results[n][p][key] for n in lengths], width=0.27, label=p)
         ax.set_xticks(range(len(lengths)))
         ax.set_xticklabels([f"{n}-token prompt" for n in lengths])
         ax.set_ylabel(label)

@@ -15,4 +15,6 @@ def test_both_paths_are_timed(tmp_path):
     extra = summary["frontend_extra"]["64"]
     assert extra["ttft_ms"] == round(results["openai_frontend"]["ttft_mean_ms"]
                                      - results["triton_grpc"]["ttft_mean_ms"], 1)
+    assert summary["logprobs_extra"]["64"]["itl_ms"] == round(
+        results["openai_logprobs"]["itl_mean_ms"] - results["openai_frontend"]["itl_mean_ms"], 2)
     assert (tmp_path / "openai_frontend.png").stat().st_size > 0
