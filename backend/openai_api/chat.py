@@ -79,18 +79,32 @@ class ChatTemplate:
                    token_text(config.get("eos_token")), end_ids)
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               extra: Mapping[str, Any] | None = None) -> str:
+               extra: Mapping[str, Any] | None = None,
+               continue_final_message: bool = False) -> str:
         """The prompt text; `extra`: more template variables (a request's
-        chat_template_kwargs), which cannot replace the ones above."""
+        chat_template_kwargs), which cannot replace the ones above. `continue_final_message`
+        (transformers' and vLLM's): the text ends with the last message's content, open (its
+        turn end and what follows cut), so the model continues that message."""
         variables = {**(extra or {}), "messages": list(messages),
                      "add_generation_prompt": add_generation_prompt,
                      "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
         try:
-            return self._template.render(**variables)
+            text = self._template.render(**variables)
         except TemplateError:
             raise
         except (JinjaError, TypeError, KeyError, ValueError) as exc:
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
+        if continue_final_message:
+            content = str(messages[-1].get("content") or "")
+            stripped = content.strip()
+            where = text.rfind(stripped) if stripped else -1
+            if where < 0:
+                raise TemplateError("continue_final_message: the last message's content does "
+                                    "not appear in the rendered chat")
+            kept = content.lstrip()  # its trailing whitespace too, where the template kept it
+            end = where + (len(kept) if text.startswith(kept, where) else len(stripped))
+            text = text[:end]
+        return text
 
     def _turn_end(self, specials: set[str]) -> str | None:
         try:

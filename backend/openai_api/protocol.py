@@ -14,12 +14,12 @@ model's log probability of each returned token and of the likeliest tokens at it
 prompt's tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
-e.g. Qwen3's `enable_thinking`); ours `session_id` (the ensemble's: a conversation's pages are
-kept longer). Fields this server cannot honour with a value that asks for something
-(`logit_bias`, `tools`, `best_of` other than n, `suffix`, images, vLLM's `prompt_logprobs`:
-use `echo` with `logprobs`) are rejected with a 400 that
-names them, never silently dropped; other unknown fields are ignored, as OpenAI's SDK sends
-some (`user`, ...).
+e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the
+last message is continued, as a prefilled answer); ours `session_id` (the ensemble's: a
+conversation's pages are kept longer). Fields this server cannot honour with a value that asks
+for something (`logit_bias`, `tools`, `best_of` other than n, `suffix`, images, vLLM's
+`prompt_logprobs`: use `echo` with `logprobs`) are rejected with a 400 that names them, never
+silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
 
 from __future__ import annotations
@@ -132,13 +132,7 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     if template is None:
         raise RequestError("the model has no chat template (tokenizer_config.json's "
                            "chat_template): use /v1/completions", "messages")
-    extra = body.get("chat_template_kwargs")
-    if extra is not None and not isinstance(extra, dict):
-        raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    try:
-        prompt = template.render(messages, add_generation_prompt=True, extra=extra)
-    except ValueError as exc:
-        raise RequestError(str(exc), "messages") from None
+    prompt = render_chat(body, messages, template)
     limit = _int(body, "max_completion_tokens", None, 1)
     max_tokens = _int(body, "max_tokens", limit, 1)
     plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N),
@@ -148,6 +142,49 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
         words = plan.fields.setdefault("stop_words", [])
         words.extend(w for w in template.stop_words if w not in words)
     return plan
+
+
+def tokenize_body(body: Any, models: Container[str], tokenizer: Any, template: Any,
+                  max_model_len: int, names: TokenNames | None = None) -> dict[str, Any]:
+    """vLLM's `/tokenize`: a `prompt` (`add_special_tokens` default true) or chat `messages`
+    rendered as `/v1/chat/completions` would (default false) -> its token ids and count;
+    `return_token_strs` adds each token's name."""
+    body = _object(body)
+    _model(body, models)
+    if tokenizer is None:
+        raise RequestError("the frontend found no tokenizer for this model")
+    if "messages" in body:
+        if template is None:
+            raise RequestError("the model has no chat template", "messages")
+        text = render_chat(body, chat_messages(body.get("messages")), template)
+        special = _bool(body, "add_special_tokens", False)
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str):
+            raise RequestError("'prompt' (a string) or 'messages' is required", "prompt")
+        special = _bool(body, "add_special_tokens", True)
+    ids = tokenizer.encode(text, add_special_tokens=special)
+    strs = None
+    if _bool(body, "return_token_strs", False):
+        strs = [(names or TokenNames(tokenizer))(t)[0] for t in ids]
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+            "token_strs": strs}
+
+
+def detokenize_body(body: Any, models: Container[str], tokenizer: Any) -> dict[str, Any]:
+    """vLLM's `/detokenize`: `tokens` (ids) -> their text, special tokens included."""
+    body = _object(body)
+    _model(body, models)
+    if tokenizer is None:
+        raise RequestError("the frontend found no tokenizer for this model")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+        raise RequestError("'tokens' must be a list of token ids", "tokens")
+    bad = [t for t in ids if t >= tokenizer.vocab_size]
+    if bad:
+        raise RequestError(f"token id {bad[0]} is outside the vocabulary "
+                           f"[0, {tokenizer.vocab_size})", "tokens")
+    return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
 
 
 def _is_id(value: Any) -> bool:
@@ -175,6 +212,25 @@ def prompt_texts(plan: Plan, tokenizer: Any, add_special_tokens: bool) -> None:
             raise RequestError(f"{where}: these token ids are not how the server's tokenizer "
                                f"encodes their text {text[:40]!r}: send the text", "prompt")
         plan.prompts[i] = text
+
+
+def render_chat(body: Mapping[str, Any], messages: list[dict[str, str]], template: Any) -> str:
+    """The chat's prompt text, with the request's `chat_template_kwargs`,
+    `add_generation_prompt` (default true) and `continue_final_message` (default false; the
+    last message, open, is continued: it cannot come with a generation prompt)."""
+    extra = body.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise RequestError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    cont = _bool(body, "continue_final_message", False)
+    generation = _bool(body, "add_generation_prompt", not cont)
+    if cont and generation:
+        raise RequestError("'continue_final_message' and 'add_generation_prompt' cannot both "
+                           "be true", "continue_final_message")
+    try:
+        return template.render(messages, add_generation_prompt=generation, extra=extra,
+                               continue_final_message=cont)
+    except ValueError as exc:
+        raise RequestError(str(exc), "messages") from None
 
 
 def chat_messages(messages: Any) -> list[dict[str, str]]:

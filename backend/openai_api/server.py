@@ -5,13 +5,15 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
 `stream: true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`,
-`GET /health/ready` (200 once Triton serves the ensemble). Each prompt is one ensemble request
-streamed from Triton (`upstream.py`), whatever the client asked, so every choice's text is cut
-at its stop strings as it comes and its finish reason is known; `usage` carries the prompt's
-`cached_tokens` (`prompt_tokens_details`, as OpenAI's): the tokens served from the prefix
-cache. Errors are OpenAI error bodies: 400 for what the request got wrong (the frontend's
-checks, `protocol.py`, and the server's INVALID_ARG), 404 for an unknown model, 503 when
-Triton is not ready, 500 otherwise. A client that goes away cancels its requests in Triton.
+`GET /health/ready` (200 once Triton serves the ensemble), vLLM's `POST /tokenize` and
+`POST /detokenize` (the served tokenizer and chat template, no Triton request). Each prompt is one
+ensemble request streamed from Triton (`upstream.py`), whatever the client asked, so every
+choice's text is cut at its stop strings as it comes and its finish reason is known; `usage`
+carries the prompt's `cached_tokens` (`prompt_tokens_details`, as OpenAI's): the tokens served
+from the prefix cache. Errors are OpenAI error bodies: 400 for what the request got wrong (the
+frontend's checks, `protocol.py`, and the server's INVALID_ARG), 404 for an unknown model, 503
+when Triton is not ready, 500 otherwise. A client that goes away cancels its requests in
+Triton.
 """
 
 from __future__ import annotations
@@ -247,10 +249,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     try:
-        try:
-            body = await request.json()
-        except (ValueError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON") from None
+        body = await _body(request)
         plan = (protocol.parse_chat(body, state.names, state.template) if kind == "chat"
                 else protocol.parse_completion(body, state.names))
         run = Run(state, plan)
@@ -333,6 +332,33 @@ def _error(exc: RequestError) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _body(request)
+        return web.json_response(protocol.tokenize_body(
+            body, state.names, state.tokenizer, state.template, state.served.max_context_len,
+            state.token_names))
+    except RequestError as exc:
+        return _error(exc)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = await _body(request)
+        return web.json_response(protocol.detokenize_body(body, state.names, state.tokenizer))
+    except RequestError as exc:
+        return _error(exc)
+
+
+async def _body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (ValueError, UnicodeDecodeError):
+        raise RequestError("the request body is not valid JSON") from None
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response({"object": "list", "data": [_model(state, n) for n in state.names]})
@@ -392,6 +418,8 @@ async def make_app(triton_url: str, model_repository: str | Path,
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health/ready", health_ready)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
 
     async def close(app: web.Application) -> None:
         await app[STATE].upstream.close()

@@ -263,6 +263,37 @@ def test_token_id_prompts_equal_their_text(sdk: openai.OpenAI):
     assert [c.text for c in both.choices] == [t + w for t, w in zip(texts, want)]
 
 
+def test_tokenize_then_complete_and_continue_a_message(frontend: str, sdk: openai.OpenAI):
+    """vLLM's /tokenize renders a chat as /v1/chat/completions does, so the ids it gives,
+    sent back as a token-id prompt, answer as the chat does; continue_final_message carries
+    on a prefilled answer exactly where the same text as a completion prompt would;
+    /detokenize gives the text back."""
+    messages = [{"role": "user", "content": "Name a color."}]
+    status, tokens = post(frontend, "/tokenize", {"model": "ensemble", "messages": messages})
+    assert status == 200 and tokens["count"] == len(tokens["tokens"]) > 10
+    assert tokens["max_model_len"] == 2048
+    extra = greedy(min_tokens=0)
+    chat = sdk.chat.completions.create(model="ensemble", messages=messages,
+                                       max_tokens=MAX_TOKENS, extra_body=extra)
+    raw = sdk.completions.create(model="ensemble", prompt=tokens["tokens"],
+                                 max_tokens=MAX_TOKENS, stop=["<|im_end|>"], extra_body=extra)
+    assert raw.choices[0].text == chat.choices[0].message.content
+    status, text = post(frontend, "/detokenize", {"model": "ensemble",
+                                                  "tokens": tokens["tokens"]})
+    assert status == 200 and text["prompt"].endswith("<|im_start|>assistant\n")
+    prefilled = messages + [{"role": "assistant", "content": "The color"}]
+    go_on = sdk.chat.completions.create(model="ensemble", messages=prefilled,
+                                        max_tokens=MAX_TOKENS, extra_body={
+                                            **extra, "continue_final_message": True,
+                                            "add_generation_prompt": False})
+    same = sdk.completions.create(model="ensemble", prompt=text["prompt"] + "The color",
+                                  max_tokens=MAX_TOKENS, stop=["<|im_end|>"],
+                                  extra_body=extra)
+    assert go_on.choices[0].message.content == same.choices[0].text
+    status, error = post(frontend, "/detokenize", {"model": "ensemble", "tokens": [999]})
+    assert status == 400 and "outside the vocabulary" in error["error"]["message"]
+
+
 def test_several_prompts_and_choices(sdk: openai.OpenAI):
     extra = greedy(cache_salt=uuid.uuid4().hex)
     reply = sdk.completions.create(model="ensemble", prompt=["First prompt", "Second prompt"],

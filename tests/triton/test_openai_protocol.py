@@ -12,11 +12,13 @@ from backend.openai_api.protocol import (
     RequestError,
     StopFilter,
     TokenNames,
+    detokenize_body,
     finish_reason,
     logprobs_body,
     parse_chat,
     parse_completion,
     prompt_texts,
+    tokenize_body,
 )
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
 
@@ -169,6 +171,47 @@ def test_token_id_prompts_are_sent_as_their_text_when_it_encodes_back():
         assert message in info.value.message and info.value.status == 400
     with pytest.raises(RequestError, match="need the model's tokenizer"):
         prompt_texts(parse_completion({"model": "tiny", "prompt": [72]}, MODELS), None, True)
+
+
+def test_continue_final_message_leaves_the_last_message_open():
+    messages = [{"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "The color is "}]
+    plan = parse_chat({"model": "tiny", "messages": messages, "continue_final_message": True},
+                      MODELS, chatml())
+    assert plan.prompts == ["<|im_start|>user\nName a color.<|im_end|>\n"
+                            "<|im_start|>assistant\nThe color is "]  # its trailing space kept
+    closed = parse_chat({"model": "tiny", "messages": messages,
+                         "add_generation_prompt": False}, MODELS, chatml())
+    assert closed.prompts[0].endswith("The color is <|im_end|>\n")
+    with pytest.raises(RequestError, match="cannot both be true"):
+        parse_chat({"model": "tiny", "messages": messages, "continue_final_message": True,
+                    "add_generation_prompt": True}, MODELS, chatml())
+    hidden = ChatTemplate("{% for m in messages %}{{ m['role'] }}{% endfor %}", SPECIALS)
+    with pytest.raises(RequestError, match="does not appear in the rendered chat"):
+        parse_chat({"model": "tiny", "messages": messages, "continue_final_message": True},
+                   MODELS, hidden)
+
+
+def test_tokenize_and_detokenize_use_the_served_tokenizer():
+    tok = byte_tokenizer()
+    out = tokenize_body({"model": "tiny", "prompt": "Hi!", "return_token_strs": True}, MODELS,
+                        tok, chatml(), 2048)
+    assert out == {"count": 3, "max_model_len": 2048, "tokens": [72, 105, 33],
+                   "token_strs": ["H", "i", "!"]}
+    chat = tokenize_body({"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+                         MODELS, tok, chatml(), 2048)
+    assert chat["tokens"] == tok.encode("<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n")
+    assert detokenize_body({"model": "tiny", "tokens": chat["tokens"]}, MODELS, tok) == {
+        "prompt": "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"}
+    for body, message in (({"model": "tiny"}, "'prompt' (a string) or 'messages'"),
+                          ({"model": "nope", "prompt": "x"}, "does not exist")):
+        with pytest.raises(RequestError) as info:
+            tokenize_body(body, MODELS, tok, chatml(), 2048)
+        assert message in info.value.message
+    for tokens, message in (([1, 999], "token id 999 is outside the vocabulary"),
+                            ("abc", "'tokens' must be a list of token ids")):
+        with pytest.raises(RequestError, match=message):
+            detokenize_body({"model": "tiny", "tokens": tokens}, MODELS, tok)
 
 
 def test_not_an_object_is_refused():
