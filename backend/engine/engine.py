@@ -187,6 +187,9 @@ class Engine:
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         params = request.sampling
+        if params.top_log_probs > vocab:
+            raise ValueError(f"top_log_probs={params.top_log_probs} is more than the "
+                             f"vocabulary's {vocab} tokens")
         # -1: no end token (TensorRT-LLM's way to force max_tokens); any other id outside the
         # vocabulary could never be sampled, so it is a client's mistake (another tokenizer).
         if params.end_id is not None and params.end_id != -1 and not 0 <= params.end_id < vocab:

@@ -150,11 +150,18 @@ def test_top_log_probs_are_the_models_likeliest_tokens(hf, engine):
     assert_no_leak(engine)
 
 
-def test_top_log_probs_are_checked():
+def test_top_log_probs_are_checked(engine):
     with pytest.raises(ValueError, match="top_log_probs must be in"):
         SamplingParams(top_log_probs=21)
     with pytest.raises(ValueError, match="top_log_probs with beam search"):
         SamplingParams(beam_width=2, top_log_probs=1)
+    from types import SimpleNamespace
+
+    small = Engine.__new__(Engine)  # a vocabulary smaller than the alternatives asked for
+    small.__dict__.update(engine.__dict__)
+    small.model_config = SimpleNamespace(vocab_size=16)
+    with pytest.raises(ValueError, match="top_log_probs=20 is more than the vocabulary's 16"):
+        small.submit(Request("small", [1, 2], SamplingParams(top_log_probs=20)))
 
 
 def test_seeded_sampling_with_penalties_repeats(engine):
