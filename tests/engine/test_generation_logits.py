@@ -153,14 +153,15 @@ def test_context_rows_over_chunks_beside_drafts_and_beams(hf):
     assert [b.token_ids for b in outs["beam"][0].beams] == want_beams
 
 
-def test_context_logits_need_the_eager_executor(engine):
+@pytest.mark.parametrize("ask", ["return_context_logits", "return_prompt_log_probs"])
+def test_prompt_logits_need_the_eager_executor(engine, ask):
     from dataclasses import replace
 
     compiled = Engine.__new__(Engine)
     compiled.__dict__.update(engine.__dict__)
     compiled.config = replace(engine.config, executor="compiled")
-    with pytest.raises(ValueError, match="return_context_logits needs executor 'torch'"):
-        compiled.submit(Request("ctx", PROMPT, SamplingParams(), return_context_logits=True))
+    with pytest.raises(ValueError, match=f"{ask} needs executor 'torch'"):
+        compiled.submit(Request("ctx", PROMPT, SamplingParams(), **{ask: True}))
 
 
 def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf):
@@ -202,13 +203,3 @@ def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf):
     single = chunked.generate(prompt[:1], SamplingParams(max_tokens=2),
                               return_prompt_log_probs=True)
     assert single.prompt_log_probs == []
-
-
-def test_prompt_log_probs_need_the_eager_executor(engine):
-    from dataclasses import replace
-
-    compiled = Engine.__new__(Engine)
-    compiled.__dict__.update(engine.__dict__)
-    compiled.config = replace(engine.config, executor="compiled")
-    with pytest.raises(ValueError, match="return_prompt_log_probs needs executor 'torch'"):
-        compiled.submit(Request("lp", PROMPT, SamplingParams(), return_prompt_log_probs=True))
