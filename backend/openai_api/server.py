@@ -252,7 +252,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         body = await _body(request)
         plan = (protocol.parse_chat(body, state.names, state.template) if kind == "chat"
                 else protocol.parse_completion(body, state.names))
-        run = Run(state, plan)
+        # Token-id prompts and the chat default max_tokens tokenize: off the event loop.
+        run = await asyncio.to_thread(Run, state, plan)
     except RequestError as exc:
         return _error(exc)
     run.start()
@@ -336,9 +337,9 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     try:
         body = await _body(request)
-        return web.json_response(protocol.tokenize_body(
-            body, state.names, state.tokenizer, state.template, state.served.max_context_len,
-            state.token_names))
+        return web.json_response(await asyncio.to_thread(
+            protocol.tokenize_body, body, state.names, state.tokenizer, state.template,
+            state.served.max_context_len, state.token_names))
     except RequestError as exc:
         return _error(exc)
 
