@@ -82,7 +82,7 @@ class OutputStream:
         self.exclude_input = exclude_input
         self.beam_search = beam_search  # one engine request; its final output has K rows
         # the optional outputs asked for: "perf_metrics", "generation_logits",
-        # "context_logits", "top_log_probs"
+        # "context_logits", "top_log_probs", "prompt_log_probs"
         self.extras = extras
         # per sequence: ids streamed so far (streaming) or collected (otherwise), log
         # probabilities collected (not streaming), its latest output (counts, sums)
@@ -218,12 +218,11 @@ class OutputStream:
     def _prompt_tensors(self, scores: tuple[list[float], list] | None) -> Tensors:
         """The prompt's ids and scores (return_prompt_log_probs), or empty ones."""
         values, tops = scores if scores is not None else ([], [])
-        top_ids, top_values = _padded_tops([tops])
-        if not tops:  # [1, 1, 0, 0] -> [1, P - 1, 0]
+        if tops:  # [1, 1, P - 1, N] -> [1, P - 1, N]
+            top_ids, top_values = (a[0] for a in _padded_tops([tops]))
+        else:  # no alternatives asked: [1, P - 1, 0]
             top_ids = np.zeros((1, len(values), 0), np.int32)
             top_values = np.zeros((1, len(values), 0), np.float32)
-        else:
-            top_ids, top_values = top_ids[0], top_values[0]
         prompt = self.prompt_ids if scores is not None else []
         return {"prompt_token_ids": np.array([prompt], dtype=np.int32).reshape(1, -1),
                 "prompt_log_probs": np.array([values], dtype=np.float32).reshape(1, -1),
