@@ -31,10 +31,29 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 # Fallbacks for tokenizer.json files that come without a tokenizer_config.json.
 _EOS_CANDIDATES = ("<|endoftext|>", "<|im_end|>", "</s>", "<eos>")
 _PAD_CANDIDATES = ("<|pad|>", "<pad>", "<|endoftext|>")
-# Qwen's ChatML layout, spelled with the byte tokenizer's special tokens.
+# Qwen's ChatML layout, spelled with the byte tokenizer's special tokens; with `tools`, Qwen's
+# (Hermes) tool-calling layout: the tools' signatures in the system turn, an assistant's calls as
+# <tool_call> JSON objects, tool results as <tool_response> in a user turn.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n"
+    "{{ message['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ call['function']['name'] }}\", \"arguments\": "
+    "{{ call['function']['arguments'] | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 

@@ -80,14 +80,17 @@ class ChatTemplate:
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                extra: Mapping[str, Any] | None = None,
-               continue_final_message: bool = False) -> str:
-        """The prompt text; `extra`: more template variables (a request's
-        chat_template_kwargs), which cannot replace the ones above. `continue_final_message`
+               continue_final_message: bool = False,
+               tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """The prompt text; `tools`: the template's `tools` (function tools, as OpenAI sends
+        them); `extra`: more template variables (a request's chat_template_kwargs), which
+        cannot replace the ones above. `continue_final_message`
         (transformers' and vLLM's): the text ends with the last message's content, open (its
         turn end and what follows cut), so the model continues that message."""
         variables = {**(extra or {}), "messages": list(messages),
                      "add_generation_prompt": add_generation_prompt,
-                     "bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None}
+                     "bos_token": self.bos_token, "eos_token": self.eos_token,
+                     "tools": list(tools) if tools else None}
         try:
             text = self._template.render(**variables)
         except TemplateError:

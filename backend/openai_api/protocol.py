@@ -16,10 +16,12 @@ prompt's tokens too (the first one has none); vLLM's extra fields `top_k`, `min_
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
 e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the
 last message is continued, as a prefilled answer); ours `session_id` (the ensemble's: a
-conversation's pages are kept longer). Fields this server cannot honour with a value that asks
-for something (`logit_bias`, `tools`, `best_of` other than n, `suffix`, images, vLLM's
-`prompt_logprobs`: use `echo` with `logprobs`) are rejected with a 400 that names them, never
-silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
+conversation's pages are kept longer); chat's `tools`, `tool_choice` and `parallel_tool_calls`,
+assistant messages' `tool_calls` and `tool` messages (`tools.py`). Fields this server cannot
+honour with a value that asks for something (`logit_bias`, the legacy `functions`, `best_of`
+other than n, `suffix`, images, vLLM's `prompt_logprobs`: use `echo` with `logprobs`) are
+rejected with a 400 that names them, never silently dropped; other unknown fields are
+ignored, as OpenAI's SDK sends some (`user`, ...).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.openai_api.errors import RequestError
+from backend.openai_api.tools import ToolPlan, message_calls, parse_tools
+
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 64  # the ensemble's num_return_sequences limit
 MAX_LOGPROBS = 20  # alternatives a position may return (the engine's limit, as vLLM's)
@@ -39,23 +44,6 @@ MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The engine's finish reasons -> OpenAI's ("cancelled": vLLM's "abort").
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "cancelled": "abort"}
-
-
-class RequestError(Exception):
-    """A request the frontend answers with an OpenAI error body and `status`."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.status = status
-        self.kind = kind
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclass
@@ -74,6 +62,7 @@ class Plan:
     echo: bool = False
     logprobs: int | None = None  # None: not asked; else the alternatives a position returns
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
+    tools: ToolPlan | None = None  # chat with tools (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -121,10 +110,7 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     body = _object(body)
     model = _model(body, models)
     messages = chat_messages(body.get("messages"))
-    for name in ("tools", "functions"):
-        _refuse(body, name, f"'{name}' (tool calling) is not supported")
-    if body.get("tool_choice") not in (None, "none"):
-        raise RequestError("'tool_choice' is not supported (no tools)", "tool_choice")
+    tools = parse_tools(body)
     wanted = _bool(body, "logprobs", False)
     top = _int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
     if top and not wanted:
@@ -132,12 +118,18 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     if template is None:
         raise RequestError("the model has no chat template (tokenizer_config.json's "
                            "chat_template): use /v1/completions", "messages")
-    prompt = render_chat(body, messages, template)
+    prompt = render_chat(body, messages, template, tools)
     limit = _int(body, "max_completion_tokens", None, 1)
     max_tokens = _int(body, "max_tokens", limit, 1)
     plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N),
-                logprobs=(top or 0) if wanted else None)
+                logprobs=(top or 0) if wanted else None, tools=tools)
     _common(body, plan)
+    guide = tools.guide() if tools is not None else None
+    if guide is not None:
+        if "guided_decoding_guide_type" in plan.fields:
+            raise RequestError(f"tool_choice {body.get('tool_choice')!r} is guided decoding: it "
+                               "cannot come with response_format or guided_*", "tool_choice")
+        plan.fields["guided_decoding_guide_type"], plan.fields["guided_decoding_guide"] = guide
     if not body.get("ignore_eos"):  # the template's turn end and the model's end ids
         words = plan.fields.setdefault("stop_words", [])
         words.extend(w for w in template.stop_words if w not in words)
@@ -156,7 +148,8 @@ def tokenize_body(body: Any, models: Container[str], tokenizer: Any, template: A
     if "messages" in body:
         if template is None:
             raise RequestError("the model has no chat template", "messages")
-        text = render_chat(body, chat_messages(body.get("messages")), template)
+        text = render_chat(body, chat_messages(body.get("messages")), template,
+                           parse_tools(body))
         special = _bool(body, "add_special_tokens", False)
     else:
         text = body.get("prompt")
@@ -214,8 +207,9 @@ def prompt_texts(plan: Plan, tokenizer: Any, add_special_tokens: bool) -> None:
         plan.prompts[i] = text
 
 
-def render_chat(body: Mapping[str, Any], messages: list[dict[str, str]], template: Any) -> str:
-    """The chat's prompt text, with the request's `chat_template_kwargs`,
+def render_chat(body: Mapping[str, Any], messages: list[dict[str, Any]], template: Any,
+                tools: ToolPlan | None = None) -> str:
+    """The chat's prompt text, with the request's tools, `chat_template_kwargs`,
     `add_generation_prompt` (default true) and `continue_final_message` (default false; the
     last message, open, is continued: it cannot come with a generation prompt)."""
     extra = body.get("chat_template_kwargs")
@@ -228,14 +222,16 @@ def render_chat(body: Mapping[str, Any], messages: list[dict[str, str]], templat
                            "be true", "continue_final_message")
     try:
         return template.render(messages, add_generation_prompt=generation, extra=extra,
-                               continue_final_message=cont)
+                               continue_final_message=cont,
+                               tools=tools.tools if tools is not None else None)
     except ValueError as exc:
         raise RequestError(str(exc), "messages") from None
 
 
-def chat_messages(messages: Any) -> list[dict[str, str]]:
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """`messages` as [{"role", "content"}] with text content (parts joined); "developer" is
-    passed as "system", which chat templates know."""
+    passed as "system", which chat templates know; an assistant's `tool_calls` (arguments as
+    objects) and a tool message's `tool_call_id` are kept for the template."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     out = []
@@ -246,8 +242,9 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
         role = message.get("role")
         if role not in ROLES:
             raise RequestError(f"{where}.role must be one of {list(ROLES)}, got {role!r}", where)
-        if message.get("tool_calls"):
-            raise RequestError(f"{where}.tool_calls: tool calling is not supported", where)
+        calls = message.get("tool_calls")
+        if calls not in (None, []) and role != "assistant":
+            raise RequestError(f"{where}.tool_calls: only an assistant message has them", where)
         content = message.get("content")
         if isinstance(content, list):
             texts = []
@@ -263,7 +260,15 @@ def chat_messages(messages: Any) -> list[dict[str, str]]:
             content = ""
         elif not isinstance(content, str):
             raise RequestError(f"{where}.content must be a string or a list of text parts", where)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        entry = {"role": "system" if role == "developer" else role, "content": content}
+        if calls not in (None, []):
+            entry["tool_calls"] = message_calls(calls, where)
+        if role == "tool":
+            call = message.get("tool_call_id")
+            if call is not None and not isinstance(call, str):
+                raise RequestError(f"{where}.tool_call_id must be a string", where)
+            entry["tool_call_id"] = call
+        out.append(entry)
     return out
 
 
@@ -552,24 +557,35 @@ def chunk_body(plan: Plan, choices: list[dict[str, Any]],
 
 
 def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
-                  role: bool = False, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+                  role: bool = False, logprobs: dict[str, Any] | None = None,
+                  calls: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """One choice's part of a streamed chunk; `calls`: tool-call deltas (chat)."""
     if plan.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None:
+        if text is not None and (text or not calls):
             delta["content"] = text
+        if calls:
+            delta["tool_calls"] = list(calls)
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
 
 
-def response_body(plan: Plan, texts: list[str], reasons: list[str],
+def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
                   usage_body: dict[str, Any],
-                  logprobs: Sequence[dict[str, Any] | None] | None = None) -> dict[str, Any]:
-    """The non-streamed answer: `chat.completion` / `text_completion`."""
+                  logprobs: Sequence[dict[str, Any] | None] | None = None,
+                  calls: Sequence[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """The non-streamed answer: `chat.completion` / `text_completion`; `calls`: each chat
+    choice's tool calls (a message with calls has content null where it has no text)."""
     logprobs = logprobs or [None] * len(texts)
+    calls = calls or [[] for _ in texts]
     if plan.kind == "chat":
-        choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                    "logprobs": lp, "finish_reason": r}
-                   for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
+        choices = []
+        for i, (t, r, lp, c) in enumerate(zip(texts, reasons, logprobs, calls)):
+            message: dict[str, Any] = {"role": "assistant", "content": t}
+            if c:
+                message["tool_calls"] = c
+            choices.append({"index": i, "message": message, "logprobs": lp,
+                            "finish_reason": r})
         kind = "chat.completion"
     else:
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}

@@ -34,6 +34,7 @@ from aiohttp import web
 from backend.openai_api import protocol
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
+from backend.openai_api.tools import ToolStream
 from backend.openai_api.upstream import ServedModel, Upstream, UpstreamError
 
 log = logging.getLogger("backend.openai_api")
@@ -62,6 +63,7 @@ class Choice:
     stop: StopFilter
     parts: list[str] = field(default_factory=list)
     reason: str | None = None  # OpenAI's, once it ended
+    tools: ToolStream | None = None  # a chat with tools: its text read as tool calls
     # With logprobs: the choice's ids decoded as they come (where each token's text starts in
     # the choice's text, the echoed prompt included), the characters passed on so far, the
     # echoed prompt's tokens (sent with the first generated ones), the tokens whose text has
@@ -95,7 +97,8 @@ class Run:
             raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
                                "did not find", "logprobs")
         self.requests = [self._fields(p) for p in plan.prompts]
-        self.choices = [Choice(StopFilter(plan.stop))
+        self.choices = [Choice(StopFilter(plan.stop),
+                               tools=plan.tools.stream() if plan.tools is not None else None)
                         for _ in range(len(plan.prompts) * plan.n)]
         if plan.logprobs is not None:
             for i, choice in enumerate(self.choices):
@@ -147,7 +150,8 @@ class Run:
 
     async def events(self):
         """(choice index, text to send, OpenAI finish reason or None, the tokens (logprobs)
-        that text carries) as the responses come; an upstream error raises it."""
+        that text carries, tool-call deltas) as the responses come; an upstream error
+        raises it."""
         closed: set[int] = set()  # prompts whose requests ended (or were cancelled)
         n = self.plan.n
         while len(closed) < len(self.requests):
@@ -179,19 +183,32 @@ class Run:
                 if choice.stop.stopped or engine_reason:
                     out += choice.stop.flush()
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
-                choice.parts.append(out)
-                choice.sent += len(out)
-                yield index, out, choice.reason, choice.release()
+                out, calls = self._read(choice, out)
+                yield index, out, choice.reason, choice.release(), calls
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string
                     closed.add(p)
         for index, choice in enumerate(self.choices):  # ended without a reason: say why
             if choice.reason is None:
-                tail = choice.stop.flush()
-                choice.parts.append(tail)
-                choice.sent += len(tail)
                 choice.reason = "stop"
-                yield index, tail, choice.reason, choice.release()
+                tail, calls = self._read(choice, choice.stop.flush())
+                yield index, tail, choice.reason, choice.release(), calls
+
+    @staticmethod
+    def _read(choice: Choice, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """Text past the stop filter -> the content to send and tool-call deltas (all of it
+        is "sent" for its tokens' logprobs, content or call); once the choice ended, what
+        the tool reader held and its finish reason."""
+        choice.sent += len(text)
+        calls: list[dict[str, Any]] = []
+        if choice.tools is not None:
+            text, calls = choice.tools.feed(text)
+            if choice.reason is not None:
+                rest, done = choice.tools.finish()
+                text, calls = text + rest, calls + done
+                choice.reason = choice.tools.finish_reason(choice.reason)
+        choice.parts.append(text)
+        return text, calls
 
     def _score(self, choice: Choice, response: Any, k: int) -> None:
         """Row k's tokens, each where its text starts in the choice's text, waiting for
@@ -234,8 +251,13 @@ class Run:
         return protocol.usage(sum(self.prompt_tokens), self.completion_tokens,
                               sum(self.cached_tokens))
 
-    def texts(self) -> list[str]:
-        return [self._echo(i) + "".join(c.parts) for i, c in enumerate(self.choices)]
+    def texts(self) -> list[str | None]:
+        """Each choice's text (chat with tool calls: its content, None where only calls)."""
+        return [c.tools.content if c.tools is not None else self._echo(i) + "".join(c.parts)
+                for i, c in enumerate(self.choices)]
+
+    def calls(self) -> list[list[dict[str, Any]]]:
+        return [c.tools.calls if c.tools is not None else [] for c in self.choices]
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -271,8 +293,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             async for _ in events:
                 pass
         reasons = [c.reason or "stop" for c in run.choices]
-        return web.json_response(protocol.response_body(plan, run.texts(), reasons,
-                                                        run.usage(), run.logprobs()))
+        return web.json_response(protocol.response_body(
+            plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls()))
     except UpstreamError as exc:
         return _error(_client_error(exc))
     finally:
@@ -300,12 +322,12 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
     try:
         pending = [first] if first is not None else []
         while True:
-            for index, text, reason, tokens in pending:
-                if text or reason or tokens:
+            for index, text, reason, tokens, calls in pending:
+                if text or reason or tokens or calls:
                     logprobs = protocol.logprobs_body(plan, tokens)
                     await send(protocol.chunk_body(
                         plan, [protocol.stream_choice(plan, index, text, reason,
-                                                      logprobs=logprobs)]))
+                                                      logprobs=logprobs, calls=calls)]))
             try:
                 pending = [await events.__anext__()]
             except StopAsyncIteration:

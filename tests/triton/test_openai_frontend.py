@@ -1,7 +1,8 @@
 """The OpenAI-compatible frontend (`python -m backend.openai_api`, a real process) in front of a
 real tritonserver, driven by the OpenAI SDK: the same text as Triton's own endpoints, streamed
-or not; stop strings; several prompts and choices; usage with cached tokens; guided JSON; clear
-errors; a client that goes away cancels its request and leaves no page held."""
+or not; stop strings; several prompts and choices; usage with cached tokens; guided JSON; tool
+calls (named, required, auto) and a tool's result fed back; clear errors; a client that goes
+away cancels its request and leaves no page held."""
 
 from __future__ import annotations
 
@@ -440,3 +441,106 @@ def test_the_next_turn_of_a_chat_hits_the_last_ones_pages(sdk: openai.OpenAI):
     assert second.usage.prompt_tokens > computed
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert cached >= (computed - 1) // 64 * 64 > first.usage.prompt_tokens // 64 * 64
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                   "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The time now",
+    "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+
+
+def _streamed_calls(events) -> tuple[dict[int, dict], list[str | None], str]:
+    """Tool-call deltas joined per index (id, name, arguments), finish reasons, content."""
+    calls: dict[int, dict] = {}
+    reasons, content = [], ""
+    for event in events:
+        for choice in event.choices:
+            reasons.append(choice.finish_reason)
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return calls, reasons, content
+
+
+def test_a_named_tool_choice_returns_a_call_of_that_function(sdk: openai.OpenAI):
+    """Guided by the function's schema: the answer is a call whose arguments are JSON of that
+    schema, streamed or not (the streamed arguments join to the same text), content null."""
+    ask = dict(model="ensemble", messages=[{"role": "user", "content": "Weather in Paris?"}],
+               tools=[WEATHER, CLOCK], max_tokens=64,
+               tool_choice={"type": "function", "function": {"name": "get_weather"}},
+               extra_body={"top_k": 1, "cache_salt": uuid.uuid4().hex})
+    reply = sdk.chat.completions.create(**ask)
+    choice = reply.choices[0]
+    [call] = choice.message.tool_calls
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    assert set(arguments) == {"city"} and len(arguments["city"]) <= 12
+    calls, reasons, content = _streamed_calls(sdk.chat.completions.create(**ask, stream=True))
+    assert content == "" and reasons[-1] == "stop"
+    assert calls == {0: {"id": calls[0]["id"], "name": "get_weather",
+                         "arguments": call.function.arguments}}
+
+
+def test_required_tools_make_a_call_and_its_result_feeds_the_next_turn(sdk: openai.OpenAI,
+                                                                        frontend: str):
+    """tool_choice "required" with parallel_tool_calls false: exactly one call of one of the
+    tools, finish_reason "tool_calls"; the call and the tool's result go back as the SDK
+    returns them, and the next turn is served from the first turn's cached pages (the tools'
+    system turn is a shared prefix, as in an agent's loop)."""
+    salt = uuid.uuid4().hex
+    messages = [{"role": "user", "content": "What time is it?"}]
+    first = sdk.chat.completions.create(
+        model="ensemble", messages=messages, tools=[WEATHER, CLOCK], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=64, extra_body={"top_k": 1, "cache_salt": salt})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    assert isinstance(json.loads(call.function.arguments), dict)
+    streamed, reasons, _ = _streamed_calls(sdk.chat.completions.create(
+        model="ensemble", messages=messages, tools=[WEATHER, CLOCK], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=64, stream=True,
+        extra_body={"top_k": 1, "cache_salt": salt}))
+    assert reasons[-1] == "tool_calls" and [c["name"] for c in streamed.values()] == [
+        call.function.name] and streamed[0]["arguments"] == call.function.arguments
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    second = sdk.chat.completions.create(
+        model="ensemble", messages=messages, tools=[WEATHER, CLOCK], tool_choice="none",
+        max_tokens=8, extra_body={"top_k": 1, "cache_salt": salt})
+    assert second.choices[0].message.tool_calls is None
+    assert isinstance(second.choices[0].message.content, str)
+    status, rendered = post(frontend, "/tokenize", {
+        "model": "ensemble", "messages": messages, "tools": [WEATHER, CLOCK],
+        "add_generation_prompt": True})
+    assert status == 200 and rendered["count"] == second.usage.prompt_tokens
+    text = post(frontend, "/detokenize", {"model": "ensemble",
+                                           "tokens": rendered["tokens"]})[1]["prompt"]
+    assert f'"name": "{call.function.name}"' in text and "<tool_response>\n12:00\n" in text
+    assert second.usage.prompt_tokens_details.cached_tokens >= \
+        first.usage.prompt_tokens // 64 * 64 >= 64
+
+
+def test_auto_tool_choice_answers_with_text_or_calls(sdk: openai.OpenAI):
+    """"auto": whatever the tiny model writes comes back as content, or as calls of the
+    known tools with finish_reason "tool_calls"; streamed the same."""
+    ask = dict(model="ensemble", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               tools=[WEATHER, CLOCK], max_tokens=24,
+               extra_body={"top_k": 1, "cache_salt": uuid.uuid4().hex})
+    choice = sdk.chat.completions.create(**ask).choices[0]
+    calls, reasons, content = _streamed_calls(sdk.chat.completions.create(**ask, stream=True))
+    if choice.message.tool_calls:
+        assert choice.finish_reason == "tool_calls" and reasons[-1] == "tool_calls"
+        assert [c.function.name for c in choice.message.tool_calls] == [
+            c["name"] for c in calls.values()]
+    else:
+        assert choice.finish_reason in ("stop", "length") and calls == {}
+        assert choice.message.content == content

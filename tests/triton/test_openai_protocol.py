@@ -264,8 +264,9 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "only text parts are supported, got 'image_url'"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "'tools' (tool calling) is not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"}, "'tool_choice'"),
+     "tools[0].function must be an object"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+     "'tool_choice' needs 'tools'"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": 2},
      "'logprobs' must be true or false"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3},
@@ -275,7 +276,7 @@ BAD_CHATS = [
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
      "'max_completion_tokens' must be from 1"),
     ({"messages": [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}]},
-     "tool calling is not supported"),
+     "messages[0].tool_calls[0] must be"),
 ]  # fmt: skip
 
 

@@ -1,0 +1,226 @@
+"""Tool calling in the OpenAI frontend without a server: tools and tool_choice -> the template's
+tools and the guides, the chat template against transformers', Qwen's (Hermes) calls read from
+text whole and streamed, the errors for what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.engine.guided import GrammarBackend, Guide
+from backend.openai_api.chat import ChatTemplate
+from backend.openai_api.protocol import RequestError, parse_chat, response_body, tokenize_body
+from backend.openai_api.tools import ToolPlan, hermes_calls, parse_tools
+from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
+
+MODELS = ("tiny",)
+TOKENIZER = byte_tokenizer()
+TEMPLATE = ChatTemplate(CHATML_TEMPLATE, TOKENIZER.special_tokens, eos_token="<|endoftext|>")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters
+KNOWN = {"get_weather": {}, "get_time": {}}
+HISTORY = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+]
+
+
+def chat(**body) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER, TIME], **body}
+
+
+def test_the_template_shows_tools_calls_and_results_as_transformers_does():
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=TOKENIZER.tok,
+                                              eos_token="<|endoftext|>")
+    hf.chat_template = CHATML_TEMPLATE
+    # transformers takes the arguments as objects, which is what the frontend passes
+    messages = parse_chat(chat(messages=HISTORY), MODELS, TEMPLATE)
+    expected = hf.apply_chat_template(
+        [{**m, "tool_calls": [{"type": "function", "function": {
+            "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+            for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in HISTORY],
+        tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True)
+    assert messages.prompts == [expected]
+    text = expected
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert json.dumps(WEATHER) in text and text.count("<|im_start|>system") == 1
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n') in text
+    assert "<|im_start|>user\n<tool_response>\nrain\n</tool_response><|im_end|>\n" in text
+    # without tools the template is plain ChatML, as before tools existed
+    plain = parse_chat({"model": "tiny", "messages": HISTORY[:2]}, MODELS, TEMPLATE)
+    assert plain.prompts == ["<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n"
+                             "Weather in Paris and Rome?<|im_end|>\n<|im_start|>assistant\n"]
+
+
+def test_tool_choice_sets_the_guide():
+    auto = parse_chat(chat(), MODELS, TEMPLATE)
+    assert auto.tools.choice == "auto" and "guided_decoding_guide_type" not in auto.fields
+    none = parse_chat(chat(tool_choice="none"), MODELS, TEMPLATE)
+    assert none.tools.choice == "none" and none.tools.stream() is None
+    assert "# Tools" in none.prompts[0]  # still shown, as vLLM does
+    named = parse_chat(chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}),
+                       MODELS, TEMPLATE)
+    assert named.fields["guided_decoding_guide_type"] == "json_schema"
+    assert json.loads(named.fields["guided_decoding_guide"]) == WEATHER["function"]["parameters"]
+    required = parse_chat(chat(tool_choice="required", parallel_tool_calls=False), MODELS,
+                          TEMPLATE)
+    schema = json.loads(required.fields["guided_decoding_guide"])
+    assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
+    names = [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]]
+    assert names == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert "maxItems" not in json.loads(parse_chat(chat(tool_choice="required"), MODELS,
+                                                   TEMPLATE).fields["guided_decoding_guide"])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+def test_the_guides_compile_and_accept_a_call(choice):
+    """XGrammar (the engine's guided decoding) compiles each guide against the model's
+    vocabulary and accepts the text of a call, token by token."""
+    guide = parse_chat(chat(tool_choice=choice), MODELS, TEMPLATE).tools.guide()
+    backend = GrammarBackend(TOKENIZER, TOKENIZER.vocab_size)
+    matcher = __import__("xgrammar").GrammarMatcher(backend.compile(Guide(*guide)))
+    call = {"city": "Paris"}  # json.dumps's separators: the engine's compact JSON
+    text = json.dumps([{"name": "get_weather", "parameters": call}] if choice == "required"
+                      else call)
+    assert all(matcher.accept_token(t) for t in TOKENIZER.encode(text))
+    assert matcher.is_terminated() or matcher.accept_token(TOKENIZER.eos_token_id)
+    wrong = __import__("xgrammar").GrammarMatcher(backend.compile(Guide(*guide)))
+    bad = '[{"name":"nope"' if choice == "required" else '{"town"'
+    assert not all(wrong.accept_token(t) for t in TOKENIZER.encode(bad))
+
+
+BAD = [
+    (chat(tools="x"), "'tools' must be a list"),
+    (chat(tools=[{"type": "retrieval"}]), "only function tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "has space"}}]), "1-64 letters"),
+    (chat(tools=[WEATHER, WEATHER]), "'get_weather' is given more than once"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
+     "parameters must be a JSON schema object"),
+    (chat(tool_choice="sometimes"), "'tool_choice' must be one of"),
+    (chat(tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "not one of the tools"),
+    (chat(tool_choice={"type": "function"}), "tool_choice.function.name must be a string"),
+    (chat(tools=None, tool_choice="required"), "'tool_choice' needs 'tools'"),
+    (chat(parallel_tool_calls="yes"), "'parallel_tool_calls' must be true or false"),
+    (chat(functions=[{"name": "f"}]), "use 'tools' and 'tool_choice'"),
+    (chat(tool_choice="required", response_format={"type": "json_object"}),
+     "cannot come with response_format"),
+    (chat(messages=[{"role": "user", "content": "x", "tool_calls": [{}]}]),
+     "only an assistant message has them"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "{not json"}}]}]), "arguments is not valid JSON"),
+    (chat(messages=[{"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "[1]"}}]}]), "arguments must be a JSON object"),
+    (chat(messages=[{"role": "tool", "content": "x", "tool_call_id": 3}]),
+     "tool_call_id must be a string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, message", BAD)
+def test_bad_tool_requests_are_400s_that_say_why(body, message):
+    with pytest.raises(RequestError) as info:
+        parse_chat(body, MODELS, TEMPLATE)
+    assert message in info.value.message and info.value.status == 400
+
+
+def test_hermes_calls_are_read_from_text():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    content, calls = hermes_calls(text, KNOWN)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert len({c["id"] for c in calls}) == 2 and calls[0]["id"].startswith("call_")
+    # no call, an unknown function, JSON that does not parse, arguments not an object: text
+    assert hermes_calls("just text", KNOWN) is None
+    assert hermes_calls('<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>', KNOWN) is None
+    assert hermes_calls('<tool_call>\n{"name": "get_time", "argu', KNOWN) is None
+    assert hermes_calls('<tool_call>{"name": "get_time", "arguments": 3}</tool_call>',
+                        KNOWN) is None
+    # a last call cut before its end tag still counts when its JSON is whole
+    _, [call] = hermes_calls('<tool_call>\n{"name": "get_time", "arguments": {}}\n', KNOWN)
+    assert call["function"]["name"] == "get_time"
+
+
+def _streamed(plan: ToolPlan, text: str, pieces: int):
+    reader = plan.stream()
+    sent, deltas = [], []
+    size = max(1, len(text) // pieces)
+    for i in range(0, len(text), size):
+        out, calls = reader.feed(text[i:i + size])
+        sent.append(out)
+        deltas += calls
+    out, calls = reader.finish()
+    return "".join(sent) + out, deltas + calls, reader
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 200])
+def test_auto_streams_content_and_sends_whole_calls_at_the_end(pieces):
+    plan = parse_tools(chat())
+    text = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+            '</tool_call>')
+    content, deltas, reader = _streamed(plan, text, pieces)
+    assert content == "Sure." and reader.content == "Sure."
+    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
+    assert deltas[0]["index"] == 0 and deltas[0]["id"] == reader.calls[0]["id"]
+    assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") \
+        == "length"
+    # text that only looks like the start of a call is content, sent once it is not one
+    content, deltas, reader = _streamed(plan, "a <tool_ b <tool_call", pieces)
+    assert content == "a <tool_ b <tool_call" and deltas == [] and reader.calls == []
+    assert reader.finish_reason("stop") == "stop"
+
+
+def test_named_calls_stream_their_arguments_and_required_reads_the_array():
+    named = parse_tools(chat(tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    content, deltas, reader = _streamed(named, '{"zone":"UTC"}', 5)
+    assert content == "" and reader.content is None
+    assert deltas[0] == {"index": 0, "id": reader.calls[0]["id"], "type": "function",
+                         "function": {"name": "get_time", "arguments": '{"'}}
+    assert all(d.keys() == {"index", "function"} for d in deltas[1:])
+    assert reader.calls[0]["function"]["arguments"] == '{"zone":"UTC"}'
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"zone":"UTC"}'
+    assert reader.finish_reason("stop") == "stop"  # as OpenAI's for a named function
+    required = parse_tools(chat(tool_choice="required"))
+    text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo"}},
+                       {"name": "get_time", "parameters": {}}])
+    content, deltas, reader = _streamed(required, text, 4)
+    assert content == "" and [json.loads(d["function"]["arguments"]) for d in deltas] == [
+        {"city": "Oslo"}, {}]
+    assert reader.finish_reason("stop") == "tool_calls"
+    # cut by max_tokens: no call, the text is the content
+    content, deltas, reader = _streamed(required, text[:20], 2)
+    assert content == text[:20] and deltas == [] and reader.finish_reason("length") == "length"
+
+
+def test_a_message_with_calls_has_null_content():
+    plan = parse_chat(chat(), MODELS, TEMPLATE)
+    _, [call] = hermes_calls('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+                             KNOWN)
+    body = response_body(plan, [None, "hi"], ["tool_calls", "stop"], {}, calls=[[call], []])
+    first, second = body["choices"]
+    assert first["message"] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert second["message"] == {"role": "assistant", "content": "hi"}
+
+
+def test_tokenize_renders_tools_as_the_chat_does():
+    body = chat(messages=HISTORY)
+    rendered = tokenize_body(body, MODELS, TOKENIZER, TEMPLATE, 2048)
+    assert rendered["tokens"] == TOKENIZER.encode(parse_chat(body, MODELS, TEMPLATE).prompts[0],
+                                                  add_special_tokens=False)
