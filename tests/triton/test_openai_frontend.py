@@ -544,3 +544,28 @@ def test_auto_tool_choice_answers_with_text_or_calls(sdk: openai.OpenAI):
     else:
         assert choice.finish_reason in ("stop", "length") and calls == {}
         assert choice.message.content == content
+
+
+def test_auto_reads_the_calls_the_model_writes(sdk: openai.OpenAI):
+    """The tiny model was never taught to call tools, so a regex guide makes it write text
+    then a call in Qwen's layout: "auto" returns the text as content and the call as a tool
+    call (finish_reason "tool_calls"), streamed the same (the tag's start held back)."""
+    written = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' \
+              '\n</tool_call>'
+    regex = "".join("\\" + c if c in '{}.[]()' else c for c in written)
+    ask = dict(model="ensemble", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               tools=[WEATHER, CLOCK], max_tokens=len(written) + 8,
+               extra_body={"top_k": 1, "cache_salt": uuid.uuid4().hex, "guided_regex": regex})
+    choice = sdk.chat.completions.create(**ask).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Oslo"}
+    calls, reasons, content = _streamed_calls(sdk.chat.completions.create(**ask, stream=True))
+    assert content == "Checking." and reasons[-1] == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Oslo"})]
+    # the same text with tool_choice "none" is all content
+    none = sdk.chat.completions.create(**ask, tool_choice="none").choices[0]
+    assert none.message.content == written and none.message.tool_calls is None
+    assert none.finish_reason == "stop"
