@@ -32,9 +32,10 @@ serve: $(STAMP)
 # in front of the server `make serve` started (its gRPC port: GRPC_PORT, 8001).
 OPENAI_PORT ?= 9000
 GRPC_PORT ?= 8001
+OPENAI_ARGS ?=  # more frontend flags, e.g. --reasoning-parser qwen3
 openai: $(STAMP)
 	$(PY) -m backend.openai_api --triton-url 127.0.0.1:$(GRPC_PORT) \
-	  --model-repository $(MODEL_REPO) --port $(OPENAI_PORT)
+	  --model-repository $(MODEL_REPO) --port $(OPENAI_PORT) $(OPENAI_ARGS)
 
 # Retrains the default model from scratch (about 46 minutes on 2 cores; MODEL_CARD.md):
 # stage 1 forms the retrieval circuit on short key-value stores with many questions, stage 2

@@ -558,11 +558,14 @@ def chunk_body(plan: Plan, choices: list[dict[str, Any]],
 
 def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
                   role: bool = False, logprobs: dict[str, Any] | None = None,
-                  calls: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
-    """One choice's part of a streamed chunk; `calls`: tool-call deltas (chat)."""
+                  calls: Sequence[dict[str, Any]] = (), reasoning: str = "") -> dict[str, Any]:
+    """One choice's part of a streamed chunk; `calls`: tool-call deltas, `reasoning`:
+    reasoning text (chat)."""
     if plan.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
-        if text is not None and (text or not calls):
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text is not None and (text or not (calls or reasoning)):
             delta["content"] = text
         if calls:
             delta["tool_calls"] = list(calls)
@@ -573,15 +576,19 @@ def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
 def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
                   usage_body: dict[str, Any],
                   logprobs: Sequence[dict[str, Any] | None] | None = None,
-                  calls: Sequence[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+                  calls: Sequence[list[dict[str, Any]]] | None = None,
+                  reasoning: Sequence[str | None] | None = None) -> dict[str, Any]:
     """The non-streamed answer: `chat.completion` / `text_completion`; `calls`: each chat
-    choice's tool calls (a message with calls has content null where it has no text)."""
+    choice's tool calls (a message with calls has content null where it has no text);
+    `reasoning`: each chat choice's `reasoning_content` (None: no reasoning parser)."""
     logprobs = logprobs or [None] * len(texts)
     calls = calls or [[] for _ in texts]
     if plan.kind == "chat":
         choices = []
         for i, (t, r, lp, c) in enumerate(zip(texts, reasons, logprobs, calls)):
             message: dict[str, Any] = {"role": "assistant", "content": t}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning[i]
             if c:
                 message["tool_calls"] = c
             choices.append({"index": i, "message": message, "logprobs": lp,

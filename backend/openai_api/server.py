@@ -1,14 +1,15 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of a running Triton server.
 
     python -m backend.openai_api --triton-url 127.0.0.1:8001 --model-repository model_repo \
-        --port 9000 [--served-model-name NAME ...]
+        --port 9000 [--served-model-name NAME ...] [--reasoning-parser qwen3]
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
 `stream: true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`,
 `GET /health/ready` (200 once Triton serves the ensemble), vLLM's `POST /tokenize` and
 `POST /detokenize` (the served tokenizer and chat template, no Triton request). Each prompt is one
 ensemble request streamed from Triton (`upstream.py`), whatever the client asked, so every
-choice's text is cut at its stop strings as it comes and its finish reason is known; `usage`
+choice's text is cut at its stop strings as it comes and its finish reason is known, then
+(chat) split into reasoning (`reasoning.py`), content and tool calls (`tools.py`); `usage`
 carries the prompt's `cached_tokens` (`prompt_tokens_details`, as OpenAI's): the tokens served
 from the prefix cache. Errors are OpenAI error bodies: 400 for what the request got wrong (the
 frontend's checks, `protocol.py`, and the server's INVALID_ARG), 404 for an unknown model, 503
@@ -27,13 +28,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
 from backend.openai_api import protocol
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
+from backend.openai_api.reasoning import PARSERS, ReasoningReader
 from backend.openai_api.tools import ToolStream
 from backend.openai_api.upstream import ServedModel, Upstream, UpstreamError
 
@@ -49,6 +51,7 @@ class State:
     template: ChatTemplate | None
     created: int = field(default_factory=lambda: int(time.time()))
     token_names: TokenNames | None = None  # for logprobs (with a tokenizer)
+    reasoning_parser: str | None = None  # chat answers' <think> block -> reasoning_content
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.token_names is None:
@@ -64,6 +67,7 @@ class Choice:
     parts: list[str] = field(default_factory=list)
     reason: str | None = None  # OpenAI's, once it ended
     tools: ToolStream | None = None  # a chat with tools: its text read as tool calls
+    reasoning: ReasoningReader | None = None  # --reasoning-parser: its text split first
     # With logprobs: the choice's ids decoded as they come (where each token's text starts in
     # the choice's text, the echoed prompt included), the characters passed on so far, the
     # echoed prompt's tokens (sent with the first generated ones), the tokens whose text has
@@ -86,6 +90,18 @@ class Choice:
         return out
 
 
+class Event(NamedTuple):
+    """A piece of one choice: the text (content) to send, its finish reason once it ended,
+    the tokens (logprobs) that piece carries, tool-call deltas, reasoning text."""
+
+    index: int
+    text: str
+    reason: str | None
+    tokens: list[TokenLogprob]
+    calls: list[dict[str, Any]]
+    reasoning: str
+
+
 class Run:
     """The Triton requests of one OpenAI request (one a prompt) and its choices' progress."""
 
@@ -97,9 +113,12 @@ class Run:
             raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
                                "did not find", "logprobs")
         self.requests = [self._fields(p) for p in plan.prompts]
+        thinks = plan.kind == "chat" and state.reasoning_parser is not None
         self.choices = [Choice(StopFilter(plan.stop),
-                               tools=plan.tools.stream() if plan.tools is not None else None)
-                        for _ in range(len(plan.prompts) * plan.n)]
+                               tools=plan.tools.stream() if plan.tools is not None else None,
+                               reasoning=ReasoningReader.for_prompt(plan.prompts[i // plan.n])
+                               if thinks else None)
+                        for i in range(len(plan.prompts) * plan.n)]
         if plan.logprobs is not None:
             for i, choice in enumerate(self.choices):
                 choice.decoder = state.tokenizer.incremental_decoder()
@@ -149,9 +168,8 @@ class Run:
             task.cancel()
 
     async def events(self):
-        """(choice index, text to send, OpenAI finish reason or None, the tokens (logprobs)
-        that text carries, tool-call deltas) as the responses come; an upstream error
-        raises it."""
+        """An `Event` per piece of a choice as the responses come; an upstream error raises
+        it."""
         closed: set[int] = set()  # prompts whose requests ended (or were cancelled)
         n = self.plan.n
         while len(closed) < len(self.requests):
@@ -183,24 +201,28 @@ class Run:
                 if choice.stop.stopped or engine_reason:
                     out += choice.stop.flush()
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
-                out, calls = self._read(choice, out)
-                yield index, out, choice.reason, choice.release(), calls
+                yield self._read(index, choice, out)
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string
                     closed.add(p)
         for index, choice in enumerate(self.choices):  # ended without a reason: say why
             if choice.reason is None:
                 choice.reason = "stop"
-                tail, calls = self._read(choice, choice.stop.flush())
-                yield index, tail, choice.reason, choice.release(), calls
+                yield self._read(index, choice, choice.stop.flush())
 
     @staticmethod
-    def _read(choice: Choice, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """Text past the stop filter -> the content to send and tool-call deltas (all of it
-        is "sent" for its tokens' logprobs, content or call); once the choice ended, what
-        the tool reader held and its finish reason."""
+    def _read(index: int, choice: Choice, text: str) -> Event:
+        """Text past the stop filter -> its reasoning, the content to send and tool-call
+        deltas (all of it is "sent" for its tokens' logprobs, whatever it becomes); once
+        the choice ended, what the readers held and its finish reason."""
         choice.sent += len(text)
         calls: list[dict[str, Any]] = []
+        reasoning = ""
+        if choice.reasoning is not None:
+            reasoning, text = choice.reasoning.feed(text)
+            if choice.reason is not None:
+                more, rest = choice.reasoning.finish()
+                reasoning, text = reasoning + more, text + rest
         if choice.tools is not None:
             text, calls = choice.tools.feed(text)
             if choice.reason is not None:
@@ -208,7 +230,7 @@ class Run:
                 text, calls = text + rest, calls + done
                 choice.reason = choice.tools.finish_reason(choice.reason)
         choice.parts.append(text)
-        return text, calls
+        return Event(index, text, choice.reason, choice.release(), calls, reasoning)
 
     def _score(self, choice: Choice, response: Any, k: int) -> None:
         """Row k's tokens, each where its text starts in the choice's text, waiting for
@@ -259,6 +281,12 @@ class Run:
     def calls(self) -> list[list[dict[str, Any]]]:
         return [c.tools.calls if c.tools is not None else [] for c in self.choices]
 
+    def reasoning(self) -> list[str | None] | None:
+        """Each chat choice's reasoning (None: no reasoning parser)."""
+        if not any(c.reasoning is not None for c in self.choices):
+            return None
+        return [c.reasoning.reasoning for c in self.choices]
+
 
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _serve(request, "completion")
@@ -294,7 +322,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
                 pass
         reasons = [c.reason or "stop" for c in run.choices]
         return web.json_response(protocol.response_body(
-            plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls()))
+            plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls(),
+            run.reasoning()))
     except UpstreamError as exc:
         return _error(_client_error(exc))
     finally:
@@ -322,12 +351,12 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
     try:
         pending = [first] if first is not None else []
         while True:
-            for index, text, reason, tokens, calls in pending:
-                if text or reason or tokens or calls:
-                    logprobs = protocol.logprobs_body(plan, tokens)
-                    await send(protocol.chunk_body(
-                        plan, [protocol.stream_choice(plan, index, text, reason,
-                                                      logprobs=logprobs, calls=calls)]))
+            for e in pending:
+                if e.text or e.reason or e.tokens or e.calls or e.reasoning:
+                    logprobs = protocol.logprobs_body(plan, e.tokens)
+                    await send(protocol.chunk_body(plan, [protocol.stream_choice(
+                        plan, e.index, e.text, e.reason, logprobs=logprobs, calls=e.calls,
+                        reasoning=e.reasoning)]))
             try:
                 pending = [await events.__anext__()]
             except StopAsyncIteration:
@@ -419,8 +448,12 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
 
 
 async def make_app(triton_url: str, model_repository: str | Path,
-                   served_names: Sequence[str] = ()) -> web.Application:
+                   served_names: Sequence[str] = (),
+                   reasoning_parser: str | None = None) -> web.Application:
     """The app, connected to Triton (its configuration read once, here)."""
+    if reasoning_parser is not None and reasoning_parser not in PARSERS:
+        raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got "
+                         f"{reasoning_parser!r}")
     from backend.tokenizer import load_tokenizer
 
     upstream = Upstream(triton_url)
@@ -435,7 +468,7 @@ async def make_app(triton_url: str, model_repository: str | Path,
                     model_repository)
     app = web.Application(middlewares=[json_errors], client_max_size=64 << 20)
     app[STATE] = State(upstream, served, list(served_names) or ["ensemble"], tokenizer,
-                       template)
+                       template, reasoning_parser=reasoning_parser)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", list_models)
@@ -461,6 +494,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--served-model-name", action="append", default=[],
                         help="name(s) clients use as `model` (default: ensemble)")
+    parser.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                        help="split a thinking model's <think> block into the chat answer's "
+                             "reasoning_content (qwen3: Qwen3 / Qwen3.5; deepseek_r1: the "
+                             "same rule)")
     parser.add_argument("--wait-s", type=float, default=120.0,
                         help="how long to wait for Triton to be ready at start")
     return parser.parse_args(argv)
@@ -484,7 +521,8 @@ def main(argv: list[str] | None = None) -> None:
 
     async def build() -> web.Application:
         await _wait_ready(args.triton_url, args.wait_s)
-        return await make_app(args.triton_url, args.model_repository, args.served_model_name)
+        return await make_app(args.triton_url, args.model_repository, args.served_model_name,
+                              args.reasoning_parser)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{args.triton_url}", file=sys.stderr, flush=True)

@@ -236,7 +236,7 @@ class ToolStream:
             return "", []
         # Held back: a possible start of the tag, and the whitespace before it (a call's
         # content is its text before the first call, trailing whitespace cut).
-        cut = len(self.held) - _prefix_len(self.held, CALL_START)
+        cut = len(self.held) - tag_prefix_len(self.held, CALL_START)
         cut = len(self.held[:cut].rstrip())
         out, self.held = self.held[:cut], self.held[cut:]
         self.content_parts.append(out)
@@ -282,7 +282,7 @@ def _array_calls(text: str, known: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
 
 
-def _prefix_len(text: str, tag: str) -> int:
+def tag_prefix_len(text: str, tag: str) -> int:
     """The longest end of `text` that begins `tag` (held back: it may become the tag)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -15,6 +15,8 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import openai
 import pytest
@@ -35,17 +37,16 @@ PROMPT = "The capital of France is"
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def frontend(llm_server: ServerHandle, tmp_path_factory) -> Iterator[str]:
-    """The frontend's base URL (http://127.0.0.1:PORT), its process stopped at the end."""
+@contextmanager
+def running_frontend(llm_server: ServerHandle, log: Path, *args: str) -> Iterator[str]:
+    """A frontend process in front of `llm_server`: its base URL (http://127.0.0.1:PORT),
+    stopped at the end."""
     [port] = free_ports(1)
-    log = tmp_path_factory.mktemp("openai") / "frontend.log"
     with open(log, "w") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "backend.openai_api", "--triton-url", llm_server.urls.grpc,
              "--model-repository", str(llm_server.model_repository), "--port", str(port),
-             "--served-model-name", "ensemble", "--served-model-name", "tiny-qwen3.5"],
-            stdout=out, stderr=subprocess.STDOUT)
+             *args], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -63,6 +64,14 @@ def frontend(llm_server: ServerHandle, tmp_path_factory) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def frontend(llm_server: ServerHandle, tmp_path_factory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("openai") / "frontend.log"
+    with running_frontend(llm_server, log, "--served-model-name", "ensemble",
+                          "--served-model-name", "tiny-qwen3.5") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -569,3 +578,49 @@ def test_auto_reads_the_calls_the_model_writes(sdk: openai.OpenAI):
     none = sdk.chat.completions.create(**ask, tool_choice="none").choices[0]
     assert none.message.content == written and none.message.tool_calls is None
     assert none.finish_reason == "stop"
+
+
+def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: ServerHandle,
+                                                                tmp_path):
+    """`--reasoning-parser qwen3`: a regex guide makes the tiny model think before its answer
+    (and before a call); the <think> block comes back as reasoning_content, the rest as
+    content or tool calls, streamed the same; a frontend without the parser returns it all
+    as content."""
+    thought, answer = "I should look it up.", "It is sunny."
+    written = f"<think>\n{thought}\n</think>\n\n{answer}"
+    call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+
+    def regex(text: str) -> str:
+        return "".join("\\" + c if c in '{}.[]()' else c for c in text)
+
+    def ask(text: str, **extra) -> dict:
+        return dict(model="ensemble", messages=[{"role": "user", "content": "Weather?"}],
+                    max_tokens=len(text) + 8, **extra,
+                    extra_body={"top_k": 1, "cache_salt": uuid.uuid4().hex,
+                                "guided_regex": regex(text)})
+
+    with running_frontend(llm_server, tmp_path / "thinking.log",
+                          "--reasoning-parser", "qwen3") as url:
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        message = sdk.chat.completions.create(**ask(written)).choices[0].message
+        assert (message.reasoning_content, message.content) == (f"\n{thought}\n", answer)
+        reasoning = content = ""
+        for event in sdk.chat.completions.create(**ask(written), stream=True):
+            for choice in event.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+        assert (reasoning, content) == (f"\n{thought}\n", answer)
+        # thinking, then a call: the call is read from what follows the reasoning
+        choice = sdk.chat.completions.create(**ask(f"<think>{thought}</think>{call}",
+                                                   tools=[CLOCK])).choices[0]
+        assert choice.message.reasoning_content == thought
+        assert choice.finish_reason == "tool_calls"
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+        # an answer without a think block is all content
+        plain = sdk.chat.completions.create(**ask(answer)).choices[0].message
+        assert (plain.reasoning_content, plain.content) == (None, answer)
+    with running_frontend(llm_server, tmp_path / "plain.log") as url:
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        message = sdk.chat.completions.create(**ask(written)).choices[0].message
+        assert message.content == written
+        assert getattr(message, "reasoning_content", None) is None

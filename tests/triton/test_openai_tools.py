@@ -1,6 +1,7 @@
 """Tool calling in the OpenAI frontend without a server: tools and tool_choice -> the template's
 tools and the guides, the chat template against transformers', Qwen's (Hermes) calls read from
-text whole and streamed, the errors for what is wrong."""
+text whole and streamed, the errors for what is wrong; a thinking model's reasoning split from its
+answer."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from backend.engine.guided import GrammarBackend, Guide
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import RequestError, parse_chat, response_body, tokenize_body
+from backend.openai_api.reasoning import ReasoningReader
 from backend.openai_api.tools import ToolPlan, hermes_calls, parse_tools
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
 
@@ -224,3 +226,34 @@ def test_tokenize_renders_tools_as_the_chat_does():
     rendered = tokenize_body(body, MODELS, TOKENIZER, TEMPLATE, 2048)
     assert rendered["tokens"] == TOKENIZER.encode(parse_chat(body, MODELS, TEMPLATE).prompts[0],
                                                   add_special_tokens=False)
+
+
+def _split(reader: ReasoningReader, text: str, size: int) -> tuple[str, str]:
+    reasoning = content = ""
+    for i in range(0, len(text), size):
+        r, c = reader.feed(text[i:i + size])
+        reasoning, content = reasoning + r, content + c
+    r, c = reader.finish()
+    return reasoning + r, content + c
+
+
+CASES = [  # (prompt's end, output) -> (reasoning, content)
+    ("<|im_start|>assistant\n", "<think>\nplan</think>\n\nanswer", ("\nplan", "answer")),
+    ("<|im_start|>assistant\n", "\n<think>a</think>b\n", ("a", "b\n")),
+    ("<|im_start|>assistant\n<think>\n", "plan</think>\n\nanswer", ("plan", "answer")),
+    ("<|im_start|>assistant\n<think>\n", "plan cut by max_tok", ("plan cut by max_tok", "")),
+    ("<|im_start|>assistant\n", "no thinking </think> here", ("", "no thinking </think> here")),
+    ("<|im_start|>assistant\n", "<thin or <think not a tag", ("", "<thin or <think not a tag")),
+    ("<|im_start|>assistant\n", "<think>open, cut </thi", ("open, cut </thi", "")),
+    ("<|im_start|>assistant\n", "<think>a</thinker>b</think>", ("a</thinker>b", "")),
+    ("<|im_start|>assistant\n", "", ("", "")),
+]
+
+
+@pytest.mark.parametrize("prompt, output, expected", CASES)
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_reasoning_is_split_from_the_answer_however_the_text_streams(prompt, output, expected,
+                                                                      size):
+    reader = ReasoningReader.for_prompt(prompt)
+    assert _split(reader, output, size) == expected
+    assert reader.reasoning == (expected[0] or None)
