@@ -5,8 +5,10 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
 `stream: true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`,
-`GET /health/ready` (200 once Triton serves the ensemble), vLLM's `POST /tokenize` and
-`POST /detokenize` (the served tokenizer and chat template, no Triton request). Each prompt is one
+`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` (OpenAI's Responses API on the chat
+path, `responses.py`), `GET /health/ready` (200 once Triton serves the ensemble), vLLM's
+`POST /tokenize` and `POST /detokenize` (the served tokenizer and chat template, no Triton
+request). Each prompt is one
 ensemble request streamed from Triton (`upstream.py`), whatever the client asked, so every
 choice's text is cut at its stop strings as it comes and its finish reason is known, then
 (chat) split into reasoning (`reasoning.py`), content and tool calls (`tools.py`); `usage`
@@ -32,7 +34,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
-from backend.openai_api import protocol
+from backend.openai_api import protocol, responses
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
 from backend.openai_api.reasoning import PARSERS, ReasoningReader
@@ -52,6 +54,7 @@ class State:
     created: int = field(default_factory=lambda: int(time.time()))
     token_names: TokenNames | None = None  # for logprobs (with a tokenizer)
     reasoning_parser: str | None = None  # chat answers' <think> block -> reasoning_content
+    responses: responses.ResponseStore = field(default_factory=responses.ResponseStore)
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.token_names is None:
@@ -372,6 +375,85 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
     return response
 
 
+async def create_response(request: web.Request) -> web.StreamResponse:
+    """`POST /v1/responses`: the request as a chat completion (`responses.py`)."""
+    state = request.app[STATE]
+    try:
+        body = await _body(request)
+        conv = responses.to_chat(body, state.responses)
+        plan = protocol.parse_chat(conv.chat, state.names, state.template)
+        run = await asyncio.to_thread(Run, state, plan)
+    except RequestError as exc:
+        return _error(exc)
+    builder = responses.ResponseBuilder(conv, plan.model)
+    run.start()
+    events = run.events()
+    response: web.StreamResponse | None = None
+
+    async def send(event: dict[str, Any]) -> None:
+        if response is not None:
+            await response.write(f"event: {event['type']}\ndata: "
+                                 f"{json.dumps(event, ensure_ascii=False)}\n\n".encode())
+
+    try:
+        pieces = events.__aiter__()
+        try:
+            first = await pieces.__anext__()
+        except StopAsyncIteration:
+            first = None
+        if conv.stream:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await response.prepare(request)
+        for event in builder.start():
+            await send(event)
+        reason = "stop"
+        while first is not None:
+            reason = first.reason or reason
+            for event in builder.feed(first.reasoning, first.text, first.calls):
+                await send(event)
+            try:
+                first = await pieces.__anext__()
+            except StopAsyncIteration:
+                first = None
+        thought = run.reasoning()
+        counted = len(state.tokenizer.encode(thought[0], add_special_tokens=False)) \
+            if thought and thought[0] and state.tokenizer is not None else 0
+        for event in builder.finish(reason, run.usage(), counted):
+            await send(event)
+        if conv.store:
+            state.responses.put(conv.id, responses.Stored(conv.history + [builder.answer()],
+                                                          builder.body))
+        if response is None:
+            return web.json_response(builder.body)
+        await response.write_eof()
+        return response
+    except UpstreamError as exc:
+        error = _client_error(exc)
+        if response is None:
+            return _error(error)
+        await send({"type": "error", "code": error.code, "message": error.message,
+                    "param": error.param})
+        return response
+    except ConnectionResetError:  # the client went away: its requests are cancelled
+        return response
+    finally:
+        run.cancel()
+        await events.aclose()
+
+
+async def get_response(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    rid = request.match_info["id"]
+    stored = state.responses.get(rid)
+    if stored is None:
+        return _error(RequestError(f"response {rid!r} not found", "id", 404, code="not_found"))
+    if request.method == "DELETE":
+        state.responses.delete(rid)
+        return web.json_response({"id": rid, "object": "response", "deleted": True})
+    return web.json_response(stored.body)
+
+
 def _client_error(exc: UpstreamError) -> RequestError:
     if exc.status == 400:
         return RequestError(exc.message)
@@ -471,6 +553,9 @@ async def make_app(triton_url: str, model_repository: str | Path,
                        template, reasoning_parser=reasoning_parser)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{id}", get_response)
+    app.router.add_delete("/v1/responses/{id}", get_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health/ready", health_ready)

@@ -624,3 +624,64 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
         message = sdk.chat.completions.create(**ask(written)).choices[0].message
         assert message.content == written
         assert getattr(message, "reasoning_content", None) is None
+
+
+def test_responses_equal_the_chat_streamed_or_not(sdk: openai.OpenAI):
+    """POST /v1/responses is the chat path: the same greedy text and prompt as a chat
+    completion with the instructions as its system message; streamed, the text deltas join
+    to the final response's text, events numbered in order, the item added before its text."""
+    salt = uuid.uuid4().hex
+    ask = dict(model="ensemble", instructions="Answer briefly.", input=PROMPT,
+               max_output_tokens=MAX_TOKENS, extra_body={**greedy(cache_salt=salt)})
+    response = sdk.responses.create(**ask)
+    chat = sdk.chat.completions.create(
+        model="ensemble", max_tokens=MAX_TOKENS, extra_body=greedy(cache_salt=salt),
+        messages=[{"role": "system", "content": "Answer briefly."},
+                  {"role": "user", "content": PROMPT}])
+    assert response.output_text == chat.choices[0].message.content
+    assert response.usage.input_tokens == chat.usage.prompt_tokens
+    assert response.usage.output_tokens == chat.usage.completion_tokens == MAX_TOKENS
+    assert response.status == "incomplete"  # min_tokens = max_output_tokens: cut by length
+    assert response.incomplete_details.reason == "max_output_tokens"
+    events = list(sdk.responses.create(**ask, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == "response.incomplete"
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == events[-1].response.output_text == response.output_text
+
+
+def test_responses_call_a_tool_and_continue_from_the_stored_response(sdk: openai.OpenAI,
+                                                                     frontend: str):
+    """A forced call as a function_call item; its output sent with previous_response_id
+    continues the stored conversation, which the prefix cache serves; the stored response
+    can be read back and deleted; an unknown id is a 404."""
+    salt = uuid.uuid4().hex
+    tools = [{"type": "function", **CLOCK["function"]}]
+    first = sdk.responses.create(
+        model="ensemble", input="What time is it?", tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_output_tokens=64,
+        extra_body={"top_k": 1, "cache_salt": salt})
+    [call] = first.output
+    assert (first.status, call.type, call.name, call.arguments) == (
+        "completed", "function_call", "get_time", "{}")
+    second = sdk.responses.create(
+        model="ensemble", previous_response_id=first.id, tools=tools, max_output_tokens=8,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "12:00"}],
+        extra_body={"top_k": 1, "cache_salt": salt})
+    assert second.previous_response_id == first.id
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens >= \
+        first.usage.input_tokens // 64 * 64 >= 64
+    assert sdk.responses.retrieve(second.id).output_text == second.output_text
+    sdk.responses.delete(second.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(second.id)
+    status, body = post(frontend, "/v1/responses", {
+        "model": "ensemble", "input": "x", "previous_response_id": second.id})
+    assert status == 404 and "not found" in body["error"]["message"]
+    status, body = post(frontend, "/v1/responses", {
+        "model": "ensemble", "input": "x", "tools": [{"type": "web_search"}]})
+    assert status == 400 and "only function tools" in body["error"]["message"]

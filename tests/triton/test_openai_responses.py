@@ -1,0 +1,163 @@
+"""The Responses API without a server: requests -> chat bodies (input items, instructions, the
+stored conversation, tools, text formats), the errors for what is wrong, the stored responses,
+and the output items and stream events built from a chat run's pieces."""
+
+from __future__ import annotations
+
+import pytest
+
+from backend.openai_api.errors import RequestError
+from backend.openai_api.protocol import parse_chat
+from backend.openai_api.responses import (
+    ResponseBuilder,
+    ResponseStore,
+    Stored,
+    input_messages,
+    to_chat,
+)
+from tests.triton.test_openai_tools import MODELS, TEMPLATE
+
+TOOL = {"type": "function", "name": "get_time", "description": "The time",
+        "parameters": {"type": "object", "properties": {}}}
+USAGE = {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+         "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def test_input_items_become_chat_messages():
+    assert input_messages("hi") == [{"role": "user", "content": "hi"}]
+    items = [
+        {"role": "developer", "content": [{"type": "input_text", "text": "Be "},
+                                          {"type": "input_text", "text": "brief."}]},
+        {"type": "message", "role": "user", "content": "Time?"},
+        {"type": "reasoning", "id": "rs_1", "summary": []},  # skipped
+        {"type": "message", "role": "assistant",
+         "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+        {"type": "function_call", "call_id": "call_3", "name": "get_time", "arguments": "{}"},
+    ]
+    messages = input_messages(items)
+    assert [m["role"] for m in messages] == ["developer", "user", "assistant", "tool",
+                                             "assistant"]
+    assert messages[0]["content"] == "Be brief."
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_1", "call_2"]
+    assert messages[2]["content"] == "Checking."
+    assert messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
+    assert messages[4]["content"] is None and messages[4]["tool_calls"][0]["id"] == "call_3"
+    # what the chat path makes of them: a valid chat, the calls rendered for the template
+    plan = parse_chat({"model": "tiny", "messages": messages, "tools": [
+        {"type": "function", "function": {"name": "get_time"}}]}, MODELS, TEMPLATE)
+    assert plan.prompts[0].count('<tool_call>\n{"name": "get_time", "arguments": {}}') == 3
+
+
+def test_a_request_becomes_a_chat_body_with_the_stored_conversation():
+    store = ResponseStore()
+    store.put("resp_1", Stored([{"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello"}], {}))
+    conv = to_chat({"model": "tiny", "input": "Time?", "instructions": "Be brief.",
+                    "previous_response_id": "resp_1", "max_output_tokens": 7, "top_k": 1,
+                    "temperature": 0.5, "tools": [TOOL],
+                    "tool_choice": {"type": "function", "name": "get_time"},
+                    "text": {"format": {"type": "json_schema", "name": "t",
+                                        "schema": {"type": "object"}}},
+                    "metadata": {"k": "v"}, "store": False, "stream": True}, store)
+    chat = conv.chat
+    assert chat["messages"] == [{"role": "system", "content": "Be brief."},
+                                {"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": "Hello"},
+                                {"role": "user", "content": "Time?"}]
+    assert conv.history == chat["messages"][1:]  # the instructions are not carried on
+    assert (chat["max_tokens"], chat["top_k"], chat["temperature"]) == (7, 1, 0.5)
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "get_time", "description": "The time", "parameters": TOOL["parameters"]}}]
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": {"type": "object"}}}
+    assert "input" not in chat and "metadata" not in chat and "stream" not in chat
+    assert (conv.store, conv.stream, conv.echo["metadata"]) == (False, True, {"k": "v"})
+    assert conv.echo["tools"] == [TOOL] and conv.echo["previous_response_id"] == "resp_1"
+    # the stored conversation is copied, not shared with the new request
+    chat["messages"][1]["content"] = "changed"
+    assert store.get("resp_1").messages[0]["content"] == "Hi"
+
+
+BAD = [
+    ({"input": []}, 400, "'input' must be a string or a non-empty list"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "'item_reference' are not"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, 400,
+     "only text parts"),
+    ({"input": [{"role": "tool", "content": "x"}]}, 400, "role must be user, system"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400,
+     "call_id must be a string"),
+    ({"input": "x", "previous_response_id": "resp_nope"}, 404, "'resp_nope' not found"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, 400, "only function tools"),
+    ({"input": "x", "background": True}, 400, "'background'"),
+    ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
+    ({"input": "x", "store": "yes"}, 400, "'store' must be true or false"),
+    ({"input": "x", "instructions": 3}, 400, "'instructions' must be a string"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, status, message", BAD)
+def test_bad_requests_say_what_is_wrong(body, status, message):
+    with pytest.raises(RequestError) as info:
+        to_chat({"model": "tiny", **body}, ResponseStore())
+    assert message in info.value.message and info.value.status == status
+
+
+def test_the_store_keeps_the_last_responses():
+    store = ResponseStore(size=2)
+    for rid in ("a", "b"):
+        store.put(rid, Stored([], {"id": rid}))
+    store.get("a")  # used: "b" is now the oldest
+    store.put("c", Stored([], {"id": "c"}))
+    assert (store.get("a"), store.get("b"), store.get("c")) != (None, None, None)
+    assert store.get("b") is None and store.get("a").body == {"id": "a"}
+    assert store.delete("a") and not store.delete("a")
+
+
+def test_pieces_become_output_items_and_events_in_order():
+    conv = to_chat({"model": "tiny", "input": "x", "tools": [TOOL]}, ResponseStore())
+    builder = ResponseBuilder(conv, "tiny")
+    events = builder.start()
+    events += builder.feed("think", "", [])
+    events += builder.feed("ing", "Let me ", [])
+    events += builder.feed("", "check.", [])
+    call = {"index": 0, "id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": "{}"}}
+    events += builder.feed("", "", [call])
+    events += builder.finish("stop", USAGE, reasoning_tokens=2)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    body = builder.body
+    assert [i["type"] for i in body["output"]] == ["reasoning", "message", "function_call"]
+    assert body["output"][0]["content"] == [{"type": "reasoning_text", "text": "thinking"}]
+    assert body["output"][1]["content"][0]["text"] == "Let me check."
+    assert body["output"][2] | {"id": None} == {"type": "function_call", "id": None,
+                                                "call_id": "call_1", "name": "get_time",
+                                                "arguments": "{}", "status": "completed"}
+    assert all(i["status"] == "completed" for i in body["output"])
+    assert body["status"] == "completed" and body["usage"]["output_tokens_details"] == {
+        "reasoning_tokens": 2}
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress",
+                         "response.output_item.added"]
+    assert kinds[-1] == "response.completed" and events[-1]["response"] == body
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert deltas == "Let me check."
+    # each item is added before its deltas and done once, in output order
+    done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == [0, 1, 2]
+    assert builder.answer() == {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_time", "arguments": "{}"}}]}
+
+
+def test_a_cut_answer_is_incomplete_and_an_empty_one_still_has_a_message():
+    builder = ResponseBuilder(to_chat({"model": "tiny", "input": "x"}, ResponseStore()), "t")
+    events = builder.start() + builder.finish("length", USAGE)
+    assert builder.body["status"] == "incomplete"
+    assert builder.body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert events[-1]["type"] == "response.incomplete"
+    [message] = builder.body["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == ""
