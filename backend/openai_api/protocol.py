@@ -231,7 +231,9 @@ def render_chat(body: Mapping[str, Any], messages: list[dict[str, Any]], templat
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """`messages` as [{"role", "content"}] with text content (parts joined); "developer" is
     passed as "system", which chat templates know; an assistant's `tool_calls` (arguments as
-    objects) and a tool message's `tool_call_id` are kept for the template."""
+    objects) and `reasoning_content` (vLLM's; or `reasoning`: Qwen3's templates show an
+    earlier step's thinking in a tool-calling turn) and a tool message's `tool_call_id` are
+    kept for the template."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list", "messages")
     out = []
@@ -263,6 +265,11 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         entry = {"role": "system" if role == "developer" else role, "content": content}
         if calls not in (None, []):
             entry["tool_calls"] = message_calls(calls, where)
+        thought = message.get("reasoning_content", message.get("reasoning"))
+        if thought is not None and role == "assistant":
+            if not isinstance(thought, str):
+                raise RequestError(f"{where}.reasoning_content must be a string", where)
+            entry["reasoning_content"] = thought
         if role == "tool":
             call = message.get("tool_call_id")
             if call is not None and not isinstance(call, str):

@@ -7,8 +7,9 @@ says what the answer may hold:
 - "auto" (the default with tools): the model chooses; its text is read as Qwen's (Hermes)
   layout, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (what the chat
   template writes for an assistant's calls): the text before the first call is the message's
-  content, each well-formed call of a known function a tool call, finish_reason
-  "tool_calls"; a text whose calls do not parse is returned as it is, as content;
+  content, each well-formed call of a known function a tool call (the first only with
+  `parallel_tool_calls: false`), finish_reason "tool_calls"; a text whose calls do not parse
+  is returned as it is, as content;
 - "required": at least one call (one with `parallel_tool_calls: false`), and
   {"type": "function", "function": {"name": ...}}: a call of that function. Both are guided
   decoding (vLLM's way): the output is a JSON array of {"name", "parameters"} objects whose
@@ -253,6 +254,8 @@ class ToolStream:
         else:
             found = hermes_calls(held, self.plan.schemas)
             rest, self.calls = (held, []) if found is None else found
+            if not self.plan.parallel:  # one call at most: the first
+                self.calls = self.calls[:1]
         self.content_parts.append(rest)
         return rest, [{"index": i, **c} for i, c in enumerate(self.calls)]
 

@@ -619,6 +619,15 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
         # an answer without a think block is all content
         plain = sdk.chat.completions.create(**ask(answer)).choices[0].message
         assert (plain.reasoning_content, plain.content) == (None, answer)
+        # the Responses API: a reasoning item, then the message
+        body = ask(written)
+        response = sdk.responses.create(model="ensemble", input="Weather?",
+                                        max_output_tokens=body["max_tokens"],
+                                        extra_body=body["extra_body"])
+        thinking, message = response.output
+        assert thinking.type == "reasoning" and thinking.content[0].text == f"\n{thought}\n"
+        assert response.output_text == answer and response.status == "completed"
+        assert response.usage.output_tokens_details.reasoning_tokens == len(f"\n{thought}\n")
     with running_frontend(llm_server, tmp_path / "plain.log") as url:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         message = sdk.chat.completions.create(**ask(written)).choices[0].message

@@ -257,3 +257,31 @@ def test_reasoning_is_split_from_the_answer_however_the_text_streams(prompt, out
     reader = ReasoningReader.for_prompt(prompt)
     assert _split(reader, output, size) == expected
     assert reader.reasoning == (expected[0] or None)
+
+
+def test_auto_keeps_one_call_without_parallel_calls():
+    text = ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    for parallel, names in ((True, ["get_time", "get_weather"]), (False, ["get_time"])):
+        _, deltas, reader = _streamed(parse_tools(chat(parallel_tool_calls=parallel)), text, 7)
+        assert [c["function"]["name"] for c in reader.calls] == names
+        assert [d["function"]["name"] for d in deltas] == names
+
+
+def test_an_earlier_steps_reasoning_reaches_the_template():
+    """Qwen3's templates show `reasoning_content` of the assistant turns after the last user
+    message (a tool-calling turn's thinking); the frontend passes it on."""
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m['role'] }}:{% if m['reasoning_content'] %}<think>"
+        "{{ m['reasoning_content'] }}</think>{% endif %}{{ m['content'] }}|{% endfor %}",
+        TOKENIZER.special_tokens)
+    messages = [{"role": "user", "content": "Time?"},
+                {"role": "assistant", "content": "", "reasoning_content": "ask the tool",
+                 "tool_calls": [{"type": "function", "function": {"name": "get_time",
+                                                                  "arguments": "{}"}}]},
+                {"role": "tool", "content": "12:00"}]
+    plan = parse_chat(chat(messages=messages), MODELS, template)
+    assert plan.prompts == ["user:Time?|assistant:<think>ask the tool</think>|tool:12:00|"]
+    with pytest.raises(RequestError, match="reasoning_content must be a string"):
+        parse_chat(chat(messages=[{"role": "assistant", "content": "", "reasoning": 3}]),
+                   MODELS, template)
