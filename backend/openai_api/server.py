@@ -3,20 +3,19 @@
     python -m backend.openai_api --triton-url 127.0.0.1:8001 --model-repository model_repo \
         --port 9000 [--served-model-name NAME ...] [--reasoning-parser qwen3]
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with
-`stream: true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`,
-`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}` (OpenAI's Responses API on the chat
-path, `responses.py`), `GET /health/ready` (200 once Triton serves the ensemble), vLLM's
-`POST /tokenize` and `POST /detokenize` (the served tokenizer and chat template, no Triton
-request). Each prompt is one
-ensemble request streamed from Triton (`upstream.py`), whatever the client asked, so every
-choice's text is cut at its stop strings as it comes and its finish reason is known, then
-(chat) split into reasoning (`reasoning.py`), content and tool calls (`tools.py`); `usage`
-carries the prompt's `cached_tokens` (`prompt_tokens_details`, as OpenAI's): the tokens served
-from the prefix cache. Errors are OpenAI error bodies: 400 for what the request got wrong (the
-frontend's checks, `protocol.py`, and the server's INVALID_ARG), 404 for an unknown model, 503
-when Triton is not ready, 500 otherwise. A client that goes away cancels its requests in
-Triton.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with `stream:
+true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`, `POST
+/v1/responses`, `GET` / `DELETE /v1/responses/{id}` (OpenAI's Responses API on the chat path,
+`responses.py`), `GET /health/ready` (200 once Triton serves the ensemble), vLLM's `POST
+/tokenize` and `POST /detokenize` (the served tokenizer and chat template, no Triton request).
+Each prompt is one ensemble request streamed from Triton (`upstream.py`), whatever the client
+asked, so every choice's text is cut at its stop strings as it comes and its finish reason is
+known, then (chat) split into reasoning (`reasoning.py`), content and tool calls (`tools.py`);
+`usage` carries the prompt's `cached_tokens` (`prompt_tokens_details`, as OpenAI's): the
+tokens served from the prefix cache. Errors are OpenAI error bodies: 400 for what the request
+got wrong (the frontend's checks, `protocol.py`, and the server's INVALID_ARG), 404 for an
+unknown model, 503 when Triton is not ready, 500 otherwise. A client that goes away cancels
+its requests in Triton.
 """
 
 from __future__ import annotations
@@ -396,11 +395,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
                                  f"{json.dumps(event, ensure_ascii=False)}\n\n".encode())
 
     try:
-        pieces = events.__aiter__()
         try:
-            first = await pieces.__anext__()
+            piece = await events.__anext__()  # an error before any text: a plain error body
         except StopAsyncIteration:
-            first = None
+            piece = None
         if conv.stream:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
@@ -408,14 +406,14 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         for event in builder.start():
             await send(event)
         reason = "stop"
-        while first is not None:
-            reason = first.reason or reason
-            for event in builder.feed(first.reasoning, first.text, first.calls):
+        while piece is not None:
+            reason = piece.reason or reason
+            for event in builder.feed(piece.reasoning, piece.text, piece.calls):
                 await send(event)
             try:
-                first = await pieces.__anext__()
+                piece = await events.__anext__()
             except StopAsyncIteration:
-                first = None
+                piece = None
         thought = run.reasoning()
         counted = len(state.tokenizer.encode(thought[0], add_special_tokens=False)) \
             if thought and thought[0] and state.tokenizer is not None else 0
@@ -434,6 +432,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             return _error(error)
         await send({"type": "error", "code": error.code, "message": error.message,
                     "param": error.param})
+        await response.write_eof()
         return response
     except ConnectionResetError:  # the client went away: its requests are cancelled
         return response
@@ -442,7 +441,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         await events.aclose()
 
 
-async def get_response(request: web.Request) -> web.Response:
+async def stored_response(request: web.Request) -> web.Response:
+    """`GET` / `DELETE /v1/responses/{id}`: a stored response, or forget it."""
     state = request.app[STATE]
     rid = request.match_info["id"]
     stored = state.responses.get(rid)
@@ -554,8 +554,8 @@ async def make_app(triton_url: str, model_repository: str | Path,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", create_response)
-    app.router.add_get("/v1/responses/{id}", get_response)
-    app.router.add_delete("/v1/responses/{id}", get_response)
+    app.router.add_get("/v1/responses/{id}", stored_response)
+    app.router.add_delete("/v1/responses/{id}", stored_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health/ready", health_ready)
