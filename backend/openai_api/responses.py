@@ -4,8 +4,8 @@ chat path: a request becomes a chat completion body (`to_chat`), runs as one, an
 or returned whole (one builder, `ResponseBuilder`, makes both, so they agree).
 
 Accepted: `model`, `input` (a string, or a list of messages with `input_text` / `output_text`
-parts, `function_call` and `function_call_output` items; `reasoning` items are skipped, as
-chat templates drop an earlier turn's reasoning), `instructions` (a system message first, not
+parts, `function_call` and `function_call_output` items, `reasoning` items: the next
+assistant message's `reasoning_content`), `instructions` (a system message first, not
 carried to the next response), `previous_response_id` (the stored conversation, answer
 included, goes first: the prefix cache serves it), `store` (default true: kept in memory, the
 last STORE_SIZE responses), `max_output_tokens`, `temperature`, `top_p`, `tools` (function
@@ -14,7 +14,7 @@ tools, flat as the Responses API spells them), `tool_choice`, `parallel_tool_cal
 chat path's extra fields (`top_k`, `cache_salt`, `chat_template_kwargs`, ...). A response cut
 by max_output_tokens is `incomplete` (`incomplete_details.reason`). Refused with a 400: tools
 other than functions, `background`, `conversation`, `prompt` (stored prompts), item
-references, images and files.
+references, images and files, `truncation: "auto"`, `top_logprobs`, `max_tool_calls`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ _OWN = {"input", "instructions", "previous_response_id", "store", "max_output_to
         "safety_identifier", "service_tier", "top_logprobs", "max_tool_calls",
         "stream_options", "messages", "max_tokens", "max_completion_tokens",
         "response_format"}
-_TEXT_PARTS = ("input_text", "output_text", "text")
+_TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
 
 
 @dataclass
@@ -88,6 +88,13 @@ def to_chat(body: Any, store: ResponseStore) -> Conversion:
                       ("prompt", "stored prompts")):
         if body.get(name) not in (None, False, {}, ""):
             raise RequestError(f"'{name}' ({why}) is not supported", name)
+    if body.get("truncation") not in (None, "disabled"):
+        raise RequestError("'truncation' must be 'disabled': an input longer than the context "
+                           "is refused, not cut", "truncation")
+    for name in ("top_logprobs", "max_tool_calls"):
+        if body.get(name) is not None:
+            raise RequestError(f"'{name}' is not supported by /v1/responses (chat "
+                               "completions return log probabilities)", name)
     history: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")
     if previous is not None:
@@ -141,12 +148,22 @@ def fmt_echo(text: Any) -> dict[str, Any]:
 
 def input_messages(items: Any) -> list[dict[str, Any]]:
     """`input` -> chat messages: a function_call joins the assistant message before it (or
-    starts one), a function_call_output is a tool message."""
+    starts one), a function_call_output is a tool message, a reasoning item's text is the
+    next assistant message's `reasoning_content` (Qwen3's templates show it in a tool-calling
+    turn)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise RequestError("'input' must be a string or a non-empty list of items", "input")
     out: list[dict[str, Any]] = []
+    thought: str | None = None  # a reasoning item's, for the next assistant message
+
+    def assistant(message: dict[str, Any]) -> None:
+        nonlocal thought
+        if thought is not None:
+            message["reasoning_content"], thought = thought, None
+        out.append(message)
+
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -157,20 +174,27 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise RequestError(f"{where}.role must be user, system, developer or "
                                    f"assistant, got {role!r}", "input")
-            out.append({"role": role, "content": _text(item.get("content"), where)})
+            message = {"role": role, "content": _text(item.get("content"), where)}
+            if role == "assistant":
+                assistant(message)
+            else:
+                out.append(message)
         elif kind == "function_call":
             call = {"id": _string(item, "call_id", where), "type": "function",
                     "function": {"name": _string(item, "name", where),
                                  "arguments": _string(item, "arguments", where)}}
-            if out and out[-1]["role"] == "assistant":
+            if out and out[-1]["role"] == "assistant" and thought is None:
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
-                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                assistant({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            thought = _text(parts, where) if parts else None
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
                         "content": output if isinstance(output, str) else _text(output, where)})
-        elif kind != "reasoning":
+        else:
             raise RequestError(f"{where}: items of type {kind!r} are not supported (messages, "
                                "function_call, function_call_output, reasoning)", "input")
     if not out:
@@ -380,6 +404,10 @@ class ResponseBuilder:
                   "function": {"name": i["name"], "arguments": i["arguments"] or "{}"}}
                  for i in self.body["output"] if i["type"] == "function_call"]
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        thought = "".join(i["content"][0]["text"] for i in self.body["output"]
+                          if i["type"] == "reasoning")
+        if thought:
+            message["reasoning_content"] = thought
         if calls:
             message["tool_calls"] = calls
         return message

@@ -29,12 +29,14 @@ def test_input_items_become_chat_messages():
         {"role": "developer", "content": [{"type": "input_text", "text": "Be "},
                                           {"type": "input_text", "text": "brief."}]},
         {"type": "message", "role": "user", "content": "Time?"},
-        {"type": "reasoning", "id": "rs_1", "summary": []},  # skipped
+        {"type": "reasoning", "id": "rs_0", "summary": []},  # nothing to carry
         {"type": "message", "role": "assistant",
          "content": [{"type": "output_text", "text": "Checking."}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_time", "arguments": "{}"},
         {"type": "function_call", "call_id": "call_2", "name": "get_time", "arguments": "{}"},
         {"type": "function_call_output", "call_id": "call_1", "output": "12:00"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "once more"}]},
         {"type": "function_call", "call_id": "call_3", "name": "get_time", "arguments": "{}"},
     ]
     messages = input_messages(items)
@@ -45,6 +47,8 @@ def test_input_items_become_chat_messages():
     assert messages[2]["content"] == "Checking."
     assert messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
     assert messages[4]["content"] is None and messages[4]["tool_calls"][0]["id"] == "call_3"
+    assert messages[4]["reasoning_content"] == "once more"  # the step's thinking, for the template
+    assert "reasoning_content" not in messages[2]
     # what the chat path makes of them: a valid chat, the calls rendered for the template
     plan = parse_chat({"model": "tiny", "messages": messages, "tools": [
         {"type": "function", "function": {"name": "get_time"}}]}, MODELS, TEMPLATE)
@@ -96,6 +100,8 @@ BAD = [
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, 400, "text.format.type"),
     ({"input": "x", "store": "yes"}, 400, "'store' must be true or false"),
     ({"input": "x", "instructions": 3}, 400, "'instructions' must be a string"),
+    ({"input": "x", "truncation": "auto"}, 400, "'truncation' must be 'disabled'"),
+    ({"input": "x", "top_logprobs": 2}, 400, "'top_logprobs' is not supported"),
 ]  # fmt: skip
 
 
@@ -148,7 +154,8 @@ def test_pieces_become_output_items_and_events_in_order():
     # each item is added before its deltas and done once, in output order
     done = [e["output_index"] for e in events if e["type"] == "response.output_item.done"]
     assert done == [0, 1, 2]
-    assert builder.answer() == {"role": "assistant", "content": "Let me check.", "tool_calls": [
+    assert builder.answer() == {"role": "assistant", "content": "Let me check.",
+                                "reasoning_content": "thinking", "tool_calls": [
         {"id": "call_1", "type": "function",
          "function": {"name": "get_time", "arguments": "{}"}}]}
 
