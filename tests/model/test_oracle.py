@@ -35,7 +35,7 @@ def pair(request, tmp_path_factory):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, hf.config.vocab_size, (1, 300), generator=gen)
     with torch.no_grad():
-        ref = hf(ids).logits[0]
+        ref = hf(ids, use_cache=False).logits[0]  # uncached: no transformers cache involved
     return hf, ours, ids, ref
 
 
@@ -89,12 +89,14 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
     time; its cached generation path (transformers 5.24, CPU fallback kernels) gives logits
     ~1e-2 away from its own uncached forward on the `m-only-groups-g1` layout, already at the
     first token, enough to flip near ties, while every other test holds us to the uncached
-    forward at 1e-4."""
+    forward at 1e-4. `use_cache=False`: transformers 5.25's Nemotron-H builds a cache even for
+    a single forward and then asks its first layer for its length, which fails where that
+    layer is an MLP block (`mlp-edges-g2`)."""
     if hf.config.model_type != "nemotron_h":
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
         return out[0, len(prompt):].tolist()
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
     return seq[len(prompt):]
