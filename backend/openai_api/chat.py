@@ -84,9 +84,9 @@ class ChatTemplate:
                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The prompt text; `tools`: the template's `tools` (function tools, as OpenAI sends
         them); `extra`: more template variables (a request's chat_template_kwargs), which
-        cannot replace the ones above. `continue_final_message`
-        (transformers' and vLLM's): the text ends with the last message's content, open (its
-        turn end and what follows cut), so the model continues that message."""
+        cannot replace the ones above. `continue_final_message` (transformers' and vLLM's):
+        the text ends with the last message's content, open (its turn end and what follows
+        cut), so the model continues that message."""
         variables = {**(extra or {}), "messages": list(messages),
                      "add_generation_prompt": add_generation_prompt,
                      "bos_token": self.bos_token, "eos_token": self.eos_token,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import xgrammar
 
 from backend.engine.guided import GrammarBackend, Guide
 from backend.openai_api.chat import ChatTemplate
@@ -49,14 +50,14 @@ def test_the_template_shows_tools_calls_and_results_as_transformers_does():
                                               eos_token="<|endoftext|>")
     hf.chat_template = CHATML_TEMPLATE
     # transformers takes the arguments as objects, which is what the frontend passes
-    messages = parse_chat(chat(messages=HISTORY), MODELS, TEMPLATE)
+    plan = parse_chat(chat(messages=HISTORY), MODELS, TEMPLATE)
     expected = hf.apply_chat_template(
         [{**m, "tool_calls": [{"type": "function", "function": {
             "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
             for c in m["tool_calls"]]} if m.get("tool_calls") else m for m in HISTORY],
         tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True)
-    assert messages.prompts == [expected]
-    text = expected
+    [text] = plan.prompts
+    assert text == expected
     assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
     assert json.dumps(WEATHER) in text and text.count("<|im_start|>system") == 1
     assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
@@ -96,13 +97,13 @@ def test_the_guides_compile_and_accept_a_call(choice):
     vocabulary and accepts the text of a call, token by token."""
     guide = parse_chat(chat(tool_choice=choice), MODELS, TEMPLATE).tools.guide()
     backend = GrammarBackend(TOKENIZER, TOKENIZER.vocab_size)
-    matcher = __import__("xgrammar").GrammarMatcher(backend.compile(Guide(*guide)))
+    matcher = xgrammar.GrammarMatcher(backend.compile(Guide(*guide)))
     call = {"city": "Paris"}  # json.dumps's separators: the engine's compact JSON
     text = json.dumps([{"name": "get_weather", "parameters": call}] if choice == "required"
                       else call)
     assert all(matcher.accept_token(t) for t in TOKENIZER.encode(text))
     assert matcher.is_terminated() or matcher.accept_token(TOKENIZER.eos_token_id)
-    wrong = __import__("xgrammar").GrammarMatcher(backend.compile(Guide(*guide)))
+    wrong = xgrammar.GrammarMatcher(backend.compile(Guide(*guide)))
     bad = '[{"name":"nope"' if choice == "required" else '{"town"'
     assert not all(wrong.accept_token(t) for t in TOKENIZER.encode(bad))
 
