@@ -40,6 +40,7 @@ from backend.openai_api.tools import ToolPlan, message_calls, parse_tools
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_N = 64  # the ensemble's num_return_sequences limit
 MAX_LOGPROBS = 20  # alternatives a position may return (the engine's limit, as vLLM's)
+INT32_MAX = (1 << 31) - 1  # the ensemble's integer inputs are INT32 (the seed UINT64)
 MIN_LOGPROB = -9999.0  # JSON has no -inf: vLLM's floor
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # The engine's finish reasons -> OpenAI's ("cancelled": vLLM's "abort").
@@ -407,14 +408,16 @@ def _refuse(body: Mapping[str, Any], name: str, message: str) -> None:
 
 def _int(body: Mapping[str, Any], name: str, default: int | None, low: int | None = None,
          high: int | None = None) -> int | None:
+    """An integer field (the ensemble's inputs are 32-bit: the bounds default to int32's)."""
+    low = -INT32_MAX - 1 if low is None else low
+    high = INT32_MAX if high is None else high
     value = body.get(name)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int):
         raise RequestError(f"'{name}' must be an integer, got {value!r}", name)
     if (low is not None and value < low) or (high is not None and value > high):
-        bounds = f"from {low}" + (f" to {high}" if high is not None else " up")
-        raise RequestError(f"'{name}' must be {bounds}, got {value}", name)
+        raise RequestError(f"'{name}' must be from {low} to {high}, got {value}", name)
     return value
 
 

@@ -8,8 +8,10 @@ The reasoning starts where the output opens with `<think>`, or where the rendere
 already ends with it (templates that open the thinking block for the model: Qwen3.5's and
 Qwen3-2507's thinking variants, DeepSeek-R1's); it ends at `</think>`. An output that never
 opens it is all content (thinking switched off: `chat_template_kwargs.enable_thinking`); one
-that opens it and is cut before `</think>` (max_tokens) is all reasoning. While streaming, a
-possible start of either tag is held back until the next text shows what it is.
+that opens it and is cut before `</think>` (max_tokens) is all reasoning. With tools (and the
+qwen3 parser), a tool call's start tag also ends the reasoning, as vLLM's Qwen3 parser reads it:
+a model that goes from thinking straight to a call without `</think>` still calls. While
+streaming, a possible start of a tag is held back until the next text shows what it is.
 """
 
 from __future__ import annotations
@@ -29,15 +31,16 @@ class ReasoningReader:
 
     thinking: bool  # inside the reasoning now
     opened: bool = False  # the start was read (or can no longer come)
+    call_start: str | None = None  # a tool call's start tag: ends the reasoning too
     after_end: bool = False  # just past </think>: the answer's leading newlines go
     held: str = ""
     reasoning_parts: list[str] = field(default_factory=list)
     content_parts: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_prompt(cls, prompt: str) -> ReasoningReader:
+    def for_prompt(cls, prompt: str, call_start: str | None = None) -> ReasoningReader:
         opened = prompt.rstrip().endswith(START)
-        return cls(thinking=opened, opened=opened)
+        return cls(thinking=opened, opened=opened, call_start=call_start)
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) that can go to the client now."""
@@ -53,14 +56,23 @@ class ReasoningReader:
                 self.opened = True
         if self.thinking:
             end = self.held.find(END)
-            if end < 0:
-                cut = len(self.held) - tag_prefix_len(self.held, END)
+            call = self.held.find(self.call_start) if self.call_start else -1
+            if 0 <= call and (end < 0 or call < end):  # a call ends the thinking: its text
+                reasoning, self.held = self.held[:call], self.held[call:]  # is content
+                self.reasoning_parts.append(reasoning)
+                self.thinking = False
+            elif end < 0:
+                keep = tag_prefix_len(self.held, END)
+                if self.call_start:
+                    keep = max(keep, tag_prefix_len(self.held, self.call_start))
+                cut = len(self.held) - keep
                 reasoning, self.held = self.held[:cut], self.held[cut:]
                 self.reasoning_parts.append(reasoning)
                 return reasoning, ""
-            reasoning, self.held = self.held[:end], self.held[end + len(END):]
-            self.reasoning_parts.append(reasoning)
-            self.thinking, self.after_end = False, True
+            else:
+                reasoning, self.held = self.held[:end], self.held[end + len(END):]
+                self.reasoning_parts.append(reasoning)
+                self.thinking, self.after_end = False, True
         if self.after_end:
             self.held = self.held.lstrip("\n")
             if not self.held:

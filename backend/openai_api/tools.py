@@ -4,12 +4,17 @@ A request's `tools` (functions: a name, a description, a JSON schema of their pa
 to the chat template (its `tools` variable), which shows them to the model; `tool_choice`
 says what the answer may hold:
 - "none": text only (the tools are still shown, as vLLM does; nothing is parsed);
-- "auto" (the default with tools): the model chooses; its text is read as Qwen's (Hermes)
-  layout, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` (what the chat
-  template writes for an assistant's calls): the text before the first call is the message's
+- "auto" (the default with tools): the model chooses; its text is read in the layout the
+  server's `--tool-call-parser` names (LAYOUTS): "qwen" (the default), Qwen's `<tool_call>`
+  blocks holding either Hermes JSON, `{"name": ..., "arguments": {...}}` (Qwen2.5 / Qwen3 /
+  Qwen3-Next and the tiny models' template), or Qwen3-Coder's XML, `<function=NAME>` with one
+  `<parameter=KEY>value</parameter>` per argument (Qwen3.5, Qwen3-Coder, Nemotron 3: each
+  value converted to its schema's type); "nemotron", `<TOOLCALL>[{"name", "arguments"},
+  ...]</TOOLCALL>` (Nemotron Nano 2). The text before the first call is the message's
   content, each well-formed call of a known function a tool call (the first only with
-  `parallel_tool_calls: false`), finish_reason "tool_calls"; a text whose calls do not parse
-  is returned as it is, as content;
+  `parallel_tool_calls: false`), finish_reason "tool_calls". A text whose first block is not
+  such a call is returned as it is, as content; a later block that is not one is dropped
+  (its calls before it may have been streamed already);
 - "required": at least one call (one with `parallel_tool_calls: false`), and
   {"type": "function", "function": {"name": ...}}: a call of that function. Both are guided
   decoding (vLLM's way): the output is a JSON array of {"name", "parameters"} objects whose
@@ -18,9 +23,10 @@ says what the answer may hold:
   Named calls end with finish_reason "stop", as OpenAI's; "required" with "tool_calls".
 
 Streamed, a named call's arguments stream as they come (the first delta carries its id and
-name); "auto" streams the content until the text reaches `<tool_call>` (a possible start of it
-and the whitespace before it are held back) and sends each call whole when the choice ends;
-"required" sends its calls when the choice ends.
+name); "auto" streams the content until the text reaches the layout's start tag (a possible
+start of it and the whitespace before it are held back), then each call as its block closes;
+"required" each call as its object in the array closes. Streamed or not, the answer is the
+same: the whole text is read by the same reader (`CallReader`, `ArrayReader`).
 """
 
 from __future__ import annotations
@@ -34,11 +40,28 @@ from typing import Any
 
 from backend.openai_api.errors import RequestError
 
-CALL_START = "<tool_call>"
-CALL_END = "</tool_call>"
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 CHOICES = ("none", "auto", "required")
-_CALL = re.compile(re.escape(CALL_START) + r"(.*?)(?:" + re.escape(CALL_END) + r"|$)", re.S)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a model's template writes tool calls: blocks between `start` and `end` (the last
+    block may lack its end: the model stopped after it), each holding one call (Qwen) or a
+    JSON array of calls (`array`: Nemotron's)."""
+
+    start: str
+    end: str
+    array: bool = False
+
+
+QWEN = Layout("<tool_call>", "</tool_call>")
+NEMOTRON = Layout("<TOOLCALL>", "</TOOLCALL>", array=True)
+LAYOUTS = {"qwen": QWEN, "nemotron": NEMOTRON,
+           # vLLM's names for the same layouts
+           "hermes": QWEN, "qwen3_coder": QWEN, "qwen3_xml": QWEN, "nemotron_json": NEMOTRON}
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
 @dataclass
@@ -72,9 +95,10 @@ class ToolPlan:
             array["maxItems"] = 1
         return "json_schema", json.dumps(array)
 
-    def stream(self) -> ToolStream | None:
-        """A choice's reader of its text (None: "none", the text is all content)."""
-        return None if self.choice == "none" else ToolStream(self)
+    def stream(self, layout: Layout = QWEN) -> ToolStream | None:
+        """A choice's reader of its text, in the calls' `layout` (None: "none", the text is
+        all content)."""
+        return None if self.choice == "none" else ToolStream(self, layout)
 
 
 def parse_tools(body: Mapping[str, Any]) -> ToolPlan | None:
@@ -182,26 +206,156 @@ def call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def hermes_calls(text: str, known: Mapping[str, Any]) -> tuple[str, list[dict[str, Any]]] | None:
-    """`text` in Qwen's (Hermes) layout -> (the content before the first call, the calls as
-    (name, arguments JSON)); None where it holds no call, or a call that is not a JSON object
-    {"name": one of `known`, "arguments": an object} (then the text is all content)."""
-    start = text.find(CALL_START)
-    if start < 0:
-        return None
-    calls = []
-    for match in _CALL.finditer(text, start):
-        try:
-            call = json.loads(match.group(1))
-        except ValueError:
+def read_calls(text: str, known: Mapping[str, Any], layout: Layout = QWEN,
+               ) -> tuple[str, list[dict[str, Any]]] | None:
+    """`text` in `layout` -> (the content before the first call, the calls as (name,
+    arguments JSON)); None where it holds no call, or its first block is not a call of one of
+    the `known` functions (name -> parameters schema) with an object of arguments (then the
+    text is all content)."""
+    reader = CallReader(known, layout)
+    content, calls = reader.feed(text)
+    rest, more = reader.finish()
+    return (content + rest, calls + more) if calls or more else None
+
+
+@dataclass
+class CallReader:
+    """Text in a layout read as it streams: content until the first block's start tag (a
+    possible start of the tag and the whitespace before it held back), then calls as their
+    blocks close (the last one also when the text ends without its end tag). Where the first
+    block is not a call the whole text is content; a later such block is dropped."""
+
+    known: Mapping[str, Any]  # function name -> its parameters' schema
+    layout: Layout = QWEN
+    mode: str = "content"  # "content" (no tag yet), "calls", or "text" (all content after all)
+    held: str = ""
+    gap: str = ""  # the whitespace before the first tag
+    raw: str = ""  # the text from the first tag on
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        """(content that can go now, calls read now)."""
+        if self.mode == "text":
+            return text, []
+        self.held += text
+        out = ""
+        start = self.layout.start
+        if self.mode == "content":
+            at = self.held.find(start)
+            if at < 0:
+                cut = len(self.held) - tag_prefix_len(self.held, start)
+                cut = len(self.held[:cut].rstrip())
+                out, self.held = self.held[:cut], self.held[cut:]
+                return out, []
+            out = self.held[:at].rstrip()
+            self.gap, self.held = self.held[len(out):at], self.held[at:]
+            self.raw, self.mode = self.held, "calls"
+        else:
+            self.raw += text
+        new = []
+        while (at := self.held.find(start)) >= 0:
+            end = self.held.find(self.layout.end, at + len(start))
+            if end < 0:
+                break
+            body, self.held = self.held[at + len(start):end], self.held[end + len(self.layout.end):]
+            read = self._read(body)
+            if read is None:
+                return out + self._all_text(), []
+            new += read
+        return out, new
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        """What was held: content where no call came (or the first block was not one), or
+        the calls of a last block that lacks its end tag."""
+        held, self.held = self.held, ""
+        if self.mode == "content":
+            return held, []
+        at = held.find(self.layout.start) if self.mode == "calls" else -1
+        if at < 0:
+            return "", []
+        read = self._read(held[at + len(self.layout.start):])
+        return (self._all_text(), []) if read is None else ("", read)
+
+    def _read(self, body: str) -> list[dict[str, Any]] | None:
+        """One block's calls; None where it is the first and not a call ([] where a later
+        block is not one: dropped)."""
+        calls = _block_calls(body.strip(), self.known, self.layout.array)
+        if not calls:
+            return [] if self.calls else None
+        self.calls += calls
+        return calls
+
+    def _all_text(self) -> str:
+        self.mode, self.held = "text", ""
+        return self.gap + self.raw
+
+
+def _block_calls(body: str, known: Mapping[str, Any], array: bool,
+                 ) -> list[dict[str, Any]] | None:
+    if body.startswith("<function="):  # Qwen3-Coder's XML
+        match = _FUNCTION.fullmatch(body)
+        if match is None or match.group(1).strip() not in known:
             return None
+        name = match.group(1).strip()
+        properties = (known[name] or {}).get("properties") or {}
+        arguments = {key.strip(): _xml_value(value, properties.get(key.strip()))
+                     for key, value in _PARAMETER.findall(match.group(2))}
+        return [_call(name, json.dumps(arguments, ensure_ascii=False))]
+    try:
+        found = json.loads(body)
+    except ValueError:
+        return None
+    items = found if array and isinstance(found, list) else [found]
+    calls = []  # none (an empty array) is no call
+    for call in items:
         if not isinstance(call, dict) or call.get("name") not in known:
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return None
         if not isinstance(arguments, dict):
             return None
         calls.append(_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
-    return text[:start].rstrip(), calls
+    return calls
+
+
+def _xml_value(text: str, schema: Any) -> Any:
+    """One `<parameter=KEY>` value (the template writes it between newlines) as its schema's
+    type says; text where the schema says string, says nothing, or the text does not convert."""
+    if text.startswith("\n"):
+        text = text[1:]
+    if text.endswith("\n"):
+        text = text[:-1]
+    kinds = schema.get("type") if isinstance(schema, dict) else None
+    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    word = text.strip()
+    if "string" in kinds or kinds == {None}:
+        return text
+    if word.lower() == "null":
+        return None
+    for kind in ("integer", "number", "boolean", "object", "array"):
+        if kind not in kinds:
+            continue
+        try:
+            if kind == "integer":
+                return int(word)
+            if kind == "number":
+                number = float(word)
+                return int(number) if number.is_integer() and "." not in word \
+                    and "e" not in word.lower() else number
+            if kind == "boolean":
+                if word.lower() in ("true", "false"):
+                    return word.lower() == "true"
+                continue
+            value = json.loads(word)
+            if isinstance(value, dict if kind == "object" else list):
+                return value
+        except ValueError:
+            continue
+    return text
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
@@ -216,13 +370,20 @@ class ToolStream:
     `calls` holds the whole calls, `content` the whole content (None with calls and none)."""
 
     plan: ToolPlan
-    held: str = ""
+    layout: Layout = QWEN
     content_parts: list[str] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
     _named: dict[str, Any] | None = None
+    _reader: CallReader | ArrayReader | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan.choice == "auto":
+            self._reader = CallReader(self.plan.schemas, self.layout)
+        elif self.plan.choice == "required":
+            self._reader = ArrayReader(self.plan.schemas)
 
     def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        if self.plan.choice == "function":  # the text is the arguments, as it comes
+        if self._reader is None:  # a named function: the text is the arguments, as it comes
             if self._named is None:  # the first delta: the call's id and name
                 self._named = _call(self.plan.name, text)
                 self.calls.append(self._named)
@@ -232,32 +393,24 @@ class ToolStream:
                 return "", []
             self._named["function"]["arguments"] += text
             return "", [{"index": 0, "function": {"arguments": text}}]
-        self.held += text
-        if self.plan.choice == "required" or CALL_START in self.held:
-            return "", []
-        # Held back: a possible start of the tag, and the whitespace before it (a call's
-        # content is its text before the first call, trailing whitespace cut).
-        cut = len(self.held) - tag_prefix_len(self.held, CALL_START)
-        cut = len(self.held[:cut].rstrip())
-        out, self.held = self.held[:cut], self.held[cut:]
-        self.content_parts.append(out)
-        return out, []
+        return self._passed(*self._reader.feed(text))
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The held text (what is content after all) and the calls' deltas, once."""
-        if self.plan.choice == "function":
+        """The held text (what is content after all) and the last calls' deltas, once."""
+        if self._reader is None:
             return "", self.feed("")[1] if self._named is None else []
-        held, self.held = self.held, ""
-        if self.plan.choice == "required":
-            self.calls = _array_calls(held, self.plan.schemas)
-            rest = "" if self.calls else held
-        else:
-            found = hermes_calls(held, self.plan.schemas)
-            rest, self.calls = (held, []) if found is None else found
-            if not self.plan.parallel:  # one call at most: the first
-                self.calls = self.calls[:1]
-        self.content_parts.append(rest)
-        return rest, [{"index": i, **c} for i, c in enumerate(self.calls)]
+        return self._passed(*self._reader.finish())
+
+    def _passed(self, content: str, calls: list[dict[str, Any]],
+                ) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the calls' deltas (numbered; one call at most without parallel
+        calls: the first)."""
+        self.content_parts.append(content)
+        if not self.plan.parallel:
+            calls = [] if self.calls else calls[:1]
+        deltas = [{"index": len(self.calls) + i, **c} for i, c in enumerate(calls)]
+        self.calls += calls
+        return content, deltas
 
     @property
     def content(self) -> str | None:
@@ -271,18 +424,56 @@ class ToolStream:
         return reason
 
 
-def _array_calls(text: str, known: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The guided "required" output (a JSON array of {"name", "parameters"}) -> calls; none
-    where it does not parse (cut by max_tokens)."""
-    try:
-        items = json.loads(text)
-    except ValueError:
-        return []
-    if not isinstance(items, list) or not all(
-            isinstance(i, dict) and i.get("name") in known and isinstance(i.get("parameters"),
-                                                                          dict) for i in items):
-        return []
-    return [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+@dataclass
+class ArrayReader:
+    """The guided "required" output, a JSON array of {"name", "parameters"}, read as it
+    streams: each call as its object closes. The text is content only where no object closed
+    (cut by max_tokens before the first one ended)."""
+
+    known: Mapping[str, Any]
+    text: str = ""
+    depth: int = 0
+    quoted: bool = False
+    escaped: bool = False
+    item: int = -1  # where the open item starts
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
+        new = []
+        whole = self.text + text
+        for i, char in enumerate(text, len(self.text)):
+            if self.escaped:
+                self.escaped = False
+            elif self.quoted:
+                self.escaped = char == "\\"
+                self.quoted = char != '"'
+            elif char == '"':
+                self.quoted = True
+            elif char in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.item = i
+            elif char in "]}":
+                self.depth -= 1
+                if self.depth == 1 and self.item >= 0:
+                    new += self._item(whole[self.item:i + 1])
+                    self.item = -1
+        self.text = whole
+        self.calls += new
+        return "", new
+
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+        return ("", []) if self.calls else (self.text, [])
+
+    def _item(self, text: str) -> list[dict[str, Any]]:
+        try:
+            item = json.loads(text)
+        except ValueError:
+            return []
+        if not isinstance(item, dict) or item.get("name") not in self.known or \
+                not isinstance(item.get("parameters"), dict):
+            return []
+        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))]
 
 
 def tag_prefix_len(text: str, tag: str) -> int:

@@ -226,7 +226,8 @@ def retention_of(inputs: Tensors) -> RetentionConfig | None:
     decode_priority = scalar(inputs, "retention_decode_priority", "iu", None)
     decode_ms = scalar(inputs, "retention_decode_duration_ms", "iu", None)
     if starts is None and decode_priority is None and decode_ms is None:
-        given = [n for n, v in zip(RANGE_INPUTS, (ends, priorities, durations)) if v is not None]
+        given = [n for n, v in zip(RANGE_INPUTS[1:], (ends, priorities, durations))
+                 if v is not None]
         if given:
             raise RequestError(f"{given[0]} needs retention_token_range_starts")
         return None

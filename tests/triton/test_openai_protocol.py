@@ -64,6 +64,12 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "'max_tokens' must be from 1", 400),
     ({"model": "tiny", "prompt": "x", "max_tokens": 2.5}, "'max_tokens' must be an integer", 400),
     ({"model": "tiny", "prompt": "x", "max_tokens": True}, "must be an integer", 400),
+    # past int32 (the ensemble's inputs): a 400, not a wrapped or overflowing number
+    ({"model": "tiny", "prompt": "x", "max_tokens": 3 * 10**9},
+     "'max_tokens' must be from 1 to 2147483647", 400),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 10**20}, "'max_tokens' must be from 1", 400),
+    ({"model": "tiny", "prompt": "x", "top_k": -(2**40)}, "'top_k' must be from -1", 400),
+    ({"model": "tiny", "prompt": "x", "seed": 2**64}, "'seed' must be from 0 to", 400),
     ({"model": "tiny", "prompt": "x", "temperature": 2.5}, "'temperature' must be from 0.0", 400),
     ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "must be a number", 400),
     ({"model": "tiny", "prompt": "x", "top_p": 0}, "'top_p' must be greater than 0", 400),

@@ -1,7 +1,7 @@
 """Tool calling in the OpenAI frontend without a server: tools and tool_choice -> the template's
 tools and the guides, the chat template against transformers', Qwen's (Hermes) calls read from
-text whole and streamed, the errors for what is wrong; a thinking model's reasoning split from its
-answer."""
+text whole and streamed (Hermes JSON, Qwen3-Coder XML, Nemotron's array), the errors for what is
+wrong; a thinking model's reasoning split from its answer."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from backend.engine.guided import GrammarBackend, Guide
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import RequestError, parse_chat, response_body, tokenize_body
 from backend.openai_api.reasoning import ReasoningReader
-from backend.openai_api.tools import ToolPlan, hermes_calls, parse_tools
+from backend.openai_api.tools import NEMOTRON, ToolPlan, parse_tools, read_calls
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
 
 MODELS = ("tiny",)
@@ -145,24 +145,28 @@ def test_bad_tool_requests_are_400s_that_say_why(body, message):
 def test_hermes_calls_are_read_from_text():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
             '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
-    content, calls = hermes_calls(text, KNOWN)
+    content, calls = read_calls(text, KNOWN)
     assert content == "Let me check."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {})]
     assert len({c["id"] for c in calls}) == 2 and calls[0]["id"].startswith("call_")
     # no call, an unknown function, JSON that does not parse, arguments not an object: text
-    assert hermes_calls("just text", KNOWN) is None
-    assert hermes_calls('<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>', KNOWN) is None
-    assert hermes_calls('<tool_call>\n{"name": "get_time", "argu', KNOWN) is None
-    assert hermes_calls('<tool_call>{"name": "get_time", "arguments": 3}</tool_call>',
+    assert read_calls("just text", KNOWN) is None
+    assert read_calls('<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>', KNOWN) is None
+    assert read_calls('<tool_call>\n{"name": "get_time", "argu', KNOWN) is None
+    assert read_calls('<tool_call>{"name": "get_time", "arguments": 3}</tool_call>',
                         KNOWN) is None
     # a last call cut before its end tag still counts when its JSON is whole
-    _, [call] = hermes_calls('<tool_call>\n{"name": "get_time", "arguments": {}}\n', KNOWN)
+    _, [call] = read_calls('<tool_call>\n{"name": "get_time", "arguments": {}}\n', KNOWN)
     assert call["function"]["name"] == "get_time"
 
 
 def _streamed(plan: ToolPlan, text: str, pieces: int):
-    reader = plan.stream()
+    return _streamed_in(plan, None, text, pieces)
+
+
+def _streamed_in(plan: ToolPlan, layout, text: str, pieces: int):
+    reader = plan.stream() if layout is None else plan.stream(layout)
     sent, deltas = [], []
     size = max(1, len(text) // pieces)
     for i in range(0, len(text), size):
@@ -174,13 +178,17 @@ def _streamed(plan: ToolPlan, text: str, pieces: int):
 
 
 @pytest.mark.parametrize("pieces", [1, 3, 200])
-def test_auto_streams_content_and_sends_whole_calls_at_the_end(pieces):
+@pytest.mark.parametrize("call", [
+    '{"name": "get_weather", "arguments": {"city": "Rome"}}',  # Hermes JSON
+    "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>",  # XML
+])
+def test_auto_streams_content_then_each_call_whole(pieces, call):
     plan = parse_tools(chat())
-    text = ('Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
-            '</tool_call>')
+    text = f"Sure.\n\n<tool_call>\n{call}\n</tool_call>"
     content, deltas, reader = _streamed(plan, text, pieces)
     assert content == "Sure." and reader.content == "Sure."
-    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
+    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] \
+        == [("get_weather", {"city": "Rome"})]
     assert deltas[0]["index"] == 0 and deltas[0]["id"] == reader.calls[0]["id"]
     assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") \
         == "length"
@@ -188,6 +196,120 @@ def test_auto_streams_content_and_sends_whole_calls_at_the_end(pieces):
     content, deltas, reader = _streamed(plan, "a <tool_ b <tool_call", pieces)
     assert content == "a <tool_ b <tool_call" and deltas == [] and reader.calls == []
     assert reader.finish_reason("stop") == "stop"
+
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "ratio": {"type": "number"}, "hours": {"type": "array"}, "where": {"type": "object"},
+    "note": {"type": ["string", "null"]}, "limit": {"type": ["integer", "null"]}}}
+# A template that writes assistant calls as Qwen3.5's / Qwen3-Coder's do (XML, one parameter a
+# line, objects and lists as JSON, everything else as text)
+NL = "{{ '\\n' }}"  # a newline the template's trim_blocks cannot eat
+XML_TEMPLATE = (
+    "{% for m in messages %}{{ m['content'] or '' }}{% for c in m['tool_calls'] or [] %}"
+    + NL + "<tool_call>" + NL + "<function={{ c['function']['name'] }}>" + NL
+    + "{% for k, v in c['function']['arguments'].items() %}<parameter={{ k }}>" + NL
+    + "{% if v is mapping or (v is iterable and v is not string) %}{{ v | tojson }}"
+    "{% else %}{{ v }}{% endif %}" + NL + "</parameter>" + NL + "{% endfor %}</function>" + NL
+    + "</tool_call>{% endfor %}{% endfor %}")
+
+
+def test_qwen3_coder_xml_calls_read_back_what_the_template_wrote():
+    """Qwen3.5 / Qwen3-Coder write `<function=NAME>` and one `<parameter=KEY>` per argument,
+    values as text: read back, each value is its schema's type again."""
+    arguments = {"city": "New York\nand around", "days": 3, "metric": False, "ratio": 0.5,
+                 "hours": [9, 17], "where": {"lat": 1.5}, "note": "null", "limit": None}
+    template = ChatTemplate(XML_TEMPLATE.replace("{{ v }}", "{{ 'null' if v is none else "
+                                                 "(v | lower if v is boolean else v) }}"),
+                            TOKENIZER.special_tokens)
+    message = {"role": "assistant", "content": "Checking.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": arguments}},
+        {"type": "function", "function": {"name": "get_time", "arguments": {}}}]}
+    text = template.render([message], add_generation_prompt=False)
+    assert "<parameter=days>\n3\n</parameter>" in text
+    known = {"get_weather": SCHEMA, "get_time": {}}
+    content, calls = read_calls(text, known)
+    assert content == "Checking."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {**arguments, "note": "null"}), ("get_time", {})]
+    # a string-typed "null" stays text; a nullable integer's null is None (checked above);
+    # values that do not convert stay text; a parameter the schema does not name is text
+    _, [call] = read_calls("<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n"
+                           "</parameter>\n<parameter=extra>\n{\"a\": 1}\n</parameter>\n"
+                           "<parameter=metric>\nyes\n</parameter>\n</function>\n</tool_call>",
+                           known)
+    assert json.loads(call["function"]["arguments"]) == {"days": "three", "extra": '{"a": 1}',
+                                                         "metric": "yes"}
+    # an unknown function, or a call cut before </function>: the text is content
+    assert read_calls("<tool_call>\n<function=rm>\n</function>\n</tool_call>", known) is None
+    assert read_calls("<tool_call>\n<function=get_time>\n<parameter=zone>\nUT", known) is None
+    # Hermes JSON and XML blocks may both come in one answer
+    _, calls = read_calls('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+                          "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", known)
+    assert [c["function"]["name"] for c in calls] == ["get_time", "get_time"]
+
+
+@pytest.mark.parametrize("pieces", [1, 5, 300])
+def test_nemotron_calls_are_one_array_in_toolcall_tags(pieces):
+    plan = parse_tools(chat())
+    text = ('Two lookups. <TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
+            '{"name": "get_time", "arguments": {}}]</TOOLCALL>')
+    content, deltas, reader = _streamed_in(plan, NEMOTRON, text, pieces)
+    assert content == "Two lookups." and [json.loads(d["function"]["arguments"])
+                                          for d in deltas] == [{"city": "Oslo"}, {}]
+    assert reader.finish_reason("stop") == "tool_calls"
+    # without parallel calls the first; a bad item or an unknown name: all content
+    _, deltas, _ = _streamed_in(parse_tools(chat(parallel_tool_calls=False)), NEMOTRON, text, 1)
+    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
+    for bad in ('<TOOLCALL>[{"name": "rm", "arguments": {}}]</TOOLCALL>',
+                '<TOOLCALL>[{"name": "get_time", "arguments": {}}, 3]</TOOLCALL>',
+                '<TOOLCALL>[{"name": "get_time", "argu'):
+        content, deltas, _ = _streamed_in(plan, NEMOTRON, bad, pieces)
+        assert content == bad and deltas == []
+    # Qwen's tags mean nothing in Nemotron's layout, and the other way round
+    qwen = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    assert _streamed_in(plan, NEMOTRON, qwen, pieces)[:2] == (qwen, [])
+    assert _streamed(plan, text, pieces)[:2] == (text, [])
+
+
+def test_each_call_goes_as_soon_as_its_block_closes():
+    """Streamed, a call is sent when its end tag arrives, before the next block; a later
+    block that is not a call is dropped (whole or streamed), a first one makes all text."""
+    first = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    bad = '\n<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>'
+    reader = parse_tools(chat()).stream()
+    assert reader.feed("Ok. " + first[:-1]) == ("Ok.", [])
+    _, [delta] = reader.feed(first[-1] + second[:30])
+    assert (delta["index"], delta["function"]["name"]) == (0, "get_time")
+    assert reader.feed(second[30:] + bad)[1][0]["index"] == 1
+    assert reader.finish() == ("", []) and len(reader.calls) == 2
+    assert [c["function"]["name"] for c in read_calls(first + bad + second, KNOWN)[1]] == [
+        "get_time", "get_weather"]
+    assert read_calls(bad + first, KNOWN) is None
+    text = "So:" + bad + second
+    assert _streamed(parse_tools(chat()), text, 4)[:2] == (text, [])
+
+
+def test_required_sends_each_call_as_its_object_closes():
+    required = parse_tools(chat(tool_choice="required"))
+    tricky = {"city": 'a "quoted" } ] { [ \\ city'}  # brackets and escapes inside strings
+    text = json.dumps([{"name": "get_weather", "parameters": tricky},
+                       {"name": "get_time", "parameters": {}}])
+    reader = required.stream()
+    cut = text.index("}, {") + 1
+    assert reader.feed(text[:cut - 1]) == ("", [])
+    _, [delta] = reader.feed(text[cut - 1:cut])
+    assert json.loads(delta["function"]["arguments"]) == tricky and delta["index"] == 0
+    for pieces in (1, 3, 500):
+        content, deltas, reader = _streamed(required, text, pieces)
+        assert content == "" and [json.loads(d["function"]["arguments"]) for d in deltas] == [
+            tricky, {}] and [d["index"] for d in deltas] == [0, 1]
+    # cut by max_tokens after the first object: that call; without parallel calls one
+    content, deltas, reader = _streamed(required, text[:cut + 10], 3)
+    assert content == "" and len(deltas) == 1 and reader.finish_reason("length") == "length"
+    one = parse_tools(chat(tool_choice="required", parallel_tool_calls=False))
+    assert len(_streamed(one, text, 2)[1]) == 1
 
 
 def test_named_calls_stream_their_arguments_and_required_reads_the_array():
@@ -214,7 +336,7 @@ def test_named_calls_stream_their_arguments_and_required_reads_the_array():
 
 def test_a_message_with_calls_has_null_content():
     plan = parse_chat(chat(), MODELS, TEMPLATE)
-    _, [call] = hermes_calls('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
+    _, [call] = read_calls('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>',
                              KNOWN)
     body = response_body(plan, [None, "hi"], ["tool_calls", "stop"], {}, calls=[[call], []])
     first, second = body["choices"]
@@ -258,6 +380,25 @@ def test_reasoning_is_split_from_the_answer_however_the_text_streams(prompt, out
     reader = ReasoningReader.for_prompt(prompt)
     assert _split(reader, output, size) == expected
     assert reader.reasoning == (expected[0] or None)
+
+
+CALL_CASES = [  # output after a prompt that opened <think> -> (reasoning, content)
+    ("plan<tool_call>\n{}\n</tool_call>", ("plan", "<tool_call>\n{}\n</tool_call>")),
+    ("plan</think>\n\n<tool_call>x", ("plan", "<tool_call>x")),
+    ("a <tool_ b <tool_cal", ("a <tool_ b <tool_cal", "")),
+    ("plan</think>ok", ("plan", "ok")),
+]
+
+
+@pytest.mark.parametrize("output, expected", CALL_CASES)
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_a_tool_call_ends_the_thinking(output, expected, size):
+    """With tools (qwen3 parser), `<tool_call>` inside the thinking ends it, as `</think>`
+    does (vLLM's Qwen3 parser); without tools it is reasoning like any text."""
+    prompt = "<|im_start|>assistant\n<think>\n"
+    assert _split(ReasoningReader.for_prompt(prompt, "<tool_call>"), output, size) == expected
+    plain = _split(ReasoningReader.for_prompt(prompt), output, size)
+    assert plain == (expected if "</think>" in output else (output, ""))
 
 
 def test_auto_keeps_one_call_without_parallel_calls():
