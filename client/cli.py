@@ -75,6 +75,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "stats", help="the prefix cache: hits by tier, pages, memory, prefetches, requests")
     stats.add_argument("--metrics-url", default=DEFAULT_METRICS_URL,
                        help=f"the server's metrics port or page (default {DEFAULT_METRICS_URL})")
+    events = commands.add_parser(
+        "kv-events", help="the server's KV cache events (kv_events_endpoint), one JSON line a "
+                          "message: what a KV-aware router reads")
+    events.add_argument("--endpoint", default="tcp://127.0.0.1:5557",
+                        help="the server's kv_events_endpoint (default tcp://127.0.0.1:5557)")
+    events.add_argument("--replay", metavar="ENDPOINT",
+                        help="its kv_events_replay_endpoint: first print the kept messages "
+                             "from --from on")
+    events.add_argument("--from", dest="start", type=int, default=0, metavar="SEQ",
+                        help="the first message wanted (default 0); one that came later has "
+                             "\"gap\": true (without --replay, the first live one)")
+    events.add_argument("--count", type=int, help="stop after this many messages")
+    events.add_argument("--idle-s", type=float,
+                        help="stop when no message came for this many seconds")
     for sub in (gen, chat, health):
         sub.add_argument(
             "--url",
@@ -105,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                               "until evicted)")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
-    if args.command == "stats":
+    if args.command in ("stats", "kv-events"):
         return args
     args.url = args.url or (DEFAULT_HTTP_URL if args.http else DEFAULT_GRPC_URL)
     if args.http and not args.url.startswith(("http://", "https://")):
@@ -342,10 +356,26 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kv_events(args: argparse.Namespace) -> int:
+    import json
+
+    from client.kv_events import KvEventSubscriber
+
+    sub = KvEventSubscriber(args.endpoint, args.replay)
+    try:
+        for n, message in enumerate(sub.follow(args.start, args.idle_s), 1):
+            print(json.dumps(message._asdict()), flush=True)
+            if args.count is not None and n >= args.count:
+                break
+    finally:
+        sub.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = {"generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
-               "stats": cmd_stats}[args.command]
+               "stats": cmd_stats, "kv-events": cmd_kv_events}[args.command]
     try:
         return command(args)
     except GenerateError as exc:

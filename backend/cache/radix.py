@@ -159,6 +159,7 @@ class RadixTree:
         self.page_size = page_size
         self.roots: dict[str, PageNode] = {}
         self.num_nodes = 0  # excluding roots
+        self.events: Any = None  # a KvEventLog (`backend/cache/events.py`) told of every change
 
     def root(self, salt: str | None, create: bool = False) -> PageNode | None:
         salt = normalize_salt(salt)
@@ -205,6 +206,8 @@ class RadixTree:
         child = PageNode(key, parent, parent.salt)
         parent.children[key] = child
         self.num_nodes += 1
+        if self.events is not None:
+            self.events.stored(child)
         return child
 
     def remove_leaf(self, node: PageNode) -> None:
@@ -215,6 +218,8 @@ class RadixTree:
         del parent.children[node.key]
         node.alive = False
         self.num_nodes -= 1
+        if self.events is not None:
+            self.events.removed(node)
         if parent.parent is None and not parent.children:
             del self.roots[parent.salt]
             parent.alive = False

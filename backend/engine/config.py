@@ -69,6 +69,13 @@ class EngineConfig:
     # On: a step's drafts are cut to the length worth its measured cost (`DraftPolicy`);
     # off: every proposal goes out whole (up to num_speculative_tokens).
     speculative_adaptive: bool = True
+    # KV cache events for KV-aware routers (`backend/cache/events.py`: vLLM's ZeroMQ
+    # layout): the PUB endpoint ("tcp://*:5557"; empty: none), an optional replay endpoint
+    # (ROUTER), the topic, and how many messages the replay keeps.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = "kv-events"
+    kv_events_buffer_steps: int = 10_000
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -112,6 +119,11 @@ class EngineConfig:
             if self.executor == "compiled":
                 raise ValueError("speculative decoding runs on executor 'torch' (the AOT step "
                                  "graphs return one position's logits a sequence)")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(f"kv_events_buffer_steps must be >= 1, got "
+                             f"{self.kv_events_buffer_steps}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (

@@ -116,6 +116,15 @@ class Engine:
                                                   with_anchors=cache_cfg.uses_anchors)
             self.tiers = TieredBackend(self.config.tiers, buffers)
         self.store = PrefixStore(cache_cfg, self.tiers)
+        self.kv_events = None  # KvEventPublisher: the store's page events for routers
+        if self.config.kv_events_endpoint:
+            from backend.cache.events import KvEventLog, KvEventPublisher
+
+            self.store.tree.events = KvEventLog()
+            self.kv_events = KvEventPublisher(
+                self.store.tree.events, self.config.kv_events_endpoint,
+                self.config.kv_events_replay_endpoint, self.config.kv_events_topic,
+                self.config.kv_events_buffer_steps)
         self.cache = CacheManager(self.config, self.store, self.executor, self.tiers)
         self.scheduler = Scheduler(self.config, self.cache, self.executor)
         self._entry_bytes = _pool_entry_bytes(self.executor, self.store)
@@ -262,6 +271,8 @@ class Engine:
                 for out in failed:
                     self._deliver(out)
                 outputs.extend(failed)
+            if self.kv_events is not None:
+                self.kv_events.flush()
         return outputs
 
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
@@ -341,6 +352,9 @@ class Engine:
             self._thread = None
         if self.tiers is not None:
             self.tiers.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)

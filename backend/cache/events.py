@@ -1,0 +1,206 @@
+"""KV cache events, for routers that send each request to the replica holding its prefix.
+
+A router in front of several servers (Dynamo's KV router, llm-d's precise prefix-cache
+scorer, SGLang's router) keeps an index of which pages each replica has; the replicas tell it
+as pages come and go. This is vLLM's and SGLang's publishing layout, on ZeroMQ:
+
+- a PUB socket (`kv_events_endpoint`, e.g. `tcp://*:5557`) sends one multipart message per
+  engine step that changed the cache: [topic, sequence number (8 bytes, big-endian, from 0),
+  payload]; the payload is msgpack `[timestamp, [event, ...]]`, each event an array whose
+  first item names it:
+  - `["BlockStored", [hash, ...], parent hash or None, [token id, ...], page size, None,
+    medium]`: pages that joined the prefix tree, in order along one path (each page's parent
+    is the one before it; the first page's is `parent hash`, None for a prompt's first page);
+    token ids are the pages' tokens, page size of them each; medium is where the KV is now:
+    "device", "dram" or "ssd" (a page restored from SSD at a warm restart);
+  - `["BlockRemoved", [hash, ...], None]`: pages that left the tree (every tier);
+  - `["AllBlocksCleared"]`: the first message of a starting server (forget what it had).
+- a ROUTER socket (`kv_events_replay_endpoint`, optional) resends missed messages: a DEALER
+  sends [b"", start sequence number (8 bytes, big-endian)]; the reply is one [b"", sequence
+  number, payload] per kept message from that one on (the last `kv_events_buffer_steps`),
+  then [b"", -1 (8 bytes, signed), b""].
+
+A page's hash is 63 bits of BLAKE2b over its parent's hash (for a first page: the request's
+`cache_salt`) and its token ids, so equal prefixes under one salt have equal hashes in every
+replica, and a salt's pages never match another's. Under suffix replay (the default policy)
+every cached page is a place a request can resume from (its anchors rebuild the recurrent
+states); under the checkpoint policy a hit stops at the deepest page with a saved state, so a
+router that counts pages overestimates it. The events describe this replica's prefix tree
+only; a request's own pages while it runs are not in it until they are inserted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from backend.cache.base import Tier
+from backend.cache.radix import TOKEN_BYTES, PageNode
+
+log = logging.getLogger(__name__)
+
+MEDIUM = {Tier.DEVICE: "device", Tier.HOST: "dram", Tier.SSD: "ssd"}
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+def page_hash(parent: int | None, salt: str, key: bytes) -> int:
+    """A page's hash: its parent's (a first page: its salt's) and its encoded tokens."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(b"p" + parent.to_bytes(8, "big") if parent is not None else b"s" + salt.encode())
+    h.update(key)
+    return int.from_bytes(h.digest(), "big") >> 1  # 63 bits: an int64 for every consumer
+
+
+class KvEventLog:
+    """The prefix tree's page additions and removals since the last `take` (the tree calls
+    `stored` and `removed`; any thread may)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._hashes: dict[PageNode, int] = {}
+        self._pending: list[tuple] = []
+
+    def stored(self, node: PageNode) -> None:
+        with self._lock:
+            parent = self._hashes.get(node.parent) if node.parent is not None else None
+            h = page_hash(parent, node.salt, node.key)
+            self._hashes[node] = h
+            self._pending.append(("stored", node, h, parent))
+
+    def removed(self, node: PageNode) -> None:
+        with self._lock:
+            h = self._hashes.pop(node, None)
+            if h is not None:
+                self._pending.append(("removed", h))
+
+    def hash_of(self, node: PageNode) -> int | None:
+        with self._lock:
+            return self._hashes.get(node)
+
+    def take(self) -> list[list[Any]]:
+        """The events since the last call, runs of pages along one path (or of removals)
+        merged into one event each."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        events: list[list[Any]] = []
+        for item in pending:
+            last = events[-1] if events else None
+            if item[0] == "removed":
+                if last is not None and last[0] == "BlockRemoved":
+                    last[1].append(item[1])
+                else:
+                    events.append(["BlockRemoved", [item[1]], None])
+                continue
+            _, node, h, parent = item
+            medium = _medium(node)
+            if last is not None and last[0] == "BlockStored" and last[1][-1] == parent \
+                    and last[6] == medium:
+                last[1].append(h)
+                last[3].extend(node.tokens)
+            else:
+                events.append(["BlockStored", [h], parent, list(node.tokens),
+                               len(node.key) // TOKEN_BYTES, None, medium])
+        return events
+
+
+def _medium(node: PageNode) -> str:
+    """Where the page's KV is: the device unless only a lower tier holds it."""
+    if node.kv_page is not None or node.kv_location is None:
+        return "device"
+    return MEDIUM[node.kv_location]
+
+
+class KvEventPublisher:
+    """Sends a `KvEventLog`'s events over ZeroMQ from its own thread (see the module)."""
+
+    def __init__(self, events: KvEventLog, endpoint: str, replay_endpoint: str = "",
+                 topic: str = "kv-events", buffer_steps: int = 10_000) -> None:
+        import msgpack
+        import zmq
+
+        self.events = events
+        self.topic = topic.encode()
+        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._context = zmq.Context()
+        self._pub = self._bind(zmq.PUB, "kv_events_endpoint", endpoint)
+        self._replay = None
+        if replay_endpoint:
+            self._replay = self._bind(zmq.ROUTER, "kv_events_replay_endpoint", replay_endpoint)
+        self._zmq = zmq
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._seq = 0  # the next message's number (= messages sent)
+        self._flush_lock = threading.Lock()
+        self._queue.put(self._pack([time.time(), [["AllBlocksCleared"]]]))
+        self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_sent(self) -> int:
+        return self._seq
+
+    def _bind(self, kind: int, name: str, endpoint: str) -> Any:
+        import zmq
+
+        sock = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self._context.destroy(linger=0)
+            raise ValueError(f"{name} {endpoint!r} cannot be bound: {exc}") from None
+        return sock
+
+    def flush(self) -> None:
+        """Queues the events since the last flush as one message (none: nothing). The engine
+        calls it after each step; the sending thread every 50 ms (changes made by other
+        threads, e.g. a tier dropping pages, while the engine is idle)."""
+        with self._flush_lock:  # taken and queued in one go: messages keep the events' order
+            events = self.events.take()
+            if events:
+                self._queue.put(self._pack([time.time(), events]))
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._context.destroy(linger=0)
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while True:
+            try:
+                payload = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                self.flush()
+                payload = b""
+            if payload is None:
+                return
+            try:
+                if payload:
+                    seq = self._seq.to_bytes(8, "big", signed=True)
+                    self._pub.send_multipart([self.topic, seq, payload])
+                    self._kept.append((self._seq, payload))
+                    self._seq += 1
+                if self._replay is not None and poller.poll(0):
+                    self._answer_replay()
+            except zmq.ZMQError:
+                log.exception("kv-events: sending failed")
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        peer, start = frames[0], frames[-1]
+        first = int.from_bytes(start, "big", signed=True) if len(start) == 8 else 0
+        for seq, payload in list(self._kept):
+            if seq >= first:
+                self._replay.send_multipart([peer, b"", seq.to_bytes(8, "big", signed=True),
+                                             payload])
+        self._replay.send_multipart([peer, b"", END, b""])

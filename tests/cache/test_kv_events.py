@@ -1,0 +1,192 @@
+"""KV cache events (`backend/cache/events.py`): the prefix tree's pages joining and leaving as
+BlockStored / BlockRemoved events with chained hashes, and the ZeroMQ publisher that sends them
+(sequence numbers, the AllBlocksCleared a starting server sends, the replay of missed ones)."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from cache_helpers import cache_tokens, make_store, pages
+
+from backend.cache.events import KvEventLog, KvEventPublisher, page_hash
+from backend.cache.radix import encode_tokens
+from client.kv_events import KvEventSubscriber
+
+
+def _store(**overrides):
+    store = make_store(**overrides)
+    store.tree.events = KvEventLog()
+    return store
+
+
+def _hashes(tokens: list[int], salt: str = "", size: int = 4) -> list[int]:
+    out, parent = [], None
+    for i in range(0, len(tokens) - size + 1, size):
+        parent = page_hash(parent, salt, encode_tokens(tokens[i:i + size]))
+        out.append(parent)
+    return out
+
+
+def test_pages_joining_a_path_are_one_stored_event_with_their_parent():
+    store = _store()
+    cache_tokens(store, pages(1, 2, 3))
+    [first] = store.tree.events.take()
+    assert first == ["BlockStored", _hashes(pages(1, 2, 3)), None, pages(1, 2, 3), 4, None,
+                     "device"]
+    # a branch after page 2: one new page whose parent is page 2's hash
+    cache_tokens(store, pages(1, 2, 7))
+    [branch] = store.tree.events.take()
+    assert branch[1] == _hashes(pages(1, 2, 7))[2:] and branch[2] == _hashes(pages(1, 2))[1]
+    assert branch[3] == pages(7)
+    assert store.tree.events.take() == []  # taken once
+    # the same pages again: nothing new
+    cache_tokens(store, pages(1, 2, 3))
+    assert store.tree.events.take() == []
+
+
+def test_a_salt_is_its_own_namespace_and_partial_pages_are_not_pages():
+    store = _store()
+    cache_tokens(store, pages(1, 2) + [9, 9], salt="tenant-a")
+    cache_tokens(store, pages(1, 2))
+    salted, plain = store.tree.events.take()
+    assert salted[1] == _hashes(pages(1, 2), "tenant-a") and plain[1] == _hashes(pages(1, 2))
+    assert not set(salted[1]) & set(plain[1])
+    assert salted[3] == pages(1, 2)  # the trailing 2 tokens are no page
+
+
+def test_evicted_pages_are_removed_and_the_log_forgets_them():
+    store = _store(num_kv_pages=4)
+    cache_tokens(store, pages(1, 2, 3))
+    store.tree.events.take()
+    cache_tokens(store, pages(5, 6))  # 5 pages do not fit in 4: two of the first go
+    stored, removed = None, []
+    for event in store.tree.events.take():
+        if event[0] == "BlockStored":
+            stored = event
+        else:
+            removed += event[1]
+    assert stored[1] == _hashes(pages(5, 6))
+    assert removed == _hashes(pages(1, 2, 3))[2:]  # one page, the leaf
+    # every hash the log still knows is a page in the tree
+    alive = {store.tree.events.hash_of(n) for n in store.tree.iter_nodes()}
+    assert alive == set(_hashes(pages(1, 2))) | set(_hashes(pages(5, 6)))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def publisher():
+    store = _store()
+    pub, replay = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    subscriber = KvEventSubscriber(pub, replay)
+    events = KvEventPublisher(store.tree.events, pub, replay, buffer_steps=2)
+    time.sleep(0.5)  # the subscription reaches the PUB socket (ZeroMQ's slow joiner)
+    yield store, events, subscriber
+    events.close()
+    subscriber.close()
+
+
+def _next(subscriber: KvEventSubscriber):
+    message = subscriber.receive(5.0)
+    assert message is not None and message.ts > 0, "no kv-events message within 5 s"
+    return message
+
+
+def test_the_publisher_numbers_its_messages_and_replays_the_kept_ones(publisher):
+    store, events, subscriber = publisher
+    # The first message (AllBlocksCleared) may have gone before the subscription arrived.
+    cache_tokens(store, pages(1, 2))
+    events.flush()
+    message = _next(subscriber)
+    while message.events[0][0] != "BlockStored":
+        message = _next(subscriber)
+    seq, [stored] = message.seq, message.events
+    assert stored[1] == _hashes(pages(1, 2))
+    store.evict(10)
+    cache_tokens(store, pages(3))
+    events.flush()
+    message = _next(subscriber)
+    removed, stored_again = message.events
+    assert message.seq == seq + 1
+    assert removed == ["BlockRemoved", list(reversed(_hashes(pages(1, 2)))), None]
+    assert stored_again[1] == _hashes(pages(3))
+    # replay from 0: only the last 2 messages are kept (buffer_steps=2)
+    assert [(m.seq, m.events) for m in subscriber.replay(0)] == [
+        (seq, [stored]), (seq + 1, [removed, stored_again])]
+    assert events.num_sent == seq + 2
+
+
+def test_a_starting_publisher_first_says_all_blocks_cleared(publisher):
+    _, _, subscriber = publisher
+    [first] = subscriber.replay(0)
+    assert (first.seq, first.events) == (0, [["AllBlocksCleared"]])
+
+
+def test_pages_restored_from_ssd_are_announced_again_with_their_hashes(tmp_path):
+    """A warm restart: the restarted server's log announces the SSD pages a request reaches,
+    under the hashes they had before, with medium "ssd"."""
+    from tier_helpers import PAGE, make_tiered, run_request
+    from tier_helpers import pages as big_pages
+
+    store, tiers = make_tiered(tmp_path, num_kv_pages=8, host_pages=4)
+    store.tree.events = KvEventLog()
+    run_request(store, tiers, big_pages(1, 2, 3))
+    [before] = store.tree.events.take()
+    assert before[6] == "device" and before[4] == PAGE
+    tiers.close()
+    store2, tiers2 = make_tiered(tmp_path, num_kv_pages=8, host_pages=4)
+    store2.tree.events = KvEventLog()
+    store2.match_prefix(big_pages(1, 2, 3))  # restores the namespace
+    [after] = store2.tree.events.take()
+    assert after[1] == before[1] and after[3] == before[3] and after[6] == "ssd"
+    tiers2.close()
+
+
+def test_bad_settings_are_errors_that_name_them():
+    from backend.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_events_replay_endpoint needs kv_events_endpoint"):
+        EngineConfig.from_params({"kv_events_replay_endpoint": "tcp://*:5558"})
+    with pytest.raises(ValueError, match="kv_events_buffer_steps must be >= 1"):
+        EngineConfig.from_params({"kv_events_endpoint": "tcp://*:5557",
+                                  "kv_events_buffer_steps": "0"})
+    with pytest.raises(ValueError, match="kv_events_endpoint 'nonsense' cannot be bound"):
+        KvEventPublisher(KvEventLog(), "nonsense")
+    port = _free_port()
+    first = KvEventPublisher(KvEventLog(), f"tcp://127.0.0.1:{port}")
+    try:
+        with pytest.raises(ValueError, match="kv_events_replay_endpoint .* cannot be bound"):
+            KvEventPublisher(KvEventLog(), f"tcp://127.0.0.1:{_free_port()}",
+                             f"tcp://127.0.0.1:{port}")  # in use
+    finally:
+        first.close()
+
+
+def test_following_marks_the_message_after_lost_ones():
+    """Without a replay endpoint a late subscriber cannot have the first messages: `follow`
+    passes the first one it gets with `gap` set (an index should start over), then none."""
+    store = _store()
+    pub = f"tcp://127.0.0.1:{_free_port()}"
+    events = KvEventPublisher(store.tree.events, pub)  # AllBlocksCleared goes to nobody
+    time.sleep(0.3)
+    subscriber = KvEventSubscriber(pub)
+    try:
+        time.sleep(0.5)  # the subscription reaches the PUB socket
+        followed = subscriber.follow(idle_s=5)
+        cache_tokens(store, pages(1))
+        events.flush()
+        first = next(followed)
+        cache_tokens(store, pages(2))
+        events.flush()
+        second = next(followed)
+        assert (first.seq, first.gap) == (1, True) and (second.seq, second.gap) == (2, False)
+        assert second.events[0][1] == _hashes(pages(2))
+    finally:
+        events.close()
+        subscriber.close()
