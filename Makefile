@@ -32,7 +32,7 @@ serve: $(STAMP)
 # in front of the server `make serve` started (its gRPC port: GRPC_PORT, 8001).
 OPENAI_PORT ?= 9000
 GRPC_PORT ?= 8001
-OPENAI_ARGS ?=  # more frontend flags, e.g. --reasoning-parser qwen3
+OPENAI_ARGS ?=  # more frontend flags, e.g. --reasoning-parser qwen3 --tool-call-parser qwen
 openai: $(STAMP)
 	$(PY) -m backend.openai_api --triton-url 127.0.0.1:$(GRPC_PORT) \
 	  --model-repository $(MODEL_REPO) --port $(OPENAI_PORT) $(OPENAI_ARGS)

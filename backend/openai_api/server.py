@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of a running Triton server.
 
     python -m backend.openai_api --triton-url 127.0.0.1:8001 --model-repository model_repo \
-        --port 9000 [--served-model-name NAME ...] [--reasoning-parser qwen3]
+        --port 9000 [--served-model-name NAME ...] [--reasoning-parser qwen3] \
+        [--tool-call-parser qwen|nemotron] [--triton-url URL2 --kv-events PUB[,REPLAY] ...]
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with `stream:
 true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`, `POST
@@ -12,7 +13,10 @@ Each prompt is one ensemble request streamed from Triton (`upstream.py`), whatev
 asked, so every choice's text is cut at its stop strings as it comes and its finish reason is
 known, then (chat) split into reasoning (`reasoning.py`), content and tool calls (`tools.py`);
 `usage` carries the prompt's `cached_tokens` (`prompt_tokens_details`, as OpenAI's): the
-tokens served from the prefix cache. Errors are OpenAI error bodies: 400 for what the request
+tokens served from the prefix cache. With several `--triton-url`s (replicas of one model),
+each prompt goes to the replica whose prefix cache holds the longest part of it, as their
+KV cache events say (`--kv-events`, `router.py`); `GET /router` shows the replicas' counts.
+Errors are OpenAI error bodies: 400 for what the request
 got wrong (the frontend's checks, `protocol.py`, and the server's INVALID_ARG), 404 for an
 unknown model, 503 when Triton is not ready, 500 otherwise. A client that goes away cancels
 its requests in Triton.
@@ -37,7 +41,8 @@ from backend.openai_api import protocol, responses
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
 from backend.openai_api.reasoning import PARSERS, ReasoningReader
-from backend.openai_api.tools import ToolStream
+from backend.openai_api.router import Router
+from backend.openai_api.tools import LAYOUTS, QWEN, Layout, ToolStream
 from backend.openai_api.upstream import ServedModel, Upstream, UpstreamError
 
 log = logging.getLogger("backend.openai_api")
@@ -53,7 +58,10 @@ class State:
     created: int = field(default_factory=lambda: int(time.time()))
     token_names: TokenNames | None = None  # for logprobs (with a tokenizer)
     reasoning_parser: str | None = None  # chat answers' <think> block -> reasoning_content
+    tool_layout: Layout = QWEN  # --tool-call-parser: how the model writes its tool calls
     responses: responses.ResponseStore = field(default_factory=responses.ResponseStore)
+    upstreams: list[Upstream] = field(default_factory=list)  # every replica (the first too)
+    router: Router | None = None  # several replicas: which one serves a prompt
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.token_names is None:
@@ -116,9 +124,14 @@ class Run:
                                "did not find", "logprobs")
         self.requests = [self._fields(p) for p in plan.prompts]
         thinks = plan.kind == "chat" and state.reasoning_parser is not None
+        tools = plan.tools
+        calls = tools is not None and tools.choice != "none"
+        call_start = state.tool_layout.start if calls and state.reasoning_parser == "qwen3" \
+            else None
         self.choices = [Choice(StopFilter(plan.stop),
-                               tools=plan.tools.stream() if plan.tools is not None else None,
-                               reasoning=ReasoningReader.for_prompt(plan.prompts[i // plan.n])
+                               tools=tools.stream(state.tool_layout) if tools else None,
+                               reasoning=ReasoningReader.for_prompt(plan.prompts[i // plan.n],
+                                                                    call_start)
                                if thinks else None)
                         for i in range(len(plan.prompts) * plan.n)]
         if plan.logprobs is not None:
@@ -152,8 +165,16 @@ class Run:
             self.tasks.append(asyncio.create_task(self._pump(p, fields)))
 
     async def _pump(self, p: int, fields: dict[str, Any]) -> None:
+        state, replica = self.state, None
+        upstream = state.upstream
+        if state.router is not None:
+            ids = state.tokenizer.encode(fields["text_input"],
+                                         add_special_tokens=state.served.add_special_tokens) \
+                if state.tokenizer is not None else []
+            replica = state.router.pick(ids, fields.get("cache_salt") or "")
+            upstream = state.upstreams[replica]
         try:
-            async for response in self.state.upstream.generate(fields):
+            async for response in upstream.generate(fields):
                 await self.queue.put((p, response, None))
         except UpstreamError as exc:
             await self.queue.put((p, None, exc))
@@ -163,6 +184,9 @@ class Run:
         except Exception as exc:  # a broken channel: reported to the client, not raised here
             await self.queue.put((p, None, UpstreamError(f"{type(exc).__name__}: {exc}")))
             return
+        finally:
+            if replica is not None:
+                state.router.done(replica)
         await self.queue.put((p, None, None))  # this prompt's requests are done
 
     def cancel(self) -> None:
@@ -513,8 +537,18 @@ def _model(state: State, name: str) -> dict[str, Any]:
 
 
 async def health_ready(request: web.Request) -> web.Response:
-    ready = await request.app[STATE].upstream.ready()
+    """200 once every replica serves the ensemble."""
+    state = request.app[STATE]
+    ready = all(await asyncio.gather(*(u.ready() for u in state.upstreams)))
     return web.Response(status=200 if ready else 503, text="ready" if ready else "not ready")
+
+
+async def router_stats(request: web.Request) -> web.Response:
+    """Each replica: its URL, requests routed to it, in flight, pages its events announced."""
+    state = request.app[STATE]
+    counts = state.router.stats() if state.router is not None else [{}] * len(state.upstreams)
+    return web.json_response({"replicas": [{"url": u.url, **c}
+                                           for u, c in zip(state.upstreams, counts)]})
 
 
 @web.middleware
@@ -529,18 +563,30 @@ async def json_errors(request: web.Request, handler) -> web.StreamResponse:
                                    status=exc.status))
 
 
-async def make_app(triton_url: str, model_repository: str | Path,
+async def make_app(triton_url: str | Sequence[str], model_repository: str | Path,
                    served_names: Sequence[str] = (),
-                   reasoning_parser: str | None = None) -> web.Application:
-    """The app, connected to Triton (its configuration read once, here)."""
+                   reasoning_parser: str | None = None,
+                   tool_call_parser: str = "qwen",
+                   kv_events: Sequence[str] = (), max_imbalance: int = 16) -> web.Application:
+    """The app, connected to Triton (its configuration read once, from the first URL);
+    several URLs: replicas of one model, routed by their KV cache events (`kv_events`, one
+    "PUB[,REPLAY]" a replica, in the same order; fewer: the rest have none)."""
+    urls = [triton_url] if isinstance(triton_url, str) else list(triton_url)
+    if len(kv_events) > len(urls):
+        raise ValueError(f"{len(kv_events)} --kv-events for {len(urls)} --triton-url")
     if reasoning_parser is not None and reasoning_parser not in PARSERS:
         raise ValueError(f"--reasoning-parser must be one of {', '.join(PARSERS)}, got "
                          f"{reasoning_parser!r}")
+    if tool_call_parser not in LAYOUTS:
+        raise ValueError(f"--tool-call-parser must be one of {', '.join(LAYOUTS)}, got "
+                         f"{tool_call_parser!r}")
     from backend.tokenizer import load_tokenizer
 
-    upstream = Upstream(triton_url)
+    upstreams = [Upstream(url) for url in urls]
+    upstream = upstreams[0]
     served = await ServedModel.load(upstream, model_repository)
-    upstream.input_types = served.input_types
+    for u in upstreams:
+        u.input_types = served.input_types
     tokenizer = template = None
     if served.tokenizer_dir is not None and served.tokenizer_dir.is_dir():
         tokenizer = load_tokenizer(served.tokenizer_dir)
@@ -550,7 +596,10 @@ async def make_app(triton_url: str, model_repository: str | Path,
                     model_repository)
     app = web.Application(middlewares=[json_errors], client_max_size=64 << 20)
     app[STATE] = State(upstream, served, list(served_names) or ["ensemble"], tokenizer,
-                       template, reasoning_parser=reasoning_parser)
+                       template, reasoning_parser=reasoning_parser,
+                       tool_layout=LAYOUTS[tool_call_parser], upstreams=upstreams,
+                       router=Router(len(urls), kv_events, max_imbalance)
+                       if len(urls) > 1 else None)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", create_response)
@@ -561,9 +610,14 @@ async def make_app(triton_url: str, model_repository: str | Path,
     app.router.add_get("/health/ready", health_ready)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/router", router_stats)
 
     async def close(app: web.Application) -> None:
-        await app[STATE].upstream.close()
+        state = app[STATE]
+        if state.router is not None:
+            state.router.close()
+        for u in state.upstreams:
+            await u.close()
 
     app.on_cleanup.append(close)
     return app
@@ -572,7 +626,14 @@ async def make_app(triton_url: str, model_repository: str | Path,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m backend.openai_api",
                                      description="OpenAI-compatible frontend for the ensemble")
-    parser.add_argument("--triton-url", default="127.0.0.1:8001", help="Triton's gRPC address")
+    parser.add_argument("--triton-url", action="append", default=[],
+                        help="Triton's gRPC address (default 127.0.0.1:8001); more than one: "
+                             "replicas of one model, each prompt sent to the one that has the "
+                             "most of it cached")
+    parser.add_argument("--kv-events", action="append", default=[], metavar="PUB[,REPLAY]",
+                        help="a replica's kv_events_endpoint (and replay endpoint), one per "
+                             "--triton-url in the same order, e.g. "
+                             "tcp://10.0.0.2:5557,tcp://10.0.0.2:5558")
     parser.add_argument("--model-repository", default="model_repo",
                         help="the folder Triton serves (for the tokenizer and chat template)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -583,9 +644,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="split a thinking model's <think> block into the chat answer's "
                              "reasoning_content (qwen3: Qwen3 / Qwen3.5; deepseek_r1: the "
                              "same rule)")
+    parser.add_argument("--tool-call-parser", choices=list(LAYOUTS), default="qwen",
+                        help="how the model writes tool calls, read for tool_choice auto "
+                             "(qwen: <tool_call> blocks of Hermes JSON or Qwen3-Coder XML, "
+                             "Qwen3 / Qwen3-Next / Qwen3.5 / Nemotron 3; nemotron: "
+                             "<TOOLCALL>[...]</TOOLCALL>, Nemotron Nano 2; hermes, qwen3_coder, "
+                             "qwen3_xml and nemotron_json are vLLM's names for them)")
+    parser.add_argument("--router-max-imbalance", type=int, default=16, metavar="N",
+                        help="several replicas: one with N more requests in flight than the "
+                             "least busy gets none until that evens out, however much of a "
+                             "prompt it has cached")
     parser.add_argument("--wait-s", type=float, default=120.0,
                         help="how long to wait for Triton to be ready at start")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.triton_url = args.triton_url or ["127.0.0.1:8001"]
+    if len(args.kv_events) > len(args.triton_url):
+        parser.error(f"{len(args.kv_events)} --kv-events for {len(args.triton_url)} "
+                     "--triton-url")
+    return args
 
 
 async def _wait_ready(url: str, wait_s: float) -> None:
@@ -605,11 +681,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     async def build() -> web.Application:
-        await _wait_ready(args.triton_url, args.wait_s)
+        for url in args.triton_url:
+            await _wait_ready(url, args.wait_s)
         return await make_app(args.triton_url, args.model_repository, args.served_model_name,
-                              args.reasoning_parser)
+                              args.reasoning_parser, args.tool_call_parser, args.kv_events,
+                              args.router_max_imbalance)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
-          f"{args.triton_url}", file=sys.stderr, flush=True)
+          f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)
     web.run_app(build(), host=args.host, port=args.port, print=None,
                 handler_cancellation=True)

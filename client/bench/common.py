@@ -108,3 +108,15 @@ class OutputTimes:
         the last token."""
         tokens = sum(self.counts.values()) - len(self.counts)
         return tokens / (max(self.last.values()) - min(self.first.values()))
+
+
+def ttft_stats(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Requests' time to first token (`ttft_s`: mean, median, P95 in ms) and the share of
+    their prompt tokens (`prompt`) served from the cache (`cached`)."""
+    ttft = sorted(r["ttft_s"] * 1000 for r in rows)
+    return {"requests": len(rows),
+            "ttft_mean_ms": round(statistics.fmean(ttft), 1),
+            "ttft_p50_ms": round(statistics.median(ttft), 1),
+            "ttft_p95_ms": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
+            "cached_fraction": round(sum(r["cached"] for r in rows)
+                                     / max(1, sum(r["prompt"] for r in rows)), 3)}

@@ -48,11 +48,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @contextmanager
-def frontend(grpc_url: str, repository: str, port: int):
-    """The frontend as its own process; yields its /v1 base URL."""
+def frontend(grpc_url: str, repository: str, port: int, *extra: str):
+    """The frontend as its own process (`extra`: more of its flags); yields its /v1 base
+    URL."""
     process = subprocess.Popen(
         [sys.executable, "-m", "backend.openai_api", "--triton-url", grpc_url,
-         "--model-repository", repository, "--port", str(port)],
+         "--model-repository", repository, "--port", str(port), *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60

@@ -20,7 +20,6 @@ Writes client/bench/results/retention/summary.json and retention.png.
 from __future__ import annotations
 
 import argparse
-import statistics
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,7 +27,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine, pyplot, save_figure
+from client.bench.common import (
+    bench_main,
+    config_of,
+    machine,
+    pyplot,
+    save_figure,
+    ttft_stats,
+)
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -98,18 +104,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, runs)
 
 
-def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
-    ttft = sorted(r["ttft_s"] * 1000 for r in rows)
-    return {"ttft_mean_ms": round(statistics.fmean(ttft), 1),
-            "ttft_p50_ms": round(statistics.median(ttft), 1),
-            "ttft_p95_ms": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
-            "cached_fraction": round(sum(r["cached"] for r in rows)
-                                     / max(1, sum(r["prompt"] for r in rows)), 3)}
-
-
 def summarize(args: argparse.Namespace, runs: dict) -> dict[str, Any]:
     # The first call of each system is cold (nothing cached yet): left out of its stats.
-    results = {how: {"calls": _stats(r["call"][1:]), "one_offs": _stats(r["one_off"])}
+    results = {how: {"calls": ttft_stats(r["call"][1:]), "one_offs": ttft_stats(r["one_off"])}
                for how, r in runs.items()}
     lru = results["lru"]["calls"]["ttft_mean_ms"]
     summary = {

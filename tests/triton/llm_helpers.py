@@ -2,14 +2,53 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
 
 from backend.triton.server import ServerHandle
 from client.metrics import Metrics, value
 from client.metrics import scrape as scrape_url
 
 __all__ = ["Metrics", "scrape", "value"]
+
+
+@contextmanager
+def running_frontend(llm_server: ServerHandle, log: Path, *args: str) -> Iterator[str]:
+    """A frontend process in front of `llm_server`: its base URL (http://127.0.0.1:PORT),
+    stopped at the end."""
+    from tests.triton.conftest import free_ports
+
+    [port] = free_ports(1)
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "backend.openai_api", "--triton-url", llm_server.urls.grpc,
+             "--model-repository", str(llm_server.model_repository), "--port", str(port),
+             *args], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health/ready", timeout=5) as resp:
+                    if resp.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the frontend did not start:\n{log.read_text()}", pytrace=False)
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
 
 
 def scrape(server: ServerHandle) -> Metrics:

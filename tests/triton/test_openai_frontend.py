@@ -7,27 +7,22 @@ away cancels its request and leaves no page held."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 
 import openai
 import pytest
 
 from backend.triton.server import ServerHandle
 from client.generate import GenerateParams, generate_http
-from tests.triton.conftest import free_ports
 from tests.triton.llm_helpers import (
     idle_pool,
     long_prompt,
     pool_state,
+    running_frontend,
     scrape,
     value,
     wait_until,
@@ -35,35 +30,6 @@ from tests.triton.llm_helpers import (
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
-
-
-@contextmanager
-def running_frontend(llm_server: ServerHandle, log: Path, *args: str) -> Iterator[str]:
-    """A frontend process in front of `llm_server`: its base URL (http://127.0.0.1:PORT),
-    stopped at the end."""
-    [port] = free_ports(1)
-    with open(log, "w") as out:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "backend.openai_api", "--triton-url", llm_server.urls.grpc,
-             "--model-repository", str(llm_server.model_repository), "--port", str(port),
-             *args], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health/ready", timeout=5) as resp:
-                    if resp.status == 200:
-                        break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the frontend did not start:\n{log.read_text()}", pytrace=False)
-            time.sleep(0.2)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=20)
 
 
 @pytest.fixture(scope="module")
@@ -555,12 +521,15 @@ def test_auto_tool_choice_answers_with_text_or_calls(sdk: openai.OpenAI):
         assert choice.message.content == content
 
 
-def test_auto_reads_the_calls_the_model_writes(sdk: openai.OpenAI):
+@pytest.mark.parametrize("call", [
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}',  # Hermes JSON (Qwen3)
+    "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>",  # Qwen3.5
+])
+def test_auto_reads_the_calls_the_model_writes(sdk: openai.OpenAI, call: str):
     """The tiny model was never taught to call tools, so a regex guide makes it write text
-    then a call in Qwen's layout: "auto" returns the text as content and the call as a tool
-    call (finish_reason "tool_calls"), streamed the same (the tag's start held back)."""
-    written = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' \
-              '\n</tool_call>'
+    then a call in one of Qwen's layouts: "auto" returns the text as content and the call as
+    a tool call (finish_reason "tool_calls"), streamed the same (the tag's start held back)."""
+    written = f"Checking.\n<tool_call>\n{call}\n</tool_call>"
     regex = "".join("\\" + c if c in '{}.[]()' else c for c in written)
     ask = dict(model="ensemble", messages=[{"role": "user", "content": "Weather in Oslo?"}],
                tools=[WEATHER, CLOCK], max_tokens=len(written) + 8,
@@ -585,7 +554,8 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
     """`--reasoning-parser qwen3`: a regex guide makes the tiny model think before its answer
     (and before a call); the <think> block comes back as reasoning_content, the rest as
     content or tool calls, streamed the same; a frontend without the parser returns it all
-    as content."""
+    as content (that one reads tool calls in Nemotron's layout: `--tool-call-parser
+    nemotron`)."""
     thought, answer = "I should look it up.", "It is sunny."
     written = f"<think>\n{thought}\n</think>\n\n{answer}"
     call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -616,6 +586,11 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
         assert choice.message.reasoning_content == thought
         assert choice.finish_reason == "tool_calls"
         assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+        # a call straight out of the thinking (no </think>) ends it, with tools
+        choice = sdk.chat.completions.create(**ask(f"<think>{thought}{call}",
+                                                   tools=[CLOCK])).choices[0]
+        assert choice.message.reasoning_content == thought and choice.message.content is None
+        assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
         # an answer without a think block is all content
         plain = sdk.chat.completions.create(**ask(answer)).choices[0].message
         assert (plain.reasoning_content, plain.content) == (None, answer)
@@ -628,11 +603,23 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
         assert thinking.type == "reasoning" and thinking.content[0].text == f"\n{thought}\n"
         assert response.output_text == answer and response.status == "completed"
         assert response.usage.output_tokens_details.reasoning_tokens == len(f"\n{thought}\n")
-    with running_frontend(llm_server, tmp_path / "plain.log") as url:
+    # no reasoning parser; tool calls in Nemotron's layout
+    with running_frontend(llm_server, tmp_path / "plain.log",
+                          "--tool-call-parser", "nemotron") as url:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         message = sdk.chat.completions.create(**ask(written)).choices[0].message
         assert message.content == written
         assert getattr(message, "reasoning_content", None) is None
+        calls = '<TOOLCALL>[{"name": "get_time", "arguments": {}}, {"name": "get_weather", ' \
+                '"arguments": {"city": "Rome"}}]</TOOLCALL>'
+        choice = sdk.chat.completions.create(**ask(calls, tools=[CLOCK, WEATHER])).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert [(c.function.name, json.loads(c.function.arguments))
+                for c in choice.message.tool_calls] == [("get_time", {}),
+                                                        ("get_weather", {"city": "Rome"})]
+        # Qwen's layout is text there
+        choice = sdk.chat.completions.create(**ask(call, tools=[CLOCK])).choices[0]
+        assert choice.message.content == call and choice.message.tool_calls is None
 
 
 def test_responses_equal_the_chat_streamed_or_not(sdk: openai.OpenAI):

@@ -1,0 +1,167 @@
+"""KV-aware routing over several Triton replicas of one model (`--triton-url` more than once).
+
+Each replica's prefix cache announces its pages (`kv_events_endpoint`, `--kv-events` here in
+the same order; `backend/cache/events.py`); `Router` keeps one index of page hashes per
+replica from those events (a thread reads them) and sends each prompt to the replica that
+holds its longest cached prefix: the prompt's page hashes are computed as the server computes
+them (its `cache_salt`, page by page), so the count is the `cached_tokens` that replica will
+report. Ties (no replica holds any of it, or several hold as much) go to the replica with the
+fewest requests in flight, then in turn. A replica without events gets the ties only.
+
+The index is a hint: a page may leave a replica between the choice and the request's arrival
+(the request then computes it), and nothing is ever served from it. A replica that restarts
+says AllBlocksCleared (its index empties). With a replay endpoint (`--kv-events PUB,REPLAY`)
+the index starts from the messages the replica still keeps, and a lost message (a gap in the
+sequence numbers) is read again from it; without one, pages announced before the frontend
+came are not known, and a gap empties the index until the replica announces pages again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from backend.cache.events import page_hash
+from backend.cache.radix import encode_tokens
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PAGE_SIZE = 64
+
+
+@dataclass
+class ReplicaIndex:
+    """One replica's announced pages and its requests in flight."""
+
+    pages: set[int] = field(default_factory=set)
+    page_size: int = DEFAULT_PAGE_SIZE
+    inflight: int = 0
+    routed: int = 0  # requests sent to it
+    events: bool = False  # it publishes events
+
+    def apply(self, message) -> None:
+        """One event message (`client.kv_events.Message`)."""
+        for event in message.events:
+            if event[0] == "BlockStored":
+                self.pages.update(event[1])
+                self.page_size = int(event[4])
+            elif event[0] == "BlockRemoved":
+                self.pages.difference_update(event[1])
+            elif event[0] == "AllBlocksCleared":
+                self.pages.clear()
+
+
+class Router:
+    def __init__(self, num_replicas: int, events: Sequence[str | None] = (),
+                 max_imbalance: int = 16) -> None:
+        """`events`: per replica, "PUB" or "PUB,REPLAY" endpoints (None / missing: none).
+        `max_imbalance`: a replica with this many more requests in flight than the least
+        busy one gets no more until that evens out (a hot prefix does not pile every request
+        on one replica), as SGLang's router's balance threshold."""
+        self.replicas = [ReplicaIndex() for _ in range(num_replicas)]
+        self.max_imbalance = max_imbalance
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._stop = threading.Event()
+        self._threads = []
+        from client.kv_events import KvEventSubscriber
+
+        subscribers = []
+        try:
+            for spec in events:
+                pub, _, replay = (spec or "").partition(",")
+                subscribers.append(KvEventSubscriber(pub, replay or None) if pub else None)
+        except Exception as exc:  # zmq.ZMQError: a malformed endpoint
+            for sub in subscribers:
+                if sub is not None:
+                    sub.close()
+            raise ValueError(f"--kv-events {spec!r}: {exc}") from None
+        for i, sub in enumerate(subscribers):
+            if sub is not None:
+                self.replicas[i].events = True
+                thread = threading.Thread(target=self._follow, args=(i, sub),
+                                          name=f"kv-events-{i}", daemon=True)
+                thread.start()
+                self._threads.append(thread)
+
+    def cached_tokens(self, replica: int, ids: Sequence[int], salt: str = "") -> int:
+        """The prefix of `ids` that `replica` announced, in tokens."""
+        size = self.replicas[replica].page_size
+        return self._cached(replica, self._hashes(ids, salt, size), size)
+
+    @staticmethod
+    def _hashes(ids: Sequence[int], salt: str, size: int) -> list[int]:
+        """The page hashes of `ids`' whole pages, as the server computes them."""
+        out, parent = [], None
+        for start in range(0, len(ids) - size + 1, size):
+            parent = page_hash(parent, salt, encode_tokens(list(ids[start:start + size])))
+            out.append(parent)
+        return out
+
+    def _cached(self, replica: int, hashes: list[int], size: int) -> int:
+        pages = self.replicas[replica].pages
+        with self._lock:
+            n = 0
+            while n < len(hashes) and hashes[n] in pages:
+                n += 1
+        return n * size
+
+    def pick(self, ids: Sequence[int], salt: str = "") -> int:
+        """The replica for a prompt of `ids` (counted in flight until `done`)."""
+        chains: dict[int, list[int]] = {}  # page size -> hashes (one size for one model)
+        scores = []
+        for i, r in enumerate(self.replicas):
+            if r.events and r.pages:
+                hashes = chains.get(r.page_size)
+                if hashes is None:
+                    hashes = chains[r.page_size] = self._hashes(ids, salt, r.page_size)
+                scores.append(self._cached(i, hashes, r.page_size))
+            else:
+                scores.append(0)
+        with self._lock:
+            least = min(r.inflight for r in self.replicas)
+            open_ = [i for i, r in enumerate(self.replicas)
+                     if r.inflight - least <= self.max_imbalance]
+            best = max(scores[i] for i in open_)
+            tied = [i for i in open_ if scores[i] == best]
+            fewest = min(self.replicas[i].inflight for i in tied)
+            tied = [i for i in tied if self.replicas[i].inflight == fewest]
+            choice = tied[self._turn % len(tied)]
+            self._turn += 1
+            self.replicas[choice].inflight += 1
+            self.replicas[choice].routed += 1
+        return choice
+
+    def stats(self) -> list[dict]:
+        """Each replica's requests routed, in flight, announced pages, and whether it has
+        events."""
+        with self._lock:
+            return [{"routed": r.routed, "inflight": r.inflight, "pages": len(r.pages),
+                     "events": r.events} for r in self.replicas]
+
+    def done(self, replica: int) -> None:
+        with self._lock:
+            self.replicas[replica].inflight -= 1
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+
+    def _follow(self, i: int, subscriber) -> None:
+        """Applies replica `i`'s events as they come (its own thread owns `subscriber`); where
+        some were lost, the index starts over (it only forgets pages: a request routed
+        elsewhere computes them, nothing is served wrong)."""
+        index = self.replicas[i]
+        try:
+            for message in subscriber.follow(stop=self._stop):
+                with self._lock:
+                    if message.gap:
+                        index.pages.clear()
+                    index.apply(message)
+        except Exception:
+            log.exception("kv-events of replica %d stopped", i)
+        finally:
+            subscriber.close()
