@@ -14,12 +14,17 @@ says AllBlocksCleared (its index empties). With a replay endpoint (`--kv-events 
 the index starts from the messages the replica still keeps, and a lost message (a gap in the
 sequence numbers) is read again from it; without one, pages announced before the frontend
 came are not known, and a gap empties the index until the replica announces pages again.
+
+A replica that cannot be reached (the request failed before its first response: gRPC
+UNAVAILABLE) is marked down for `down_s` seconds and the request goes to the next best one;
+a down replica gets requests again after that, or sooner when no other is up.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +34,7 @@ from backend.cache.radix import encode_tokens
 log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 64
+DEFAULT_DOWN_S = 5.0
 
 
 @dataclass
@@ -40,6 +46,8 @@ class ReplicaIndex:
     inflight: int = 0
     routed: int = 0  # requests sent to it
     events: bool = False  # it publishes events
+    down_until: float = 0.0  # time.monotonic() before which it gets no requests
+    failures: int = 0  # requests that could not reach it
 
     def apply(self, message) -> None:
         """One event message (`client.kv_events.Message`)."""
@@ -55,13 +63,15 @@ class ReplicaIndex:
 
 class Router:
     def __init__(self, num_replicas: int, events: Sequence[str | None] = (),
-                 max_imbalance: int = 16) -> None:
+                 max_imbalance: int = 16, down_s: float = DEFAULT_DOWN_S) -> None:
         """`events`: per replica, "PUB" or "PUB,REPLAY" endpoints (None / missing: none).
         `max_imbalance`: a replica with this many more requests in flight than the least
         busy one gets no more until that evens out (a hot prefix does not pile every request
-        on one replica), as SGLang's router's balance threshold."""
+        on one replica), as SGLang's router's balance threshold. `down_s`: how long a
+        replica that could not be reached is passed over."""
         self.replicas = [ReplicaIndex() for _ in range(num_replicas)]
         self.max_imbalance = max_imbalance
+        self.down_s = down_s
         self._lock = threading.Lock()
         self._turn = 0
         self._stop = threading.Event()
@@ -108,8 +118,11 @@ class Router:
                 n += 1
         return n * size
 
-    def pick(self, ids: Sequence[int], salt: str = "") -> int:
-        """The replica for a prompt of `ids` (counted in flight until `done`)."""
+    def pick(self, ids: Sequence[int], salt: str = "", exclude: Sequence[int] = ()) -> int:
+        """The replica for a prompt of `ids` (counted in flight until `done`), none of
+        `exclude` (those a retry already tried), an up one where any is."""
+        if len(exclude) >= len(self.replicas):
+            raise ValueError("every replica is excluded")
         chains: dict[int, list[int]] = {}  # page size -> hashes (one size for one model)
         scores = []
         for i, r in enumerate(self.replicas):
@@ -120,10 +133,14 @@ class Router:
                 scores.append(self._cached(i, hashes, r.page_size))
             else:
                 scores.append(0)
+        now = time.monotonic()
         with self._lock:
-            least = min(r.inflight for r in self.replicas)
-            open_ = [i for i, r in enumerate(self.replicas)
-                     if r.inflight - least <= self.max_imbalance]
+            allowed = [i for i in range(len(self.replicas)) if i not in exclude]
+            up = [i for i in allowed if self.replicas[i].down_until <= now]
+            allowed = up or allowed
+            least = min(self.replicas[i].inflight for i in allowed)
+            open_ = [i for i in allowed
+                     if self.replicas[i].inflight - least <= self.max_imbalance]
             best = max(scores[i] for i in open_)
             tied = [i for i in open_ if scores[i] == best]
             fewest = min(self.replicas[i].inflight for i in tied)
@@ -134,12 +151,22 @@ class Router:
             self.replicas[choice].routed += 1
         return choice
 
+    def failed(self, replica: int) -> None:
+        """`replica` could not be reached: passed over for `down_s` seconds."""
+        with self._lock:
+            r = self.replicas[replica]
+            r.down_until = time.monotonic() + self.down_s
+            r.failures += 1
+        log.warning("replica %d unreachable: passed over for %.1f s", replica, self.down_s)
+
     def stats(self) -> list[dict]:
-        """Each replica's requests routed, in flight, announced pages, and whether it has
-        events."""
+        """Each replica's requests routed, in flight, announced pages, whether it has events,
+        whether it is up (not passed over after a failure) and its failures."""
+        now = time.monotonic()
         with self._lock:
             return [{"routed": r.routed, "inflight": r.inflight, "pages": len(r.pages),
-                     "events": r.events} for r in self.replicas]
+                     "events": r.events, "up": r.down_until <= now, "failures": r.failures}
+                    for r in self.replicas]
 
     def done(self, replica: int) -> None:
         with self._lock:

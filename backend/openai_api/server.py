@@ -165,29 +165,48 @@ class Run:
             self.tasks.append(asyncio.create_task(self._pump(p, fields)))
 
     async def _pump(self, p: int, fields: dict[str, Any]) -> None:
-        state, replica = self.state, None
-        upstream = state.upstream
-        if state.router is not None:
+        state = self.state
+        if state.router is None:
+            error = await self._relay(p, state.upstream, fields)
+        else:  # several replicas: the best one; an unreachable one hands over to the next
             ids = state.tokenizer.encode(fields["text_input"],
                                          add_special_tokens=state.served.add_special_tokens) \
                 if state.tokenizer is not None else []
-            replica = state.router.pick(ids, fields.get("cache_salt") or "")
-            upstream = state.upstreams[replica]
+            salt = fields.get("cache_salt") or ""
+            tried: list[int] = []
+            while True:
+                replica = state.router.pick(ids, salt, exclude=tried)
+                try:
+                    error = await self._relay(p, state.upstreams[replica], fields)
+                finally:
+                    state.router.done(replica)
+                if error is None or error[1].status != 503:
+                    break
+                state.router.failed(replica)
+                tried.append(replica)
+                if error[0] or len(tried) == len(state.upstreams):
+                    break  # it had answered (no second try), or none is left
+        if error is not None:
+            await self.queue.put((p, None, error[1]))
+            return
+        await self.queue.put((p, None, None))  # this prompt's requests are done
+
+    async def _relay(self, p: int, upstream: Upstream,
+                     fields: dict[str, Any]) -> tuple[bool, UpstreamError] | None:
+        """Puts the prompt's responses from `upstream` on the queue; its error (and whether
+        any response came before it), None when all came."""
+        answered = False
         try:
             async for response in upstream.generate(fields):
+                answered = True
                 await self.queue.put((p, response, None))
         except UpstreamError as exc:
-            await self.queue.put((p, None, exc))
-            return
+            return answered, exc
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a broken channel: reported to the client, not raised here
-            await self.queue.put((p, None, UpstreamError(f"{type(exc).__name__}: {exc}")))
-            return
-        finally:
-            if replica is not None:
-                state.router.done(replica)
-        await self.queue.put((p, None, None))  # this prompt's requests are done
+            return answered, UpstreamError(f"{type(exc).__name__}: {exc}")
+        return None
 
     def cancel(self) -> None:
         for task in self.tasks:
@@ -537,9 +556,9 @@ def _model(state: State, name: str) -> dict[str, Any]:
 
 
 async def health_ready(request: web.Request) -> web.Response:
-    """200 once every replica serves the ensemble."""
+    """200 while a replica serves the ensemble (the router passes over the others)."""
     state = request.app[STATE]
-    ready = all(await asyncio.gather(*(u.ready() for u in state.upstreams)))
+    ready = any(await asyncio.gather(*(u.ready() for u in state.upstreams)))
     return web.Response(status=200 if ready else 503, text="ready" if ready else "not ready")
 
 
@@ -567,7 +586,8 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                    served_names: Sequence[str] = (),
                    reasoning_parser: str | None = None,
                    tool_call_parser: str = "qwen",
-                   kv_events: Sequence[str] = (), max_imbalance: int = 16) -> web.Application:
+                   kv_events: Sequence[str] = (), max_imbalance: int = 16,
+                   down_s: float = 5.0) -> web.Application:
     """The app, connected to Triton (its configuration read once, from the first URL);
     several URLs: replicas of one model, routed by their KV cache events (`kv_events`, one
     "PUB[,REPLAY]" a replica, in the same order; fewer: the rest have none)."""
@@ -580,11 +600,22 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     if tool_call_parser not in LAYOUTS:
         raise ValueError(f"--tool-call-parser must be one of {', '.join(LAYOUTS)}, got "
                          f"{tool_call_parser!r}")
+    import grpc
+
     from backend.tokenizer import load_tokenizer
 
     upstreams = [Upstream(url) for url in urls]
-    upstream = upstreams[0]
-    served = await ServedModel.load(upstream, model_repository)
+    served = None
+    for upstream in upstreams:  # the configuration from the first replica that answers
+        try:
+            served = await ServedModel.load(upstream, model_repository)
+            break
+        except grpc.RpcError as exc:
+            if upstream is upstreams[-1]:
+                raise SystemExit(f"no replica answered: Triton at {upstream.url}: "
+                                 f"{exc.details()}") from None
+            log.warning("Triton at %s: %s; reading the configuration from the next replica",
+                        upstream.url, exc.details())
     for u in upstreams:
         u.input_types = served.input_types
     tokenizer = template = None
@@ -598,7 +629,7 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     app[STATE] = State(upstream, served, list(served_names) or ["ensemble"], tokenizer,
                        template, reasoning_parser=reasoning_parser,
                        tool_layout=LAYOUTS[tool_call_parser], upstreams=upstreams,
-                       router=Router(len(urls), kv_events, max_imbalance)
+                       router=Router(len(urls), kv_events, max_imbalance, down_s)
                        if len(urls) > 1 else None)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -654,8 +685,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="several replicas: one with N more requests in flight than the "
                              "least busy gets none until that evens out, however much of a "
                              "prompt it has cached")
+    parser.add_argument("--router-down-s", type=float, default=5.0, metavar="S",
+                        help="several replicas: one that cannot be reached is passed over for "
+                             "S seconds (its requests go to the next best replica)")
     parser.add_argument("--wait-s", type=float, default=120.0,
-                        help="how long to wait for Triton to be ready at start")
+                        help="how long to wait at start for Triton (one replica) to be ready")
     args = parser.parse_args(argv)
     args.triton_url = args.triton_url or ["127.0.0.1:8001"]
     if len(args.kv_events) > len(args.triton_url):
@@ -664,16 +698,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-async def _wait_ready(url: str, wait_s: float) -> None:
-    upstream = Upstream(url)
+async def _wait_ready(urls: Sequence[str], wait_s: float) -> None:
+    """Waits until one of `urls` serves the ensemble (the others may come later: the router
+    passes over them until they do)."""
+    upstreams = [Upstream(url) for url in urls]
     try:
         deadline = time.monotonic() + wait_s
-        while not await upstream.ready():
+        while not any(await asyncio.gather(*(u.ready() for u in upstreams))):
             if time.monotonic() > deadline:
-                raise SystemExit(f"Triton at {url} did not serve the ensemble within {wait_s} s")
+                raise SystemExit(f"Triton at {', '.join(urls)} did not serve the ensemble "
+                                 f"within {wait_s} s")
             await asyncio.sleep(0.5)
     finally:
-        await upstream.close()
+        for upstream in upstreams:
+            await upstream.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -681,11 +719,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     async def build() -> web.Application:
-        for url in args.triton_url:
-            await _wait_ready(url, args.wait_s)
+        await _wait_ready(args.triton_url, args.wait_s)
         return await make_app(args.triton_url, args.model_repository, args.served_model_name,
                               args.reasoning_parser, args.tool_call_parser, args.kv_events,
-                              args.router_max_imbalance)
+                              args.router_max_imbalance, args.router_down_s)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)

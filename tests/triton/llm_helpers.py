@@ -21,15 +21,17 @@ __all__ = ["Metrics", "scrape", "value"]
 
 
 @contextmanager
-def running_frontend(llm_server: ServerHandle, log: Path, *args: str) -> Iterator[str]:
-    """A frontend process in front of `llm_server`: its base URL (http://127.0.0.1:PORT),
-    stopped at the end."""
+def running_frontend(llm_server: ServerHandle, log: Path, *args: str,
+                     first_url: str | None = None) -> Iterator[str]:
+    """A frontend process in front of `llm_server` (its gRPC address, or `first_url`, the
+    first --triton-url): its base URL (http://127.0.0.1:PORT), stopped at the end."""
     from tests.triton.conftest import free_ports
 
     [port] = free_ports(1)
     with open(log, "w") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "backend.openai_api", "--triton-url", llm_server.urls.grpc,
+            [sys.executable, "-m", "backend.openai_api", "--triton-url",
+             first_url or llm_server.urls.grpc,
              "--model-repository", str(llm_server.model_repository), "--port", str(port),
              *args], stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -70,6 +70,32 @@ def test_a_busy_replica_is_passed_over_past_the_imbalance_limit():
     assert router.pick(hot) == 0
 
 
+def test_an_unreachable_replica_is_passed_over_until_its_time_is_up():
+    router = Router(3, down_s=0.3)
+    for r in router.replicas:
+        r.events = True
+    ids = list(range(1, 129))
+    router.replicas[1].apply(_message(0, [_stored(ids)]))
+    assert router.pick(ids) == 1
+    router.done(1)
+    router.failed(1)  # the best replica is down: the next best, then in turn
+    assert sorted(router.pick(ids) for _ in range(4)) == [0, 0, 2, 2]
+    for replica in (0, 0, 2, 2):
+        router.done(replica)
+    assert router.pick(ids, exclude=[0]) == 2  # a retry: not the one it tried
+    router.done(2)
+    stats = router.stats()
+    assert not stats[1]["up"] and stats[1]["failures"] == 1 and stats[0]["up"]
+    router.failed(0)
+    router.failed(2)
+    assert router.pick(ids) == 1  # every replica down: the best one all the same
+    router.done(1)
+    with pytest.raises(ValueError, match="excluded"):
+        router.pick(ids, exclude=[0, 1, 2])
+    time.sleep(0.35)
+    assert all(r["up"] for r in router.stats()) and router.pick(ids) == 1
+
+
 def test_the_index_follows_a_publisher_from_its_replay():
     """Pages announced before the router came are read from the replay; a restarted
     publisher (sequence numbers from 0, AllBlocksCleared) empties the index."""
@@ -142,3 +168,25 @@ def test_each_turn_goes_where_the_conversation_is_cached(replicas, tmp_path):
         routed = [r["routed"] for r in stats["replicas"]]
         assert sum(routed) == 9 and min(routed) >= 3  # the three chats spread over both
         assert all(r["events"] and r["pages"] > 0 for r in stats["replicas"])
+
+
+def test_requests_routed_to_an_unreachable_replica_go_to_the_next(replicas, tmp_path):
+    """A replica that is down (nothing listens on its port), first on the command line: the
+    frontend starts from the other's configuration, is ready, and every request is answered;
+    /router shows the down one with its failures."""
+    servers, _ = replicas
+    [dead] = free_ports(1)
+    with running_frontend(servers[0], tmp_path / "failover.log", "--triton-url",
+                          servers[0].urls.grpc, "--router-down-s", "60",
+                          first_url=f"127.0.0.1:{dead}") as url:
+        sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        for i in range(4):
+            reply = sdk.completions.create(model="ensemble", prompt=f"{uuid.uuid4().hex} {i}",
+                                           max_tokens=3, extra_body={"top_k": 1})
+            assert reply.choices[0].finish_reason == "length"
+        with urllib.request.urlopen(f"{url}/router") as resp:
+            down, live = json.loads(resp.read())["replicas"]
+        # the first tie went to the down replica, which failed once and was then passed over
+        assert down["failures"] == 1 and not down["up"] and down["routed"] == 1
+        assert live["up"] and live["failures"] == 0 and live["routed"] == 4
+        assert down["inflight"] == live["inflight"] == 0
