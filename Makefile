@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 MODEL_REPO ?= model_repo
 
-.PHONY: install test lint serve openai clean model model-nemotron-h
+.PHONY: install test lint serve openai clean model model-nemotron-h lm-eval-venv
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -65,6 +65,15 @@ model-nemotron-h: $(STAMP)
 	$(TRAIN) --init-from runs/nh_stage1 --out $(NH_DIR) --work-dir runs/nh_stage2_work $(STAGE2)
 	$(PY) -m engine_build.evaluate --model $(NH_DIR)
 	$(PY) -m engine_build.calibrate --model $(NH_DIR) --anchors-per-page 4 16
+
+# lm-evaluation-harness in an environment of its own (it wants numpy 2; the server's
+# nvidia-pytriton keeps numpy 1): `$(PY) -m client.bench.lm_eval_check` drives it.
+EVAL_VENV ?= .venv-eval
+lm-eval-venv: $(EVAL_VENV)/bin/lm_eval
+$(EVAL_VENV)/bin/lm_eval:
+	$(PYTHON) -m venv $(EVAL_VENV)
+	$(EVAL_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(EVAL_VENV)/bin/pip install --quiet "lm-eval[api]>=0.4.9" "transformers>=5.0,<6"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
