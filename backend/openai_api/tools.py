@@ -329,8 +329,7 @@ def _xml_value(text: str, schema: Any) -> Any:
         text = text[1:]
     if text.endswith("\n"):
         text = text[:-1]
-    kinds = schema.get("type") if isinstance(schema, dict) else None
-    kinds = set(kinds) if isinstance(kinds, list) else {kinds}
+    kinds = _types(schema)
     word = text.strip()
     if "string" in kinds or kinds == {None}:
         return text
@@ -356,6 +355,27 @@ def _xml_value(text: str, schema: Any) -> Any:
         except ValueError:
             continue
     return text
+
+
+def _types(schema: Any) -> set[str | None]:
+    """The JSON types a schema admits: its `type` (one or a list), its `anyOf` / `oneOf`
+    members' (nullable unions included), the types of its `enum` / `const` values; {None}
+    where it says none of these (any value)."""
+    if not isinstance(schema, dict):
+        return {None}
+    kind = schema.get("type")
+    if kind is not None:
+        return set(kind) if isinstance(kind, list) else {kind}
+    members = [m for key in ("anyOf", "oneOf") for m in schema.get(key) or []]
+    if members:
+        kinds = set().union(*(_types(m) for m in members))
+        return {None} if None in kinds else kinds
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if isinstance(values, list) and values:
+        names = {bool: "boolean", int: "integer", float: "number", str: "string",
+                 type(None): "null", dict: "object", list: "array"}
+        return {names[type(v)] for v in values if type(v) in names} or {None}
+    return {None}
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:

@@ -427,3 +427,25 @@ def test_an_earlier_steps_reasoning_reaches_the_template():
     with pytest.raises(RequestError, match="reasoning_content must be a string"):
         parse_chat(chat(messages=[{"role": "assistant", "content": "", "reasoning": 3}]),
                    MODELS, template)
+
+
+def test_xml_values_take_the_types_of_unions_enums_and_consts():
+    """A parameter typed by `anyOf` / `oneOf` (a nullable integer as pydantic writes it),
+    `enum` or `const` converts as its members' types say; a union with string stays text."""
+    schema = {"type": "object", "properties": {
+        "n": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        "level": {"enum": [1, 2, 3]}, "mode": {"enum": ["fast", "slow"]},
+        "on": {"const": True}, "spec": {"oneOf": [{"type": "object"}, {"type": "array"}]},
+        "either": {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+        "open": {"anyOf": [{"type": "integer"}, {}]}}}
+    params = {"n": "7", "level": "2", "mode": "fast", "on": "true", "spec": "[1, 2]",
+              "either": "5", "open": "5"}
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    _, [call] = read_calls(f"<tool_call>\n<function=f>\n{body}</function>\n</tool_call>",
+                           {"f": schema})
+    assert json.loads(call["function"]["arguments"]) == {
+        "n": 7, "level": 2, "mode": "fast", "on": True, "spec": [1, 2], "either": "5",
+        "open": "5"}
+    _, [call] = read_calls("<tool_call>\n<function=f>\n<parameter=n>\nnull\n</parameter>\n"
+                           "</function>\n</tool_call>", {"f": schema})
+    assert json.loads(call["function"]["arguments"]) == {"n": None}
