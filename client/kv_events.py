@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -15,13 +16,18 @@ from typing import Any, NamedTuple
 import msgpack
 import zmq
 
+from backend.cache.events import decode_event
+
+log = logging.getLogger(__name__)
 END = -1  # the replay's last message
 
 
 class Message(NamedTuple):
     seq: int  # from 0, one per engine step that changed the cache
     ts: float  # the server's time.time() when it was made
-    events: list[list[Any]]  # ["BlockStored", ...], ["BlockRemoved", ...], ["AllBlocksCleared"]
+    # ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name],
+    # ["BlockRemoved", hashes, medium], ["AllBlocksCleared"] (events.FIELDS' order)
+    events: list[list[Any]]
     gap: bool = False  # `follow`: messages before this one were lost (what they said unknown)
 
 
@@ -112,5 +118,13 @@ class KvEventSubscriber:
 
 
 def _message(seq: bytes, payload: bytes) -> Message:
-    ts, events = msgpack.unpackb(payload)[:2]
-    return Message(int.from_bytes(seq, "big", signed=True), ts, events)
+    """A message, its events as lists whichever encoding the server sends (maps, or arrays:
+    `kv_events_encoding`); one that does not decode has no events and `gap` set (what it
+    said is lost)."""
+    number = int.from_bytes(seq, "big", signed=True)
+    try:
+        ts, events = msgpack.unpackb(payload)[:2]
+        return Message(number, float(ts), [decode_event(e) for e in events])
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        log.warning("kv-events: message %d does not decode (%s)", number, exc)
+        return Message(number, 0.0, [], gap=True)

@@ -6,15 +6,23 @@ as pages come and go. This is vLLM's and SGLang's publishing layout, on ZeroMQ:
 
 - a PUB socket (`kv_events_endpoint`, e.g. `tcp://*:5557`) sends one multipart message per
   engine step that changed the cache: [topic, sequence number (8 bytes, big-endian, from 0),
-  payload]; the payload is msgpack `[timestamp, [event, ...]]`, each event an array whose
-  first item names it:
-  - `["BlockStored", [hash, ...], parent hash or None, [token id, ...], page size, None,
-    medium]`: pages that joined the prefix tree, in order along one path (each page's parent
-    is the one before it; the first page's is `parent hash`, None for a prompt's first page);
-    token ids are the pages' tokens, page size of them each; medium is where the KV is now:
-    "device", "dram" or "ssd" (a page restored from SSD at a warm restart);
-  - `["BlockRemoved", [hash, ...], None]`: pages that left the tree (every tier);
-  - `["AllBlocksCleared"]`: the first message of a starting server (forget what it had).
+  payload]; the payload is msgpack `[timestamp, [event, ...]]`, each event a map whose
+  "type" names it (vLLM's encoding since its PR 42892, 2026-06, and SGLang's; Dynamo's and
+  llm-d's decoders read it):
+  - `{"type": "BlockStored", "block_hashes": [hash, ...], "parent_block_hash": hash or None,
+    "token_ids": [id, ...], "block_size": page size, "lora_id": None, "medium": ...,
+    "lora_name": None}`: pages that joined the prefix tree, in order along one path (each
+    page's parent is the one before it; the first page's is `parent_block_hash`, None for a
+    prompt's first page); token ids are the pages' tokens, page size of them each; medium is
+    where the KV is now, in vLLM's names: "GPU" (the device tier), "CPU" (DRAM) or "STORAGE"
+    (SSD: a page restored at a warm restart);
+  - `{"type": "BlockRemoved", "block_hashes": [hash, ...], "medium": None}`: pages that left
+    the tree (every tier);
+  - `{"type": "AllBlocksCleared"}`: the first message of a starting server (forget what it
+    had).
+  `kv_events_encoding: array` sends the same fields as positional arrays instead, the layout
+  of vLLM before that change (`["BlockStored", hashes, parent, token_ids, block_size, None,
+  medium]`, `["BlockRemoved", hashes, None]`, `["AllBlocksCleared"]`), for older consumers.
 - a ROUTER socket (`kv_events_replay_endpoint`, optional) resends missed messages: a DEALER
   sends [b"", start sequence number (8 bytes, big-endian)]; the reply is one [b"", sequence
   number, payload] per kept message from that one on (the last `kv_events_buffer_steps`),
@@ -44,7 +52,12 @@ from backend.cache.radix import TOKEN_BYTES, PageNode
 
 log = logging.getLogger(__name__)
 
-MEDIUM = {Tier.DEVICE: "device", Tier.HOST: "dram", Tier.SSD: "ssd"}
+MEDIUM = {Tier.DEVICE: "GPU", Tier.HOST: "CPU", Tier.SSD: "STORAGE"}  # vLLM's medium names
+ENCODINGS = ("map", "array")
+# Each event's fields in order (the array encoding's positions, the map encoding's keys).
+FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                          "lora_id", "medium", "lora_name"),
+          "BlockRemoved": ("block_hashes", "medium"), "AllBlocksCleared": ()}
 END = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -111,19 +124,48 @@ class KvEventLog:
 def _medium(node: PageNode) -> str:
     """Where the page's KV is: the device unless only a lower tier holds it."""
     if node.kv_page is not None or node.kv_location is None:
-        return "device"
+        return MEDIUM[Tier.DEVICE]
     return MEDIUM[node.kv_location]
+
+
+def encode_event(event: list[Any], encoding: str) -> list[Any] | dict[str, Any]:
+    """An event as `KvEventLog.take` gives it (["BlockStored", ...]) in `encoding`."""
+    if encoding == "array":
+        return event
+    fields = FIELDS[event[0]]
+    values = list(event[1:]) + [None] * (len(fields) - len(event) + 1)
+    return {"type": event[0], **dict(zip(fields, values))}
+
+
+def decode_event(event: Any) -> list[Any]:
+    """An event in either encoding as a list: its name, then its fields in FIELDS' order
+    (absent ones None); fields a newer publisher adds are ignored. ValueError where it is
+    neither."""
+    if isinstance(event, dict):
+        kind = event.get("type")
+        if kind not in FIELDS:
+            raise ValueError(f"unknown KV event {kind!r}")
+        return [kind, *(event.get(f) for f in FIELDS[kind])]
+    if isinstance(event, (list, tuple)) and event and event[0] in FIELDS:
+        n = len(FIELDS[event[0]])
+        return [event[0], *event[1:n + 1], *[None] * (n + 1 - len(event))]
+    raise ValueError(f"not a KV event: {event!r:.80}")
 
 
 class KvEventPublisher:
     """Sends a `KvEventLog`'s events over ZeroMQ from its own thread (see the module)."""
 
     def __init__(self, events: KvEventLog, endpoint: str, replay_endpoint: str = "",
-                 topic: str = "kv-events", buffer_steps: int = 10_000) -> None:
+                 topic: str = "kv-events", buffer_steps: int = 10_000,
+                 encoding: str = "map") -> None:
         import msgpack
         import zmq
 
+        if encoding not in ENCODINGS:
+            raise ValueError(f"kv_events_encoding must be one of {', '.join(ENCODINGS)}, got "
+                             f"{encoding!r}")
         self.events = events
+        self.encoding = encoding
         self.topic = topic.encode()
         self._pack = msgpack.Packer(use_bin_type=True).pack
         self._context = zmq.Context()
@@ -136,7 +178,7 @@ class KvEventPublisher:
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._seq = 0  # the next message's number (= messages sent)
         self._flush_lock = threading.Lock()
-        self._queue.put(self._pack([time.time(), [["AllBlocksCleared"]]]))
+        self._queue.put(self._batch([["AllBlocksCleared"]]))
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
@@ -163,7 +205,10 @@ class KvEventPublisher:
         with self._flush_lock:  # taken and queued in one go: messages keep the events' order
             events = self.events.take()
             if events:
-                self._queue.put(self._pack([time.time(), events]))
+                self._queue.put(self._batch(events))
+
+    def _batch(self, events: list[list[Any]]) -> bytes:
+        return self._pack([time.time(), [encode_event(e, self.encoding) for e in events]])
 
     def close(self) -> None:
         self.flush()

@@ -71,11 +71,13 @@ class EngineConfig:
     speculative_adaptive: bool = True
     # KV cache events for KV-aware routers (`backend/cache/events.py`: vLLM's ZeroMQ
     # layout): the PUB endpoint ("tcp://*:5557"; empty: none), an optional replay endpoint
-    # (ROUTER), the topic, and how many messages the replay keeps.
+    # (ROUTER), the topic, how many messages the replay keeps, and the events' encoding
+    # ("map": vLLM's and SGLang's since 2026; "array": their older positional layout).
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = "kv-events"
     kv_events_buffer_steps: int = 10_000
+    kv_events_encoding: str = "map"
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -121,6 +123,9 @@ class EngineConfig:
                                  "graphs return one position's logits a sequence)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_encoding not in ("map", "array"):
+            raise ValueError(f"kv_events_encoding must be map or array, got "
+                             f"{self.kv_events_encoding!r}")
         if self.kv_events_buffer_steps < 1:
             raise ValueError(f"kv_events_buffer_steps must be >= 1, got "
                              f"{self.kv_events_buffer_steps}")

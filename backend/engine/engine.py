@@ -124,7 +124,7 @@ class Engine:
             self.kv_events = KvEventPublisher(
                 self.store.tree.events, self.config.kv_events_endpoint,
                 self.config.kv_events_replay_endpoint, self.config.kv_events_topic,
-                self.config.kv_events_buffer_steps)
+                self.config.kv_events_buffer_steps, self.config.kv_events_encoding)
         self.cache = CacheManager(self.config, self.store, self.executor, self.tiers)
         self.scheduler = Scheduler(self.config, self.cache, self.executor)
         self._entry_bytes = _pool_entry_bytes(self.executor, self.store)

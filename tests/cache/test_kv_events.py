@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 
+import msgpack
 import pytest
 from cache_helpers import cache_tokens, make_store, pages
 
@@ -34,7 +35,7 @@ def test_pages_joining_a_path_are_one_stored_event_with_their_parent():
     cache_tokens(store, pages(1, 2, 3))
     [first] = store.tree.events.take()
     assert first == ["BlockStored", _hashes(pages(1, 2, 3)), None, pages(1, 2, 3), 4, None,
-                     "device"]
+                     "GPU"]
     # a branch after page 2: one new page whose parent is page 2's hash
     cache_tokens(store, pages(1, 2, 7))
     [branch] = store.tree.events.take()
@@ -115,6 +116,8 @@ def test_the_publisher_numbers_its_messages_and_replays_the_kept_ones(publisher)
     removed, stored_again = message.events
     assert message.seq == seq + 1
     assert removed == ["BlockRemoved", list(reversed(_hashes(pages(1, 2)))), None]
+    assert stored == ["BlockStored", _hashes(pages(1, 2)), None, pages(1, 2), 4, None, "GPU",
+                      None]  # every field, in FIELDS' order
     assert stored_again[1] == _hashes(pages(3))
     # replay from 0: only the last 2 messages are kept (buffer_steps=2)
     assert [(m.seq, m.events) for m in subscriber.replay(0)] == [
@@ -130,7 +133,7 @@ def test_a_starting_publisher_first_says_all_blocks_cleared(publisher):
 
 def test_pages_restored_from_ssd_are_announced_again_with_their_hashes(tmp_path):
     """A warm restart: the restarted server's log announces the SSD pages a request reaches,
-    under the hashes they had before, with medium "ssd"."""
+    under the hashes they had before, with medium "STORAGE"."""
     from tier_helpers import PAGE, make_tiered, run_request
     from tier_helpers import pages as big_pages
 
@@ -138,14 +141,85 @@ def test_pages_restored_from_ssd_are_announced_again_with_their_hashes(tmp_path)
     store.tree.events = KvEventLog()
     run_request(store, tiers, big_pages(1, 2, 3))
     [before] = store.tree.events.take()
-    assert before[6] == "device" and before[4] == PAGE
+    assert before[6] == "GPU" and before[4] == PAGE
     tiers.close()
     store2, tiers2 = make_tiered(tmp_path, num_kv_pages=8, host_pages=4)
     store2.tree.events = KvEventLog()
     store2.match_prefix(big_pages(1, 2, 3))  # restores the namespace
     [after] = store2.tree.events.take()
-    assert after[1] == before[1] and after[3] == before[3] and after[6] == "ssd"
+    assert after[1] == before[1] and after[3] == before[3] and after[6] == "STORAGE"
     tiers2.close()
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_the_wire_carries_vllms_map_encoding_or_on_request_its_older_arrays(encoding):
+    """What a consumer with vLLM's msgspec types reads: the batch an array [ts, events]; each
+    event a map tagged by "type" with vLLM's field names (the default), or the positional
+    array of vLLM before it switched (`kv_events_encoding: array`)."""
+    import zmq
+
+    store = _store()
+    endpoint = f"tcp://127.0.0.1:{_free_port()}"
+    context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, 5000)
+    sub.connect(endpoint)
+    events = KvEventPublisher(store.tree.events, endpoint, encoding=encoding)
+    try:
+        time.sleep(0.5)  # the slow joiner
+        cache_tokens(store, pages(1, 2))
+        store.evict(10)
+        events.flush()
+        while True:
+            topic, seq, payload = sub.recv_multipart()
+            batch = msgpack.unpackb(payload)
+            if batch[1][0] not in ({"type": "AllBlocksCleared"}, ["AllBlocksCleared"]):
+                break
+        assert topic == b"kv-events" and len(batch) == 2 and isinstance(batch[0], float)
+        stored, removed = batch[1]
+        hashes = _hashes(pages(1, 2))
+        if encoding == "map":
+            assert stored == {"type": "BlockStored", "block_hashes": hashes,
+                              "parent_block_hash": None, "token_ids": pages(1, 2),
+                              "block_size": 4, "lora_id": None, "medium": "GPU",
+                              "lora_name": None}
+            assert removed == {"type": "BlockRemoved", "block_hashes": hashes[::-1],
+                               "medium": None}
+        else:
+            assert stored == ["BlockStored", hashes, None, pages(1, 2), 4, None, "GPU"]
+            assert removed == ["BlockRemoved", hashes[::-1], None]
+    finally:
+        events.close()
+        sub.close()
+        context.term()
+
+
+def test_events_decode_from_either_encoding_and_bad_ones_are_refused():
+    from backend.cache.events import decode_event
+
+    newer = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": 4,
+             "token_ids": [1, 2], "block_size": 2, "medium": "CPU", "group_idx": 0,
+             "extra_keys": None}  # fields a newer vLLM adds are ignored; missing ones None
+    assert decode_event(newer) == ["BlockStored", [5], 4, [1, 2], 2, None, "CPU", None]
+    assert decode_event(["BlockStored", [5], 4, [1, 2], 2, None]) == \
+        ["BlockStored", [5], 4, [1, 2], 2, None, None, None]  # vLLM's oldest: 6 fields
+    assert decode_event({"type": "AllBlocksCleared"}) == ["AllBlocksCleared"]
+    for bad in ({"type": "BlockMoved"}, ["BlockMoved", 1], 7, [], {"block_hashes": [1]}):
+        with pytest.raises(ValueError):
+            decode_event(bad)
+
+
+def test_a_message_that_does_not_decode_is_a_gap():
+    from client.kv_events import _message
+
+    ok = _message((3).to_bytes(8, "big"), msgpack.packb(
+        [1.5, [{"type": "BlockRemoved", "block_hashes": [9], "medium": None}]]))
+    assert ok == (3, 1.5, [["BlockRemoved", [9], None]], False)
+    for payload in (b"\xc1", msgpack.packb([1.5, [{"type": "Nope"}]]),
+                    msgpack.packb(7)):
+        message = _message((4).to_bytes(8, "big"), payload)
+        assert message.seq == 4 and message.events == [] and message.gap
 
 
 def test_bad_settings_are_errors_that_name_them():
@@ -156,6 +230,11 @@ def test_bad_settings_are_errors_that_name_them():
     with pytest.raises(ValueError, match="kv_events_buffer_steps must be >= 1"):
         EngineConfig.from_params({"kv_events_endpoint": "tcp://*:5557",
                                   "kv_events_buffer_steps": "0"})
+    with pytest.raises(ValueError, match="kv_events_encoding must be map or array"):
+        EngineConfig.from_params({"kv_events_endpoint": "tcp://*:5557",
+                                  "kv_events_encoding": "json"})
+    with pytest.raises(ValueError, match="kv_events_encoding must be one of map, array"):
+        KvEventPublisher(KvEventLog(), "tcp://127.0.0.1:1", encoding="json")
     with pytest.raises(ValueError, match="kv_events_endpoint 'nonsense' cannot be bound"):
         KvEventPublisher(KvEventLog(), "nonsense")
     port = _free_port()
