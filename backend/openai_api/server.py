@@ -39,6 +39,7 @@ from aiohttp import web
 
 from backend.openai_api import protocol, responses
 from backend.openai_api.chat import ChatTemplate
+from backend.openai_api.metrics import GENERATION, FrontendMetrics
 from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
 from backend.openai_api.reasoning import PARSERS, ReasoningReader
 from backend.openai_api.router import Router
@@ -62,6 +63,7 @@ class State:
     responses: responses.ResponseStore = field(default_factory=responses.ResponseStore)
     upstreams: list[Upstream] = field(default_factory=list)  # every replica (the first too)
     router: Router | None = None  # several replicas: which one serves a prompt
+    metrics: FrontendMetrics = field(default_factory=FrontendMetrics)  # GET /metrics
 
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.token_names is None:
@@ -115,9 +117,12 @@ class Event(NamedTuple):
 class Run:
     """The Triton requests of one OpenAI request (one a prompt) and its choices' progress."""
 
-    def __init__(self, state: State, plan: Plan) -> None:
+    def __init__(self, state: State, plan: Plan, arrived: float | None = None) -> None:
         self.state = state
         self.plan = plan
+        self.arrived = time.perf_counter() if arrived is None else arrived
+        self.first_at: float | None = None  # the first generated piece (perf_counter)
+        self.last_at = 0.0  # the latest one
         protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
         if plan.logprobs is not None and state.token_names is None:
             raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
@@ -246,14 +251,28 @@ class Run:
                 if choice.stop.stopped or engine_reason:
                     out += choice.stop.flush()
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
-                yield self._read(index, choice, out)
+                yield self._noted(self._read(index, choice, out))
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string
                     closed.add(p)
         for index, choice in enumerate(self.choices):  # ended without a reason: say why
             if choice.reason is None:
                 choice.reason = "stop"
-                yield self._read(index, choice, choice.stop.flush())
+                yield self._noted(self._read(index, choice, choice.stop.flush()))
+
+    def _noted(self, event: Event) -> Event:
+        """`event`, its time noted where it carries something generated."""
+        if event.text or event.calls or event.reasoning:
+            self.last_at = time.perf_counter()
+            if self.first_at is None:
+                self.first_at = self.last_at
+        return event
+
+    def report(self, endpoint: str) -> None:
+        """Its timings and token counts into the frontend's metrics (once it is over)."""
+        ttft = None if self.first_at is None else self.first_at - self.arrived
+        after = 0.0 if self.first_at is None else self.last_at - self.first_at
+        self.state.metrics.answered(endpoint, ttft, after, self.usage())
 
     @staticmethod
     def _read(index: int, choice: Choice, text: str) -> Event:
@@ -348,7 +367,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         plan = (protocol.parse_chat(body, state.names, state.template) if kind == "chat"
                 else protocol.parse_completion(body, state.names))
         # Token-id prompts and the chat default max_tokens tokenize: off the event loop.
-        run = await asyncio.to_thread(Run, state, plan)
+        run = await asyncio.to_thread(Run, state, plan, request.get(ARRIVED))
     except RequestError as exc:
         return _error(exc)
     run.start()
@@ -374,6 +393,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     finally:
         run.cancel()
         await events.aclose()
+        run.report(request.path)
 
 
 async def _stream(request: web.Request, run: Run, events, first) -> web.StreamResponse:
@@ -424,7 +444,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body = await _body(request)
         conv = responses.to_chat(body, state.responses)
         plan = protocol.parse_chat(conv.chat, state.names, state.template)
-        run = await asyncio.to_thread(Run, state, plan)
+        run = await asyncio.to_thread(Run, state, plan, request.get(ARRIVED))
     except RequestError as exc:
         return _error(exc)
     builder = responses.ResponseBuilder(conv, plan.model)
@@ -482,6 +502,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     finally:
         run.cancel()
         await events.aclose()
+        run.report(request.path)
 
 
 async def stored_response(request: web.Request) -> web.Response:
@@ -570,6 +591,42 @@ async def router_stats(request: web.Request) -> web.Response:
                                            for u, c in zip(state.upstreams, counts)]})
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """`GET /metrics`: the frontend's Prometheus metrics (`metrics.py`)."""
+    state = request.app[STATE]
+    replicas = [{"url": u.url, **c} for u, c in zip(state.upstreams, state.router.stats())] \
+        if state.router is not None else []
+    return web.Response(text=state.metrics.text(replicas),
+                        content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+ARRIVED = "arrived"  # the request's arrival (perf_counter), set by `observed`
+
+
+@web.middleware
+async def observed(request: web.Request, handler) -> web.StreamResponse:
+    """Counts every request by route and status; times generation requests."""
+    request[ARRIVED] = time.perf_counter()
+    resource = request.match_info.route.resource
+    endpoint = resource.canonical if resource is not None else "unmatched"
+    generation = request.method == "POST" and endpoint in GENERATION
+    table = request.app[STATE].metrics
+    if generation:
+        table.started(endpoint)
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    finally:
+        table.finished(endpoint, status,
+                       time.perf_counter() - request[ARRIVED] if generation else None)
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler) -> web.StreamResponse:
     """aiohttp's own errors (unknown route, wrong method) as OpenAI error bodies."""
@@ -625,7 +682,7 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     else:
         log.warning("no tokenizer folder under %s: chat and a missing max_tokens are refused",
                     model_repository)
-    app = web.Application(middlewares=[json_errors], client_max_size=64 << 20)
+    app = web.Application(middlewares=[observed, json_errors], client_max_size=64 << 20)
     app[STATE] = State(upstream, served, list(served_names) or ["ensemble"], tokenizer,
                        template, reasoning_parser=reasoning_parser,
                        tool_layout=LAYOUTS[tool_call_parser], upstreams=upstreams,
@@ -642,6 +699,7 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/router", router_stats)
+    app.router.add_get("/metrics", metrics)
 
     async def close(app: web.Application) -> None:
         state = app[STATE]

@@ -681,3 +681,57 @@ def test_responses_call_a_tool_and_continue_from_the_stored_response(sdk: openai
     status, body = post(frontend, "/v1/responses", {
         "model": "ensemble", "input": "x", "tools": [{"type": "web_search"}]})
     assert status == 400 and "only function tools" in body["error"]["message"]
+
+
+def test_metrics_count_requests_tokens_and_time_the_answers(frontend: str, sdk: openai.OpenAI):
+    """`GET /metrics`: each request by route and status, the answers' tokens as their usage
+    says, and a time to first token, a time per output token and an end-to-end latency per
+    generation; histograms cumulative up to +Inf = their count."""
+    from client.metrics import scrape as scrape_url
+
+    name = "suffixreplay_frontend_"
+    before = scrape_url(frontend)
+
+    def delta(metric: str, **labels: str) -> float:
+        now = value(after, name + metric, **labels)
+        try:
+            return now - value(before, name + metric, **labels)
+        except KeyError:  # the first of its kind
+            return now
+
+    done = sdk.completions.create(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                  extra_body=greedy())
+    chunks = list(sdk.chat.completions.create(
+        model="ensemble", messages=[{"role": "user", "content": "Hi"}], max_tokens=MAX_TOKENS,
+        stream=True, stream_options={"include_usage": True}, extra_body=greedy()))
+    chat = chunks[-1].usage
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model="ensemble", prompt=PROMPT, max_tokens=-1)
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(f"{frontend}/v1/nothing-here")
+    after = scrape_url(frontend)
+    completions, chats = {"endpoint": "/v1/completions"}, {"endpoint": "/v1/chat/completions"}
+    assert delta("requests_total", status="200", **completions) == 1
+    assert delta("requests_total", status="400", **completions) == 1
+    assert delta("requests_total", status="200", **chats) == 1
+    assert delta("requests_total", endpoint="unmatched", status="404") == 1
+    assert delta("generation_tokens_total", **completions) == done.usage.completion_tokens \
+        == MAX_TOKENS
+    assert delta("prompt_tokens_total", **completions) == done.usage.prompt_tokens
+    assert delta("generation_tokens_total", **chats) == chat.completion_tokens
+    assert delta("cached_prompt_tokens_total", **chats) == \
+        chat.prompt_tokens_details.cached_tokens
+    assert delta("time_to_first_token_seconds_count", **completions) == 1  # not the 400
+    assert delta("time_per_output_token_seconds_count", **chats) == 1
+    assert delta("e2e_request_latency_seconds_count", **completions) == 2
+    assert value(after, name + "requests_running", **completions) == 0
+    for family in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        buckets = sorted((float(dict(labels)["le"]), v) for (n, labels), v in after.items()
+                         if n == f"{name}{family}_bucket" and ("endpoint", "/v1/completions")
+                         in labels)
+        counts = [v for _, v in buckets]
+        assert counts == sorted(counts) and buckets[-1][0] == float("inf")
+        assert counts[-1] == value(after, f"{name}{family}_count", **completions)
+    ttft = delta("time_to_first_token_seconds_sum", **completions)
+    e2e = delta("e2e_request_latency_seconds_sum", **chats)
+    assert 0 < ttft < 60 and 0 < e2e < 60

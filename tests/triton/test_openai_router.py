@@ -18,6 +18,8 @@ from backend.cache.events import KvEventLog, KvEventPublisher, page_hash
 from backend.cache.radix import RadixTree, encode_tokens
 from backend.openai_api.router import Router
 from client.kv_events import Message
+from client.metrics import scrape as scrape_url
+from client.metrics import value
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS, free_ports, launch
 from tests.triton.llm_helpers import running_frontend, wait_until
 
@@ -190,3 +192,10 @@ def test_requests_routed_to_an_unreachable_replica_go_to_the_next(replicas, tmp_
         assert down["failures"] == 1 and not down["up"] and down["routed"] == 1
         assert live["up"] and live["failures"] == 0 and live["routed"] == 4
         assert down["inflight"] == live["inflight"] == 0
+        metrics = scrape_url(url)  # the same on /metrics
+        assert value(metrics, "suffixreplay_frontend_router_up", replica="0") == 0
+        assert value(metrics, "suffixreplay_frontend_router_failures_total", replica="0") == 1
+        assert value(metrics, "suffixreplay_frontend_router_requests_total",
+                     replica="1", url=servers[0].urls.grpc) == 4
+        assert value(metrics, "suffixreplay_frontend_requests_total",
+                     endpoint="/v1/completions", status="200") == 4
