@@ -13,7 +13,11 @@ Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
 def scrape(metrics_url: str) -> Metrics:
     """`metrics_url` is http://host:port (the server's --metrics-port)."""
     with urllib.request.urlopen(f"{metrics_url}/metrics", timeout=10) as resp:
-        text = resp.read().decode("utf-8")
+        return parse(resp.read().decode("utf-8"))
+
+
+def parse(text: str) -> Metrics:
+    """Prometheus' text format -> every sample keyed by (name, labels)."""
     samples: Metrics = {}
     for line in text.splitlines():
         match = SAMPLE.match(line)

@@ -5,17 +5,7 @@ per-replica families; read back by the same parser the served tests use."""
 from __future__ import annotations
 
 from backend.openai_api.metrics import FrontendMetrics, Histogram
-from client.metrics import LABEL, SAMPLE
-
-
-def _parse(text: str) -> dict:
-    out = {}
-    for line in text.splitlines():
-        match = SAMPLE.match(line)
-        if match and not line.startswith("#"):
-            name, labels, value = match.groups()
-            out[(name, frozenset(LABEL.findall(labels or "")))] = float(value)
-    return out
+from client.metrics import parse
 
 
 def test_a_histogram_is_cumulative_and_a_value_on_a_bound_is_in_its_bucket():
@@ -35,7 +25,7 @@ def test_the_exposition_holds_every_family_and_escapes_labels():
                                               "prompt_tokens_details": {"cached_tokens": 3}})
     m.finished("/v1/completions", 200, 0.4)
     m.finished("/v1/models", 200, None)
-    samples = _parse(m.text([{"url": 'h"1:8001', "routed": 2, "inflight": 0, "up": False,
+    samples = parse(m.text([{"url": 'h"1:8001', "routed": 2, "inflight": 0, "up": False,
                               "failures": 1, "pages": 9}]))
     p = "suffixreplay_frontend_"
     c = ("endpoint", "/v1/completions")
