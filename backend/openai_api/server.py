@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -202,7 +203,7 @@ class Run:
         any response came before it), None when all came."""
         answered = False
         try:
-            async for response in upstream.generate(fields):
+            async for response in upstream.generate(fields, self.triton_id(p)):
                 answered = True
                 await self.queue.put((p, response, None))
         except UpstreamError as exc:
@@ -259,6 +260,12 @@ class Run:
             if choice.reason is None:
                 choice.reason = "stop"
                 yield self._noted(self._read(index, choice, choice.stop.flush()))
+
+    def triton_id(self, p: int) -> str:
+        """Prompt `p`'s Triton request id: the response's id without its prefix (the
+        client's X-Request-Id where it sent one), `-p` after it with several prompts."""
+        base = self.plan.id.split("-", 1)[1]
+        return base if len(self.requests) == 1 else f"{base}-{p}"
 
     def _noted(self, event: Event) -> Event:
         """`event`, its time noted where it carries something generated."""
@@ -366,6 +373,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         body = await _body(request)
         plan = (protocol.parse_chat(body, state.names, state.template) if kind == "chat"
                 else protocol.parse_completion(body, state.names))
+        client_id = _request_id(request, body)
+        if client_id is not None:
+            plan.id = f"{plan.id.split('-', 1)[0]}-{client_id}"
         # Token-id prompts and the chat default max_tokens tokenize: off the event loop.
         run = await asyncio.to_thread(Run, state, plan, request.get(ARRIVED))
     except RequestError as exc:
@@ -387,7 +397,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         reasons = [c.reason or "stop" for c in run.choices]
         return web.json_response(protocol.response_body(
             plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls(),
-            run.reasoning()))
+            run.reasoning()), headers={REQUEST_ID: plan.id.split("-", 1)[1]})
     except UpstreamError as exc:
         return _error(_client_error(exc))
     finally:
@@ -399,7 +409,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 async def _stream(request: web.Request, run: Run, events, first) -> web.StreamResponse:
     plan = run.plan
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
+                                           "Cache-Control": "no-cache",
+                                           REQUEST_ID: plan.id.split("-", 1)[1]})
     await response.prepare(request)
 
     async def send(body: Any) -> None:
@@ -548,6 +559,25 @@ async def detokenize(request: web.Request) -> web.Response:
         return web.json_response(protocol.detokenize_body(body, state.names, state.tokenizer))
     except RequestError as exc:
         return _error(exc)
+
+
+REQUEST_ID = "X-Request-Id"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def _request_id(request: web.Request, body: Any) -> str | None:
+    """The client's id for a completion (vLLM's `request_id` field, or an X-Request-Id
+    header): the response's id after its prefix and the Triton request's id; None: none."""
+    given = body.get("request_id") if isinstance(body, dict) else None
+    where = "request_id"
+    if given is None:
+        given, where = request.headers.get(REQUEST_ID), REQUEST_ID
+    if given is None:
+        return None
+    if not isinstance(given, str) or not _REQUEST_ID.match(given):
+        raise RequestError(f"'{where}' must be 1 to 128 letters, digits or . _ : -, got "
+                           f"{given!r:.80}", where)
+    return given
 
 
 async def _body(request: web.Request) -> Any:

@@ -138,11 +138,13 @@ class Upstream:
             return False
         return bool(server.ready and served.ready)
 
-    def request(self, fields: Mapping[str, Any]) -> Any:
-        """A ModelInferRequest for the ensemble (dtypes from its config)."""
+    def request(self, fields: Mapping[str, Any], request_id: str | None = None) -> Any:
+        """A ModelInferRequest for the ensemble (dtypes from its config), its id
+        `request_id` (Triton's logs and traces name it) or a new one."""
         from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
-        request = self._pb.ModelInferRequest(model_name=ENSEMBLE, id=uuid.uuid4().hex)
+        request = self._pb.ModelInferRequest(model_name=ENSEMBLE,
+                                             id=request_id or uuid.uuid4().hex)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
         for name, value in fields.items():
             kind = self.input_types.get(name, "TYPE_STRING")  # config name: TYPE_INT32, ...
@@ -159,13 +161,14 @@ class Upstream:
             request.raw_input_contents.append(raw)
         return request
 
-    async def generate(self, fields: Mapping[str, Any]) -> AsyncIterator[Response]:
+    async def generate(self, fields: Mapping[str, Any],
+                       request_id: str | None = None) -> AsyncIterator[Response]:
         """The request's responses (the empty final one included) as they come; an error
         raises UpstreamError. Leaving the loop early cancels the request."""
         import grpc
         from tritonclient.grpc import InferResult
 
-        request = self.request(fields)
+        request = self.request(fields, request_id)
 
         async def requests():
             yield request

@@ -735,3 +735,41 @@ def test_metrics_count_requests_tokens_and_time_the_answers(frontend: str, sdk: 
     ttft = delta("time_to_first_token_seconds_sum", **completions)
     e2e = delta("e2e_request_latency_seconds_sum", **chats)
     assert 0 < ttft < 60 and 0 < e2e < 60
+
+
+def test_a_client_request_id_names_the_response_and_the_triton_request(frontend: str):
+    """X-Request-Id (or vLLM's `request_id` field) becomes the answer's id after its prefix and
+    comes back as a header, streamed or not; a malformed one is a 400 naming it."""
+    def post(body: dict, headers: dict) -> tuple[int, dict, str]:
+        req = urllib.request.Request(f"{frontend}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **headers})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, dict(resp.headers), resp.read().decode()
+        except urllib.error.HTTPError as exc:
+            return exc.code, dict(exc.headers), exc.read().decode()
+
+    body = {"model": "ensemble", "prompt": PROMPT, "max_tokens": MAX_TOKENS, **greedy()}
+    status, headers, text = post(body, {"X-Request-Id": "trace-42.a"})
+    assert status == 200 and json.loads(text)["id"] == "cmpl-trace-42.a"
+    assert headers["X-Request-Id"] == "trace-42.a"
+    status, headers, text = post({**body, "stream": True, "request_id": "abc:1"}, {})
+    ids = {json.loads(line[6:])["id"] for line in text.splitlines()
+           if line.startswith("data: {")}
+    assert status == 200 and ids == {"cmpl-abc:1"} and headers["X-Request-Id"] == "abc:1"
+    status, headers, text = post(body, {})  # none given: a fresh one, echoed all the same
+    assert headers["X-Request-Id"] == json.loads(text)["id"].removeprefix("cmpl-")
+    for bad, where in (({"X-Request-Id": "a b"}, "X-Request-Id"),
+                       ({"X-Request-Id": "x" * 129}, "X-Request-Id")):
+        status, _, text = post(body, bad)
+        assert status == 400 and json.loads(text)["error"]["param"] == where
+    status, _, text = post({**body, "request_id": 7}, {})
+    assert status == 400 and "'request_id' must be" in json.loads(text)["error"]["message"]
+
+
+def test_the_triton_request_is_sent_under_the_given_id():
+    from backend.openai_api.upstream import Upstream
+
+    upstream = Upstream("127.0.0.1:1")  # never connected: only the message is made
+    assert upstream.request({"text_input": "x"}, "trace-42").id == "trace-42"
+    assert len(upstream.request({"text_input": "x"}).id) == 32
