@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help="report the server's per-request metrics (queue time, TTFT, "
                               "KV blocks reused / allocated, drafts accepted)")
         sub.add_argument("--cache-salt")
+        sub.add_argument("--priority", type=int,
+                         help="scheduling priority: lower runs first, ahead of (and if need "
+                              "be in place of) requests with a higher one (default 0)")
         sub.add_argument("--retain", metavar="PRIORITY[:MS]", type=retention_arg,
                          help="keep the pages of this prompt and its output cached at this "
                               "priority (0-100; default 35), for MS milliseconds (default: "
@@ -141,6 +144,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "return_log_probs": args.log_probs or None,
         "return_perf_metrics": args.perf_metrics or None,
         "cache_salt": args.cache_salt,
+        "priority": args.priority,
         **retention_options(args.retain),
     }
 

@@ -71,6 +71,7 @@ class GenerateParams:
     return_generation_logits: bool | None = None
     cache_salt: str | None = None
     session_id: str | None = None
+    priority: int | None = None  # scheduling: lower runs first (default 0)
     # KV cache retention (TensorRT-LLM's KvCacheRetentionConfig): (start, end, priority,
     # duration_ms) per prompt token range (end / duration -1: the prompt's end / forever),
     # and the priority / duration_ms of the pages holding generated tokens.
@@ -113,6 +114,7 @@ class GenerateParams:
             "return_generation_logits": self.return_generation_logits,
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
+            "priority": self.priority,
             "exclude_input_in_output": self.exclude_input_in_output,
             "guided_decoding_guide_type": self.guide_type,
             "guided_decoding_guide": self.guide,
@@ -218,6 +220,7 @@ DTYPES = {
     "max_tokens": "INT32",
     "top_k": "INT32",
     "min_tokens": "INT32",
+    "priority": "INT32",
     "end_id": "INT32",
     "pad_id": "INT32",
     "beam_width": "INT32",

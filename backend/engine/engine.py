@@ -188,6 +188,8 @@ class Engine:
                     else "return_prompt_log_probs")
             raise ValueError(f"{what} needs executor 'torch': a compiled engine's step "
                              "returns the last position's logits only")
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise ValueError(f"priority must be an integer, got {request.priority!r}")
         if request.retention is not None and not isinstance(request.retention, RetentionConfig):
             raise ValueError(f"retention must be a RetentionConfig, got "
                              f"{type(request.retention).__name__}")

@@ -146,6 +146,10 @@ class Request:
     # How long the store should keep the pages this request leaves behind (TensorRT-LLM's
     # KvCacheRetentionConfig; `backend/cache/retention.py`); None: the default priority.
     retention: RetentionConfig | None = None
+    # Scheduling priority, vLLM's convention: lower runs first (default 0). A waiting request
+    # goes ahead of those with a higher value and takes the slot (or pages) of a running one
+    # with a higher value; equal ones keep the schedule policy's order.
+    priority: int = 0
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -126,6 +126,8 @@ class Scheduler:
         start = time.perf_counter()
         if self.config.schedule_policy == "lpm":
             self._longest_prefix_first()
+        self._by_priority()
+        self._make_room()
         self._look_ahead()
         self._admit()
         chunks = self._plan()
@@ -189,6 +191,24 @@ class Scheduler:
         rest = [s for s in self.waiting if s.arrival > deadline]
         cached = {id(s): self.cache.cached_pages(s) for s in rest}
         self.waiting = deque(aged + sorted(rest, key=lambda s: -cached[id(s)]))
+
+    def _by_priority(self) -> None:
+        """Orders the waiting requests by priority, lower first (stable: equal ones keep the
+        policy's order); nothing to do where they are all equal."""
+        if len(self.waiting) > 1 and len({s.request.priority for s in self.waiting}) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda s: s.request.priority))
+
+    def _make_room(self) -> None:
+        """No free slot and the first waiting request ahead of running ones in priority: the
+        least urgent of those (the youngest among equals) is preempted for it, as many times
+        as that holds. Beam searches neither take nor give up slots this way."""
+        while self.waiting and not self.free_slots and self.waiting[0].beam is None:
+            head = self.waiting[0].request.priority
+            victims = [s for s in self.running if s.beam is None and s.request.priority > head]
+            if not victims:
+                return
+            self._preempt(max(victims, key=_preemption_order))
+            self._by_priority()  # it queues again behind the more urgent ones
 
     def _look_ahead(self) -> None:
         """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""
@@ -383,14 +403,17 @@ class Scheduler:
         self.num_rewinds += len(done)
 
     def _grow(self, seq: Sequence, end: int) -> int | None:
-        """Pages for a decode step; preempts the youngest other sequence when none are free."""
+        """Pages for a decode step; preempts another sequence when none are free: the least
+        urgent (highest priority value), the youngest among equals; `seq` itself where every
+        other is more urgent."""
         while self.cache.ensure_pages(seq, end) < end:
             victims = [s for s in self.running
                        if s is not seq and (seq.beam is None or s.beam is not seq.beam)]
-            if not victims:
+            victim = max(victims, key=_preemption_order) if victims else None
+            if victim is None or victim.request.priority < seq.request.priority:
                 self._preempt(seq)
                 return None
-            self._preempt(max(victims, key=lambda s: s.arrival))
+            self._preempt(victim)
         return end
 
     def _preempt(self, seq: Sequence) -> None:
@@ -799,6 +822,11 @@ class Scheduler:
         group.search.reset()
         self.waiting.appendleft(leader)
         self.num_preemptions += 1
+
+
+def _preemption_order(seq: Sequence) -> tuple[int, float]:
+    """The preempted one is the maximum: the highest priority value, then the youngest."""
+    return seq.request.priority, seq.arrival
 
 
 def _prompt_scores(seq: Sequence, start: int, rows: torch.Tensor

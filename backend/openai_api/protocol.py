@@ -6,22 +6,22 @@ up to the context limit), `temperature`, `top_p`, `n` (-> num_return_sequences),
 `presence_penalty`, `frequency_penalty`, `stop` (a string or a list: generation ends where the
 text first holds one, which is not returned), `stream`, `stream_options.include_usage`,
 `response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
-(the prompt before the text), a list of prompts and prompts as token ids (one list or a list
-of lists: sent as their text, which must encode back to the same ids), `logprobs`
-(completions: how many alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the
-model's log probability of each returned token and of the likeliest tokens at its position
-(the raw distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the
-prompt's tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
+(the prompt before the text), a list of prompts and prompts as token ids (one list or a list of
+lists: sent as their text, which must encode back to the same ids), `logprobs` (completions:
+how many alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the model's log
+probability of each returned token and of the likeliest tokens at its position (the raw
+distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
+tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
-e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the
-last message is continued, as a prefilled answer); ours `session_id` (the ensemble's: a
-conversation's pages are kept longer); chat's `tools`, `tool_choice` and `parallel_tool_calls`,
-assistant messages' `tool_calls` and `tool` messages (`tools.py`). Fields this server cannot
-honour with a value that asks for something (`logit_bias`, the legacy `functions`, `best_of`
-other than n, `suffix`, images, vLLM's `prompt_logprobs`: use `echo` with `logprobs`) are
-rejected with a 400 that names them, never silently dropped; other unknown fields are
-ignored, as OpenAI's SDK sends some (`user`, ...).
+e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last
+message is continued, as a prefilled answer); vLLM's `priority` (lower runs first); ours
+`session_id` (the ensemble's: a conversation's pages are kept longer); chat's `tools`,
+`tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
+(`tools.py`). Fields this server cannot honour with a value that asks for something
+(`logit_bias`, the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
+`prompt_logprobs`: use `echo` with `logprobs`) are rejected with a 400 that names them, never
+silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
 
 from __future__ import annotations
@@ -317,6 +317,9 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     plan.stop = _stop(body.get("stop"))
     if plan.stop:
         fields["stop_words"] = list(plan.stop)
+    priority = _int(body, "priority", None)
+    if priority:
+        fields["priority"] = priority
     for name in ("cache_salt", "session_id"):
         value = body.get(name)
         if value is not None:

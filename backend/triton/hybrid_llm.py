@@ -147,6 +147,7 @@ class HybridLlm:
                 sampling=sibling_sampling(parsed.sampling, k),
                 cache_salt=parsed.cache_salt,
                 session_id=parsed.session_id,
+                priority=parsed.priority,
                 on_output=lambda out, entry=entry: self._on_output(entry, out),
                 return_perf_metrics=parsed.return_perf_metrics,
                 return_generation_logits=parsed.return_generation_logits,

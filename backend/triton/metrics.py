@@ -100,7 +100,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         COUNTER,
     ),
     "suffixreplay_preemptions_total": (
-        "Requests preempted (recomputed) for lack of pages",
+        "Requests preempted (recomputed) for lack of pages or for a more urgent request",
         COUNTER,
     ),
 }

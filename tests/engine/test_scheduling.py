@@ -105,3 +105,89 @@ def test_schedule_policy_is_checked_and_read_from_parameters():
     assert EngineConfig.from_params({"lpm_max_wait_s": "2.5"}).lpm_max_wait_s == 2.5
     with pytest.raises(ValueError, match=r"lpm_max_wait_s must be >= 0 seconds, got -1"):
         EngineConfig(lpm_max_wait_s=-1.0)
+
+
+def _run(engine: Engine, requests: list[tuple[str, list[int], int, int]],
+         between=None) -> tuple[list[str], list[str], dict]:
+    """Submits (id, prompt, max_tokens, priority) requests (after the first's admission when
+    `between` is set: then calls it and submits the rest); returns the order of first tokens,
+    the order of finishing and each one's tokens."""
+    first, done, tokens = [], [], {}
+
+    def submit(rid, prompt, max_tokens, priority):
+        tokens[rid] = []
+
+        def collect(out):
+            if out.new_token_ids and rid not in first:
+                first.append(rid)
+            tokens[rid].extend(out.new_token_ids)
+            if out.finished:
+                done.append(rid)
+        engine.submit(Request(rid, prompt, SamplingParams(max_tokens=max_tokens, top_k=1,
+                                                          end_id=-1),
+                              on_output=collect, priority=priority))
+
+    submit(*requests[0])
+    if between is not None:
+        between()
+    for r in requests[1:]:
+        submit(*r)
+    while engine.has_work:
+        engine.step()
+    return first, done, tokens
+
+
+def test_waiting_requests_go_by_priority_then_arrival(model):
+    engine = make_engine(model, max_num_seqs=1)
+    vocab = model.config.vocab_size
+    p = [random_prompt(30, vocab, seed=20 + i) for i in range(4)]
+    # the running one is the most urgent: nothing preempts it
+    first, _, _ = _run(engine, [("running", p[0], 4, -5), ("low", p[1], 2, 3),
+                                ("mid", p[2], 2, 1), ("mid2", p[3], 2, 1)],
+                       between=engine.step)
+    assert first == ["running", "mid", "mid2", "low"]
+    assert_no_leak(engine)
+
+
+def test_an_urgent_request_takes_the_slot_of_a_less_urgent_one_whose_tokens_stay_right(model):
+    engine = make_engine(model, max_num_seqs=1)
+    vocab = model.config.vocab_size
+    slow, fast = random_prompt(40, vocab, seed=30), random_prompt(30, vocab, seed=31)
+
+    def started():
+        for _ in range(4):  # admitted, prefilled, a few tokens out
+            engine.step()
+
+    first, done, tokens = _run(engine, [("batch", slow, 16, 2), ("chat", fast, 3, 0)],
+                               between=started)
+    assert first == ["batch", "chat"] and done == ["chat", "batch"]
+    assert engine.scheduler.num_preemptions == 1
+    want = greedy_generate(model, [slow, fast], max_new_tokens=16, page_size=16)
+    assert tokens["batch"] == want[0] and tokens["chat"] == want[1][:3]
+    assert_no_leak(engine)
+    # equal priorities: no preemption, arrival order
+    first, done, _ = _run(engine, [("batch", slow, 16, 0), ("chat", fast, 3, 0)],
+                          between=started)
+    assert done == ["batch", "chat"] and engine.scheduler.num_preemptions == 1
+
+
+def test_out_of_pages_the_least_urgent_is_preempted_even_if_older(model):
+    vocab = model.config.vocab_size
+    a, b = random_prompt(40, vocab, seed=40), random_prompt(40, vocab, seed=41)
+    orders = {}
+    for name, (pa, pb) in {"by_age": (0, 0), "by_priority": (1, 0)}.items():
+        engine = make_engine(model, max_num_seqs=2, num_kv_pages=9)
+        _, done, tokens = _run(engine, [("old", a, 40, pa), ("young", b, 40, pb)])
+        assert engine.scheduler.num_preemptions >= 1, name
+        orders[name] = done
+        want = greedy_generate(model, [a, b], max_new_tokens=40, page_size=16)
+        assert tokens["old"] == want[0] and tokens["young"] == want[1]
+        assert_no_leak(engine)
+    assert orders == {"by_age": ["old", "young"], "by_priority": ["young", "old"]}
+
+
+def test_priority_must_be_an_integer(model):
+    engine = make_engine(model)
+    for bad in (1.5, "1", True):
+        with pytest.raises(ValueError, match="priority must be an integer"):
+            engine.submit(Request("r", [1, 2], priority=bad))

@@ -41,6 +41,7 @@ def test_sampling_and_our_inputs():
             exclude_input_in_output=np.array([False]),
             cache_salt=np.array([b"tenant"], dtype=np.object_),
             session_id=np.array([b"s1"], dtype=np.object_),
+            priority=np.array([-3], np.int32),
         ),
         EOS,
         exclude_input=True,
@@ -55,7 +56,7 @@ def test_sampling_and_our_inputs():
         7,
     )
     assert req.streaming and not req.exclude_input_in_output
-    assert (req.cache_salt, req.session_id) == ("tenant", "s1")
+    assert (req.cache_salt, req.session_id, req.priority) == ("tenant", "s1", -3)
 
 
 def test_penalties_bias_and_log_probs():

@@ -36,7 +36,7 @@ def test_completion_fields_map_to_ensemble_inputs():
         "top_p": 0.9, "seed": 11, "presence_penalty": 0.5, "frequency_penalty": -0.5,
         "stop": ["\n\n", "END", "END"], "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2,
         "min_tokens": 2, "ignore_eos": True, "cache_salt": "tenant", "session_id": "s1",
-        "stream": True, "stream_options": {"include_usage": True}, "echo": True,
+        "priority": -2, "stream": True, "stream_options": {"include_usage": True}, "echo": True,
         "user": "ignored", "logprobs": None, "logit_bias": {}, "best_of": 3}, MODELS)
     assert plan.kind == "completion" and plan.model == "tiny" and plan.prompts == ["a", "b"]
     assert plan.max_tokens == 7 and plan.n == 3 and plan.stream and plan.include_usage
@@ -45,7 +45,8 @@ def test_completion_fields_map_to_ensemble_inputs():
         "temperature": 0.5, "top_p": 0.9, "min_p": 0.1, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "top_k": 0, "seed": 11,
         "min_tokens": 2, "end_id": -1, "num_return_sequences": 3,
-        "stop_words": ["\n\n", "END"], "cache_salt": "tenant", "session_id": "s1"}
+        "stop_words": ["\n\n", "END"], "cache_salt": "tenant", "session_id": "s1",
+        "priority": -2}
     assert plan.id.startswith("cmpl-")
     defaults = parse_completion({"model": "ensemble", "prompt": "x"}, MODELS)
     assert defaults.max_tokens == 16 and defaults.fields == {} and defaults.n == 1
@@ -68,6 +69,8 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "max_tokens": 3 * 10**9},
      "'max_tokens' must be from 1 to 2147483647", 400),
     ({"model": "tiny", "prompt": "x", "max_tokens": 10**20}, "'max_tokens' must be from 1", 400),
+    ({"model": "tiny", "prompt": "x", "priority": "high"}, "'priority' must be an integer", 400),
+    ({"model": "tiny", "prompt": "x", "priority": 2**40}, "'priority' must be from", 400),
     ({"model": "tiny", "prompt": "x", "top_k": -(2**40)}, "'top_k' must be from -1", 400),
     ({"model": "tiny", "prompt": "x", "seed": 2**64}, "'seed' must be from 0 to", 400),
     ({"model": "tiny", "prompt": "x", "temperature": 2.5}, "'temperature' must be from 0.0", 400),
