@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -127,7 +127,6 @@ class Scheduler:
         if self.config.schedule_policy == "lpm":
             self._longest_prefix_first()
         self._by_priority()
-        self._make_room()
         self._look_ahead()
         self._admit()
         chunks = self._plan()
@@ -198,17 +197,13 @@ class Scheduler:
         if len(self.waiting) > 1 and len({s.request.priority for s in self.waiting}) > 1:
             self.waiting = deque(sorted(self.waiting, key=lambda s: s.request.priority))
 
-    def _make_room(self) -> None:
-        """No free slot and the first waiting request ahead of running ones in priority: the
-        least urgent of those (the youngest among equals) is preempted for it, as many times
-        as that holds. Beam searches neither take nor give up slots this way."""
-        while self.waiting and not self.free_slots and self.waiting[0].beam is None:
-            head = self.waiting[0].request.priority
-            victims = [s for s in self.running if s.beam is None and s.request.priority > head]
-            if not victims:
-                return
-            self._preempt(max(victims, key=_preemption_order))
-            self._by_priority()  # it queues again behind the more urgent ones
+    def _less_urgent(self, seq: Sequence, spare: Container[Sequence] = ()) -> list[Sequence]:
+        """The running requests `seq` may take a slot from: those with a higher priority
+        value, but `spare` (beam searches neither take nor give up slots this way)."""
+        if seq.beam is not None:
+            return []
+        return [s for s in self.running if s.beam is None and s not in spare
+                and s.request.priority > seq.request.priority]
 
     def _look_ahead(self) -> None:
         """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""
@@ -222,7 +217,9 @@ class Scheduler:
         replays: list[tuple[int, torch.Tensor]] = []
         replayed: list[Sequence] = []
         deferred: list[Sequence] = []
-        while self.waiting and self.free_slots:
+        admitted: set[Sequence] = set()  # this step's: their replays are queued below
+        while self.waiting and (self.free_slots
+                                or self._less_urgent(self.waiting[0], admitted)):
             seq = self.waiting.popleft()
             if self.running and seq.admission_deferrals < MAX_ADMISSION_DEFERRALS and \
                     self.cache.reads_pending(seq, self._read_wait()):
@@ -237,6 +234,12 @@ class Scheduler:
                 self.num_prefill_waits += 1
                 deferred.append(seq)
                 continue
+            if not self.free_slots:
+                # No free slot, but a running request is less urgent: the least urgent (the
+                # youngest among equals) gives its slot up and queues again behind the more
+                # urgent ones (it recomputes from its cached pages when it comes back).
+                self._preempt(max(self._less_urgent(seq, admitted), key=_preemption_order))
+                self._by_priority()
             if seq.beam is not None:
                 if len(self.free_slots) < seq.beam.search.width:
                     deferred.append(seq)  # its beams' slots: the requests after it wait too
@@ -255,6 +258,7 @@ class Scheduler:
                 seq.first_scheduled_time = time.perf_counter()
             seq.shared_pages.clear()
             self.running.append(seq)
+            admitted.add(seq)
         self.waiting.extendleft(reversed(deferred))
         if replays:
             self.executor.replay([s for s, _ in replays], [r for _, r in replays])

@@ -191,3 +191,35 @@ def test_priority_must_be_an_integer(model):
     for bad in (1.5, "1", True):
         with pytest.raises(ValueError, match="priority must be an integer"):
             engine.submit(Request("r", [1, 2], priority=bad))
+
+
+def test_an_urgent_request_waiting_for_a_running_prefill_preempts_nothing_until_it_ends(model):
+    """The urgent request shares the running one's prompt: it waits for that prefill
+    (`share_running_prefills`) instead of throwing it away, then takes the slot and resumes
+    from the pages it left."""
+    engine = make_engine(model, max_num_seqs=1, max_tokens_per_step=64)
+    vocab = model.config.vocab_size
+    shared = random_prompt(320, vocab, seed=50)
+    cached = {}
+
+    def between():
+        engine.step()  # the first 64 of the long prompt
+
+    def collect_cached(rid):
+        def on_output(out):
+            if out.finished:
+                cached[rid] = out.cached_tokens
+        return on_output
+
+    engine.submit(Request("long", shared + [1], SamplingParams(max_tokens=24, top_k=1,
+                                                               end_id=-1),
+                          on_output=collect_cached("long"), priority=5))
+    between()
+    engine.submit(Request("urgent", shared + [2, 3], SamplingParams(max_tokens=3, top_k=1,
+                                                                    end_id=-1),
+                          on_output=collect_cached("urgent"), priority=0))
+    while engine.has_work:
+        engine.step()
+    assert cached["urgent"] >= 304  # the long prompt's pages, prefilled once
+    assert engine.scheduler.num_preemptions == 1  # once its prefill was done
+    assert_no_leak(engine)
