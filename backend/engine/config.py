@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 
 from backend.cache.config import CACHE_POLICIES, CacheConfig
+from backend.cache.events import ENCODINGS as KV_EVENT_ENCODINGS
 from backend.cache.retention import MAX_PRIORITY, MIN_PRIORITY
 from backend.cache.tier_config import TierConfig
 from backend.engine.speculative import SPECULATIVE_METHODS
@@ -123,7 +124,7 @@ class EngineConfig:
                                  "graphs return one position's logits a sequence)")
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-        if self.kv_events_encoding not in ("map", "array"):
+        if self.kv_events_encoding not in KV_EVENT_ENCODINGS:
             raise ValueError(f"kv_events_encoding must be map or array, got "
                              f"{self.kv_events_encoding!r}")
         if self.kv_events_buffer_steps < 1:

@@ -65,12 +65,13 @@ class Plan:
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     tools: ToolPlan | None = None  # chat with tools (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
-    id: str = ""
+    # The answer's id after its prefix (the client's X-Request-Id / request_id where it sent
+    # one): also the Triton requests' id.
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def __post_init__(self) -> None:
-        if not self.id:
-            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-            self.id = f"{prefix}-{uuid.uuid4().hex}"
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id}"
 
 
 def parse_completion(body: Any, models: Container[str]) -> Plan:

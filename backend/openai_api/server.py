@@ -129,6 +129,12 @@ class Run:
             raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
                                "did not find", "logprobs")
         self.requests = [self._fields(p) for p in plan.prompts]
+        # Several replicas: each prompt's token ids, which the router hashes page by page
+        # (tokenized here, in the worker thread that builds the run, not on the event loop).
+        self.route_ids = [state.tokenizer.encode(
+            p, add_special_tokens=state.served.add_special_tokens)
+            if state.tokenizer is not None else [] for p in plan.prompts] \
+            if state.router is not None else []
         thinks = plan.kind == "chat" and state.reasoning_parser is not None
         tools = plan.tools
         calls = tools is not None and tools.choice != "none"
@@ -175,9 +181,7 @@ class Run:
         if state.router is None:
             error = await self._relay(p, state.upstream, fields)
         else:  # several replicas: the best one; an unreachable one hands over to the next
-            ids = state.tokenizer.encode(fields["text_input"],
-                                         add_special_tokens=state.served.add_special_tokens) \
-                if state.tokenizer is not None else []
+            ids = self.route_ids[p]
             salt = fields.get("cache_salt") or ""
             tried: list[int] = []
             while True:
@@ -264,7 +268,7 @@ class Run:
     def triton_id(self, p: int) -> str:
         """Prompt `p`'s Triton request id: the response's id without its prefix (the
         client's X-Request-Id where it sent one), `-p` after it with several prompts."""
-        base = self.plan.id.split("-", 1)[1]
+        base = self.plan.request_id
         return base if len(self.requests) == 1 else f"{base}-{p}"
 
     def _noted(self, event: Event) -> Event:
@@ -373,9 +377,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         body = await _body(request)
         plan = (protocol.parse_chat(body, state.names, state.template) if kind == "chat"
                 else protocol.parse_completion(body, state.names))
-        client_id = _request_id(request, body)
-        if client_id is not None:
-            plan.id = f"{plan.id.split('-', 1)[0]}-{client_id}"
+        plan.request_id = _request_id(request, body) or plan.request_id
         # Token-id prompts and the chat default max_tokens tokenize: off the event loop.
         run = await asyncio.to_thread(Run, state, plan, request.get(ARRIVED))
     except RequestError as exc:
@@ -397,7 +399,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         reasons = [c.reason or "stop" for c in run.choices]
         return web.json_response(protocol.response_body(
             plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls(),
-            run.reasoning()), headers={REQUEST_ID: plan.id.split("-", 1)[1]})
+            run.reasoning()), headers={REQUEST_ID: plan.request_id})
     except UpstreamError as exc:
         return _error(_client_error(exc))
     finally:
@@ -410,7 +412,7 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
     plan = run.plan
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache",
-                                           REQUEST_ID: plan.id.split("-", 1)[1]})
+                                           REQUEST_ID: plan.request_id})
     await response.prepare(request)
 
     async def send(body: Any) -> None:
@@ -613,19 +615,21 @@ async def health_ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if ready else 503, text="ready" if ready else "not ready")
 
 
+def _replicas(state: State) -> list[dict[str, Any]]:
+    """Each replica: its URL and the router's counts for it (none with one replica)."""
+    counts = state.router.stats() if state.router is not None else [{}] * len(state.upstreams)
+    return [{"url": u.url, **c} for u, c in zip(state.upstreams, counts)]
+
+
 async def router_stats(request: web.Request) -> web.Response:
     """Each replica: its URL, requests routed to it, in flight, pages its events announced."""
-    state = request.app[STATE]
-    counts = state.router.stats() if state.router is not None else [{}] * len(state.upstreams)
-    return web.json_response({"replicas": [{"url": u.url, **c}
-                                           for u, c in zip(state.upstreams, counts)]})
+    return web.json_response({"replicas": _replicas(request.app[STATE])})
 
 
 async def metrics(request: web.Request) -> web.Response:
     """`GET /metrics`: the frontend's Prometheus metrics (`metrics.py`)."""
     state = request.app[STATE]
-    replicas = [{"url": u.url, **c} for u, c in zip(state.upstreams, state.router.stats())] \
-        if state.router is not None else []
+    replicas = _replicas(state) if state.router is not None else []
     return web.Response(text=state.metrics.text(replicas),
                         content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
