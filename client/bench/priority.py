@@ -30,7 +30,14 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine, pyplot, save_figure
+from client.bench.common import (
+    bench_main,
+    config_of,
+    machine,
+    pyplot,
+    save_figure,
+    ttft_stats,
+)
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -109,11 +116,14 @@ def chat(url: str, n: int, args: argparse.Namespace) -> dict[str, float]:
                             max_tokens=args.chat_tokens, min_tokens=args.chat_tokens, top_k=1,
                             priority=0, cache_salt=uuid.uuid4().hex)
     first = last = None
+    counts: dict[str, int] = {}
     for chunk in stream_grpc(url, params):
         if chunk.text:
             first = chunk.elapsed_s if first is None else first
             last = chunk.elapsed_s
-    return {"ttft_s": first or 0.0, "e2e_s": last or 0.0}
+        counts = chunk.counts or counts
+    return {"ttft_s": first or 0.0, "e2e_s": last or 0.0,
+            "cached": counts.get("cached_tokens", 0), "prompt": counts.get("num_input_tokens", 0)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -142,12 +152,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _stats(rows: list[dict[str, float]]) -> dict[str, float]:
-    ttft = sorted(r["ttft_s"] * 1000 for r in rows)
-    e2e = [r["e2e_s"] * 1000 for r in rows]
-    return {"requests": len(rows), "ttft_mean_ms": round(statistics.fmean(ttft), 1),
-            "ttft_p50_ms": round(statistics.median(ttft), 1),
-            "ttft_p95_ms": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
-            "e2e_mean_ms": round(statistics.fmean(e2e), 1)}
+    return {**ttft_stats(rows),
+            "e2e_mean_ms": round(statistics.fmean(r["e2e_s"] * 1000 for r in rows), 1)}
 
 
 def summarize(args: argparse.Namespace, chats: dict, phase_s: dict,
