@@ -7,6 +7,7 @@
     python -m client chat --max-tokens 64                        # multi-turn, one session
     python -m client health
     python -m client stats                                       # the prefix cache's metrics
+    python -m client reset-cache [--cache-salt S]                # forget the cached prefixes
 
 Generated text goes to stdout as it arrives; TTFT and token counts go to stderr.
 """
@@ -25,6 +26,7 @@ from client.generate import (
     GenerateError,
     GenerateParams,
     generate_http,
+    reset_prefix_cache,
     stream_grpc,
     stream_http,
 )
@@ -75,6 +77,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "stats", help="the prefix cache: hits by tier, pages, memory, prefetches, requests")
     stats.add_argument("--metrics-url", default=DEFAULT_METRICS_URL,
                        help=f"the server's metrics port or page (default {DEFAULT_METRICS_URL})")
+    reset = commands.add_parser(
+        "reset-cache", help="forget the cached prefixes on every tier (device, DRAM, SSD); "
+                            "pages running requests hold stay")
+    reset.add_argument("--cache-salt", help="only this cache_salt namespace's prefixes")
+    reset.add_argument("--url", default=DEFAULT_GRPC_URL,
+                       help=f"the server's gRPC address (default {DEFAULT_GRPC_URL})")
     events = commands.add_parser(
         "kv-events", help="the server's KV cache events (kv_events_endpoint), one JSON line a "
                           "message: what a KV-aware router reads")
@@ -122,7 +130,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                               "until evicted)")
         sub.add_argument("--no-stream", action="store_true", help="one response at the end")
     args = parser.parse_args(argv)
-    if args.command in ("stats", "kv-events"):
+    if args.command in ("stats", "kv-events", "reset-cache"):
         return args
     args.url = args.url or (DEFAULT_HTTP_URL if args.http else DEFAULT_GRPC_URL)
     if args.http and not args.url.startswith(("http://", "https://")):
@@ -360,6 +368,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_reset_cache(args: argparse.Namespace) -> int:
+    counts = reset_prefix_cache(args.url, args.cache_salt)
+    where = "every namespace" if args.cache_salt is None else f"cache_salt {args.cache_salt!r}"
+    print(f"prefix cache reset ({where}): {counts['dropped_pages']} pages dropped, "
+          f"{counts['kept_pages']} held by running requests kept")
+    return 0
+
+
 def cmd_kv_events(args: argparse.Namespace) -> int:
     import json
 
@@ -379,7 +395,8 @@ def cmd_kv_events(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = {"generate": cmd_generate, "chat": cmd_chat, "health": cmd_health,
-               "stats": cmd_stats, "kv-events": cmd_kv_events}[args.command]
+               "stats": cmd_stats, "kv-events": cmd_kv_events,
+               "reset-cache": cmd_reset_cache}[args.command]
     try:
         return command(args)
     except GenerateError as exc:

@@ -7,6 +7,7 @@ Errors from the server raise `GenerateError` carrying its status and message.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import time
@@ -19,6 +20,8 @@ from typing import Any
 import numpy as np
 
 MODEL = "ensemble"
+ENGINE_MODEL = "hybrid_llm"  # what the ensemble runs; reset_prefix_cache goes to it directly
+RESET_COUNTS = ("dropped_pages", "kept_pages")
 COUNTS = (
     "num_input_tokens",
     "num_output_tokens",
@@ -290,23 +293,33 @@ def stream_grpc(
     """Streams one request over gRPC; closing the iterator early cancels the request. Every
     failure (the server's, a broken stream, no response within `timeout_s`) raises
     `GenerateError`."""
+    start = time.perf_counter()
+    results = grpc_results(url, model, grpc_inputs(params.fields(stream)), timeout_s)
+    with contextlib.closing(results):  # closed early: the request is cancelled at once
+        for result in results:
+            chunk = grpc_chunk(result, time.perf_counter() - start)
+            if chunk.text or chunk.counts or chunk.final:
+                yield chunk
+
+
+def grpc_results(url: str, model: str, inputs: list, timeout_s: float) -> Iterator[Any]:
+    """One request's responses (tritonclient results) over a gRPC stream, up to and
+    including its final one; closing the iterator early cancels the request. Failures raise
+    `GenerateError`."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     client = grpcclient.InferenceServerClient(url)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    start = time.perf_counter()
     finished = False
     try:
         try:
-            client.async_stream_infer(
-                model, grpc_inputs(params.fields(stream)), enable_empty_final_response=True
-            )
+            client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         except InferenceServerException as exc:  # the stream broke before the request went
             finished = True
             raise GenerateError(grpc_status(exc), exc.message()) from None
-        while True:
+        while not finished:
             try:
                 result, error = responses.get(timeout=timeout_s)
             except queue.Empty:
@@ -314,16 +327,34 @@ def stream_grpc(
             if error is not None:
                 finished = True
                 raise GenerateError(grpc_status(error), error.message())
-            chunk = grpc_chunk(result, time.perf_counter() - start)
-            if chunk.final:
-                finished = True
-            if chunk.text or chunk.counts or chunk.final:
-                yield chunk
-            if chunk.final:
-                return
+            finished = result.get_response().parameters["triton_final_response"].bool_param
+            yield result
     finally:
         client.stop_stream(cancel_requests=not finished)
         client.close()
+
+
+def reset_prefix_cache(url: str, cache_salt: str | None = None,
+                       timeout_s: float = 60.0) -> dict[str, int]:
+    """Asks the server's engine model to forget its cached prefixes on every tier (with
+    `cache_salt`: that namespace's only); pages running requests hold stay. Returns
+    {"dropped_pages", "kept_pages"}; failures raise `GenerateError`."""
+    fields: dict[str, Any] = {
+        "input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.ones((1, 1), np.int32),
+        "request_output_len": np.ones((1, 1), np.int32),
+        "reset_prefix_cache": np.ones((1, 1), np.bool_),
+    }
+    if cache_salt is not None:
+        fields["cache_salt"] = np.array([[cache_salt.encode("utf-8")]], dtype=np.object_)
+    counts: dict[str, int] = {}
+    for result in grpc_results(url, ENGINE_MODEL, grpc_inputs(fields), timeout_s):
+        names = {o.name for o in result.get_response().outputs}
+        counts.update({n: int(result.as_numpy(n).reshape(-1)[0]) for n in RESET_COUNTS
+                       if n in names})
+    if set(counts) != set(RESET_COUNTS):
+        raise GenerateError("no result", "the server answered without dropped_pages / "
+                            "kept_pages (does its hybrid_llm take reset_prefix_cache?)")
+    return counts
 
 
 def grpc_status(error: Any) -> str:

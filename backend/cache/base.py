@@ -127,6 +127,11 @@ class TierBackend(ABC):
     def on_remove(self, node: PageNode) -> None:  # noqa: B027 - optional hook
         """Node dropped from the tree: nothing to release in a single-tier store."""
 
+    def on_reset(self, salt: str | None) -> None:  # noqa: B027 - optional hook
+        """A prefix cache reset of namespace `salt` (None: every namespace), after the store
+        removed its unlocked nodes: a backend forgets what it holds outside the tree (pages
+        an earlier run left on SSD and not yet restored)."""
+
     def on_promote(self, node: PageNode, kv_page: int, anchor_block: int | None) -> None:
         raise NotImplementedError(f"{type(self).__name__} holds no lower tier to promote from")
 

@@ -17,7 +17,7 @@ from backend.cache.policy import LookaheadLRU, has_evictable_state, is_evictable
 from backend.cache.pools import PagePool
 from backend.cache.radix import PageNode, RadixTree
 from backend.cache.retention import DEFAULT_PRIORITY, PagePriority, outlasts
-from backend.cache.stats import WITH_PAGE, CacheStats
+from backend.cache.stats import RESET, WITH_PAGE, CacheStats
 
 
 class Evictor:
@@ -179,6 +179,34 @@ class Evictor:
             node.anchor_location = None
         if node.state_slot is not None:
             self.drop_state(node, WITH_PAGE, spill)
+
+    def drop_unlocked(self, top: PageNode) -> tuple[int, int]:
+        """Removes every node under `top` (a root) that no running request holds, on every
+        tier: device ids freed, lower-tier copies released by the backend's `on_remove`.
+        A locked node stays, whole (its KV is a running request's), and so do its locked
+        descendants. Returns (nodes removed, nodes kept)."""
+        removed = kept = 0
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            if node.lock_ref:  # a node's lock_ref bounds its children's: look below it
+                kept += 1
+                stack.extend(node.children.values())
+                continue
+            subtree = [node]  # unlocked: so is everything below it
+            for n in subtree:
+                subtree.extend(n.children.values())
+            if node.on_device:
+                node.parent.num_device_children -= 1
+            for n in subtree:
+                if n.state_slot is not None:
+                    self.drop_state(n, RESET, spill=False)
+                if n.on_device:
+                    self._release_device_ids(n, spill=False)
+            self.remove_subtree(node)
+            removed += len(subtree)
+        self.stats.page_evictions_by_reason[RESET] += removed
+        return removed, kept
 
     def remove_subtree(self, node: PageNode) -> None:
         """Removes `node` and its descendants from the tree, children first (iterative: a

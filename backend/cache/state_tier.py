@@ -188,6 +188,12 @@ class StateTier:
         self.ssd_lru.move_to_end(e, last=False)  # written in an earlier run: least recent
         return True
 
+    def forget_found(self) -> None:
+        """Deletes the state files of an earlier run that no node adopted yet."""
+        found, self.found = self.found, OrderedDict()
+        for _, path in found.values():
+            _unlink(path)
+
     # Queries ----------------------------------------------------------------------------
     def has(self, node) -> bool:
         e = self.entries.get(node)

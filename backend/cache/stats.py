@@ -13,6 +13,8 @@ CAPACITY = "capacity"
 EXPLICIT = "explicit"
 # A checkpoint dropped because the page carrying it left the device.
 WITH_PAGE = "with_page"
+# Dropped by a prefix cache reset (`PrefixStore.reset`).
+RESET = "reset"
 
 
 @dataclass

@@ -27,7 +27,7 @@ from backend.cache.config import CacheConfig
 from backend.cache.eviction import Evictor
 from backend.cache.policy import LookaheadLRU, is_evictable_leaf
 from backend.cache.pools import HeldIds, PagePool
-from backend.cache.radix import TOKEN_BYTES, PageNode, RadixTree, encode_tokens
+from backend.cache.radix import TOKEN_BYTES, PageNode, RadixTree, encode_tokens, normalize_salt
 from backend.cache.retention import PagePriority
 from backend.cache.stats import CAPACITY, EXPLICIT, CacheStats
 
@@ -231,6 +231,19 @@ class PrefixStore:
             return 0
         excess = self.num_idle_device_pages - cap
         return self.evictor.evict_pages(excess, CAPACITY) if excess > 0 else 0
+
+    def reset(self, salt: str | None = None, every_salt: bool = True) -> tuple[int, int]:
+        """Forgets the cached prefixes of namespace `salt` (every namespace with
+        `every_salt`) on every tier; pages a running request holds stay (with their
+        copies and states). Returns (pages removed, pages kept because held)."""
+        roots = list(self.tree.roots.values()) if every_salt else \
+            [r for r in [self.tree.root(salt)] if r is not None]
+        removed = kept = 0
+        for root in roots:
+            r, k = self.evictor.drop_unlocked(root)
+            removed, kept = removed + r, kept + k
+        self.tier.on_reset(None if every_salt else normalize_salt(salt))
+        return removed, kept
 
     def evict_checkpoints(self, num_slots: int) -> int:
         """Drops up to `num_slots` checkpoints (LRU; their KV pages stay)."""

@@ -179,6 +179,20 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         self.zombies.add(e)
         self.release_if_idle(e)
 
+    def on_reset(self, salt: str | None) -> None:
+        """Chunks an earlier run left on SSD for the namespace (every namespace: all of them,
+        and the checkpoint states' files) are deleted before any request restores them."""
+        if salt is None:
+            pending, self.pending_restore = list(self.pending_restore.values()), {}
+            if self.states is not None:
+                self.states.forget_found()
+        else:
+            pending = [self.pending_restore.pop(self.salt_hash(salt), [])]
+        for items in pending:
+            for chunk, _ in items:
+                self.delete_chunk(chunk)
+        self.reap()
+
     def on_promote(self, node, kv_page: int, anchor_block: int | None) -> None:
         self.reap()
         e = self.entry(node)

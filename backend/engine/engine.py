@@ -141,6 +141,7 @@ class Engine:
         self._step_lock = threading.RLock()
         self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
         self.num_failed = 0  # requests ended by a failed step
+        self.num_cache_resets = 0  # reset_prefix_cache calls
         self._stopping = False
         self._grammars: GrammarBackend | None = None  # built for the first guided request
         self._grammar_lock = threading.Lock()
@@ -252,6 +253,22 @@ class Engine:
             if request_id in self._live:
                 self._cancels.add(request_id)
                 self._lock.notify()
+
+    def reset_prefix_cache(self, cache_salt: str | None = None,
+                           every_salt: bool = True) -> dict[str, int]:
+        """Forgets the cached prefixes (namespace `cache_salt`, or all of them with
+        `every_salt`) on the device, in DRAM and on SSD, between two steps (thread-safe).
+        Pages running requests hold stay cached; the requests go on unchanged. Returns
+        `{"dropped_pages", "kept_pages"}`; the KV cache events announce the removals."""
+        with self._step_lock:
+            removed, kept = self.store.reset(cache_salt, every_salt)
+            self.num_cache_resets += 1
+            if self.kv_events is not None:
+                self.kv_events.flush()
+        log.info("prefix cache reset (%s): %d pages dropped, %d held by running requests kept",
+                 "every namespace" if every_salt else f"cache_salt {cache_salt!r}", removed,
+                 kept)
+        return {"dropped_pages": removed, "kept_pages": kept}
 
     # Stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -463,6 +480,7 @@ class Engine:
             "waiting_requests": len(sched.waiting),
             "finished_requests": sched.num_finished,
             "cancelled_requests": self.num_cancelled,
+            "prefix_cache_resets": self.num_cache_resets,
             "failed_requests": self.num_failed,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,

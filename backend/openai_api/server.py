@@ -626,6 +626,41 @@ async def router_stats(request: web.Request) -> web.Response:
     return web.json_response({"replicas": _replicas(request.app[STATE])})
 
 
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """`POST /reset_prefix_cache` (vLLM's route; `--enable-cache-reset`): every replica
+    forgets its cached prefixes on every tier (`?cache_salt=S` or a JSON body's
+    `cache_salt`: that namespace's only); pages running requests hold stay. 200 with each
+    replica's dropped / kept pages, or the status of the first replica that failed."""
+    state = request.app[STATE]
+    salt = request.query.get("cache_salt")
+    if salt is None and request.can_read_body:
+        try:
+            body = await _body(request)
+        except RequestError as exc:
+            return _error(exc)
+        if not isinstance(body, dict):
+            return _error(RequestError("the request body must be a JSON object"))
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            return _error(RequestError("cache_salt must be a string", "cache_salt"))
+    results = await asyncio.gather(*(u.reset_prefix_cache(salt) for u in state.upstreams),
+                                   return_exceptions=True)
+    replicas, status = [], 200
+    for upstream, result in zip(state.upstreams, results):
+        if isinstance(result, UpstreamError):
+            replicas.append({"url": upstream.url, "error": result.message})
+            status = result.status if status == 200 else status
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            replicas.append({"url": upstream.url, **result})
+    totals = {n: sum(r.get(n, 0) for r in replicas) for n in ("dropped_pages", "kept_pages")}
+    log.info("prefix cache reset (%s): %s", "every namespace" if salt is None else
+             f"cache_salt {salt!r}", replicas)
+    return web.json_response({"cache_salt": salt, **totals, "replicas": replicas},
+                             status=status)
+
+
 async def metrics(request: web.Request) -> web.Response:
     """`GET /metrics`: the frontend's Prometheus metrics (`metrics.py`)."""
     state = request.app[STATE]
@@ -678,7 +713,7 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                    reasoning_parser: str | None = None,
                    tool_call_parser: str = "qwen",
                    kv_events: Sequence[str] = (), max_imbalance: int = 16,
-                   down_s: float = 5.0) -> web.Application:
+                   down_s: float = 5.0, enable_cache_reset: bool = False) -> web.Application:
     """The app, connected to Triton (its configuration read once, from the first URL);
     several URLs: replicas of one model, routed by their KV cache events (`kv_events`, one
     "PUB[,REPLAY]" a replica, in the same order; fewer: the rest have none)."""
@@ -734,6 +769,8 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/router", router_stats)
     app.router.add_get("/metrics", metrics)
+    if enable_cache_reset:  # an admin action: off unless asked for (as vLLM's dev mode)
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
 
     async def close(app: web.Application) -> None:
         state = app[STATE]
@@ -780,6 +817,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router-down-s", type=float, default=5.0, metavar="S",
                         help="several replicas: one that cannot be reached is passed over for "
                              "S seconds (its requests go to the next best replica)")
+    parser.add_argument("--enable-cache-reset", action="store_true",
+                        help="serve POST /reset_prefix_cache (vLLM's admin route): every "
+                             "replica forgets its cached prefixes (?cache_salt=S: one "
+                             "namespace's); off by default, as any client could call it")
     parser.add_argument("--wait-s", type=float, default=120.0,
                         help="how long to wait at start for Triton (one replica) to be ready")
     args = parser.parse_args(argv)
@@ -814,7 +855,8 @@ def main(argv: list[str] | None = None) -> None:
         await _wait_ready(args.triton_url, args.wait_s)
         return await make_app(args.triton_url, args.model_repository, args.served_model_name,
                               args.reasoning_parser, args.tool_call_parser, args.kv_events,
-                              args.router_max_imbalance, args.router_down_s)
+                              args.router_max_imbalance, args.router_down_s,
+                              args.enable_cache_reset)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)

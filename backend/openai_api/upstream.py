@@ -11,6 +11,7 @@ uses. Cancelling a stream (the HTTP client went away) cancels the request in the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -23,6 +24,11 @@ import numpy as np
 from backend.triton.params import get_bool_param
 
 ENSEMBLE = "ensemble"
+ENGINE = "hybrid_llm"  # the ensemble's engine step; a prefix cache reset goes to it directly
+RESET_INPUTS = {"input_ids": "TYPE_INT32", "input_lengths": "TYPE_INT32",
+                "request_output_len": "TYPE_INT32", "reset_prefix_cache": "TYPE_BOOL",
+                "cache_salt": "TYPE_STRING"}
+RESET_COUNTS = ("dropped_pages", "kept_pages")
 COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens")
 DEFAULT_CONTEXT_LEN = 8192  # hybrid_llm's default max_context_len (backend/engine/config.py)
 _MAX_MESSAGE = 256 << 20
@@ -138,16 +144,17 @@ class Upstream:
             return False
         return bool(server.ready and served.ready)
 
-    def request(self, fields: Mapping[str, Any], request_id: str | None = None) -> Any:
-        """A ModelInferRequest for the ensemble (dtypes from its config), its id
-        `request_id` (Triton's logs and traces name it) or a new one."""
+    def request(self, fields: Mapping[str, Any], request_id: str | None = None,
+                model: str = ENSEMBLE, types: Mapping[str, str] | None = None) -> Any:
+        """A ModelInferRequest for `model` (the ensemble; dtypes from its config, or
+        `types`), its id `request_id` (Triton's logs and traces name it) or a new one."""
         from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
-        request = self._pb.ModelInferRequest(model_name=ENSEMBLE,
-                                             id=request_id or uuid.uuid4().hex)
+        types = self.input_types if types is None else types
+        request = self._pb.ModelInferRequest(model_name=model, id=request_id or uuid.uuid4().hex)
         request.parameters["triton_enable_empty_final_response"].bool_param = True
         for name, value in fields.items():
-            kind = self.input_types.get(name, "TYPE_STRING")  # config name: TYPE_INT32, ...
+            kind = types.get(name, "TYPE_STRING")  # config name: TYPE_INT32, ...
             wire = "BYTES" if kind == "TYPE_STRING" else kind.removeprefix("TYPE_")
             values = value if isinstance(value, (list, tuple)) else [value]
             if wire == "BYTES":
@@ -165,10 +172,34 @@ class Upstream:
                        request_id: str | None = None) -> AsyncIterator[Response]:
         """The request's responses (the empty final one included) as they come; an error
         raises UpstreamError. Leaving the loop early cancels the request."""
+        replies = self._stream(self.request(fields, request_id))
+        async with contextlib.aclosing(replies):  # closed early: the stream is cancelled now
+            async for result, response, final in replies:
+                yield _response(result, response, final)
+
+    async def reset_prefix_cache(self, cache_salt: str | None = None) -> dict[str, int]:
+        """Asks the engine model to forget its cached prefixes (`cache_salt`: one namespace):
+        {"dropped_pages", "kept_pages"}; an error raises UpstreamError."""
+        fields: dict[str, Any] = {"input_ids": 0, "input_lengths": 1, "request_output_len": 1,
+                                  "reset_prefix_cache": True}
+        if cache_salt is not None:
+            fields["cache_salt"] = cache_salt
+        counts: dict[str, int] = {}
+        request = self.request(fields, model=ENGINE, types=RESET_INPUTS)
+        async for result, response, _ in self._stream(request):
+            names = {o.name for o in response.outputs}
+            counts.update({n: int(result.as_numpy(n).reshape(-1)[0]) for n in RESET_COUNTS
+                           if n in names})
+        if set(counts) != set(RESET_COUNTS):
+            raise UpstreamError(f"Triton at {self.url} answered the reset without "
+                                "dropped_pages / kept_pages")
+        return counts
+
+    async def _stream(self, request: Any) -> AsyncIterator[tuple[Any, Any, bool]]:
+        """One request's (InferResult, response, final) over its own stream, up to the final
+        one; errors raise UpstreamError; leaving early cancels the request."""
         import grpc
         from tritonclient.grpc import InferResult
-
-        request = self.request(fields, request_id)
 
         async def requests():
             yield request
@@ -183,7 +214,7 @@ class Upstream:
                     raise UpstreamError(message, 400 if _invalid(message) else 500)
                 response = reply.infer_response
                 final = response.parameters["triton_final_response"].bool_param
-                yield _response(InferResult(response), response, final)
+                yield InferResult(response), response, final
                 if final:
                     done = True
                     return

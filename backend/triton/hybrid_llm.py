@@ -19,12 +19,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
+
 from backend.engine.config import EngineConfig
 from backend.engine.engine import Engine
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.triton.errors import ConfigError, RequestError
 from backend.triton.llm_config import ServingSettings, engine_params, serving_settings
-from backend.triton.llm_request import LlmRequest, is_stop, parse_request
+from backend.triton.llm_request import LlmRequest, cache_reset_of, is_stop, parse_request
 from backend.triton.llm_response import OutputStream
 from backend.triton.metrics import EngineMetrics
 from backend.triton.params import parse_model_config
@@ -123,6 +125,13 @@ class HybridLlm:
         if is_stop(inputs):
             self._stop(request.request_id())
             self.responder.send_now(Outgoing(sender, final=True))
+            return
+        if (reset := cache_reset_of(inputs)) is not None:
+            result = self.engine.reset_prefix_cache(*reset)
+            log(self.pb_utils, f"hybrid_llm: prefix cache reset: {result}")
+            tensors = {name: np.array([[value]], dtype=np.int64)
+                       for name, value in result.items()}
+            self.responder.send_now(Outgoing(sender, tensors, final=True))
             return
         parsed = parse_request(
             inputs,

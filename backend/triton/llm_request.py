@@ -24,6 +24,9 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   `backend/cache/retention.py`);
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
+  reset_prefix_cache [1] BOOL (ours): true forgets the cached prefixes on every tier (with
+  cache_salt: that namespace's only) and answers dropped_pages / kept_pages [1] INT64 (pages
+  running requests hold stay); no generation, the other inputs are ignored.
 
 Penalties, embedding_bias (added to the logits; its non-zero entries become
 `SamplingParams.logit_bias`) and return_log_probs are applied as `backend/engine/sampling.py`
@@ -136,6 +139,15 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
 
 def is_stop(inputs: Tensors) -> bool:
     return bool(scalar(inputs, "stop", "b", False))
+
+
+def cache_reset_of(inputs: Tensors) -> tuple[str | None, bool] | None:
+    """`reset_prefix_cache` = true: (the namespace, whether every namespace), else None."""
+    if not scalar(inputs, "reset_prefix_cache", "b", False):
+        return None
+    if "cache_salt" not in inputs:
+        return None, True
+    return text_of(inputs, "cache_salt") or "", False
 
 
 def prompt_of(inputs: Tensors) -> list[int]:

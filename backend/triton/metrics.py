@@ -103,6 +103,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Requests preempted (recomputed) for lack of pages or for a more urgent request",
         COUNTER,
     ),
+    "suffixreplay_prefix_cache_resets_total": (
+        "Prefix cache resets (reset_prefix_cache requests); the pages they dropped are "
+        "suffixreplay_evictions_total{reason=\"reset\"}",
+        COUNTER,
+    ),
 }
 
 # Where the tiered store's counters sit in engine.stats() (TierStats.as_dict()); the first
@@ -173,6 +178,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_unfinished_requests_total", (("reason", "cancelled"),), "cancelled_requests"),
     ("suffixreplay_unfinished_requests_total", (("reason", "failed"),), "failed_requests"),
     ("suffixreplay_preemptions_total", (), "preemptions"),
+    ("suffixreplay_prefix_cache_resets_total", (), "prefix_cache_resets"),
     ("suffixreplay_retained_evictions_total", (), "cache.retained_page_evictions"),
 )
 # (family, fixed labels, label name, stats key of a {label value: count} dict)

@@ -75,6 +75,31 @@ def test_evicted_pages_are_removed_and_the_log_forgets_them():
     assert alive == set(_hashes(pages(1, 2))) | set(_hashes(pages(5, 6)))
 
 
+def test_a_reset_removes_every_unheld_page_and_keeps_a_held_path():
+    """`PrefixStore.reset`: pages no request holds leave the tree (each a BlockRemoved), a
+    locked path stays whole, a checkpoint-policy store's states go with their pages; one
+    namespace's reset leaves the others."""
+    store = _store(policy="checkpoint", checkpoint_interval=4)
+    cache_tokens(store, pages(1, 2, 3))
+    cache_tokens(store, pages(1, 2, 7))
+    cache_tokens(store, pages(4, 5), salt="tenant-a")
+    held = store.tree.walk(encode_tokens(pages(1, 2, 3)), None)
+    store.lock(held)
+    store.tree.events.take()
+    assert store.reset("", every_salt=False) == (1, 3)  # page 7 goes; 1, 2, 3 are held
+    [removed] = store.tree.events.take()
+    assert removed[0] == "BlockRemoved" and removed[1] == _hashes(pages(1, 2, 7))[2:]
+    assert store.match_prefix(pages(4, 5), "tenant-a").num_matched_pages == 2
+    store.assert_invariants()
+    store.unlock(held)
+    assert store.reset() == (5, 0)
+    assert store.num_cached_pages == 0 and store.kv_pool.num_free == store.kv_pool.capacity
+    assert store.state_pool.num_free == store.state_pool.capacity
+    assert sorted(h for e in store.tree.events.take() for h in e[1]) == sorted(
+        _hashes(pages(1, 2, 3)) + _hashes(pages(4, 5), "tenant-a"))
+    store.assert_invariants()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
