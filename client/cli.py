@@ -121,6 +121,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                          help="report the server's per-request metrics (queue time, TTFT, "
                               "KV blocks reused / allocated, drafts accepted)")
         sub.add_argument("--cache-salt")
+        sub.add_argument("--lora", metavar="NAME",
+                         help="run on this LoRA adapter of the server's lora_adapters")
         sub.add_argument("--priority", type=int,
                          help="scheduling priority: lower runs first, ahead of (and if need "
                               "be in place of) requests with a higher one (default 0)")
@@ -152,6 +154,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "return_log_probs": args.log_probs or None,
         "return_perf_metrics": args.perf_metrics or None,
         "cache_salt": args.cache_salt,
+        "lora_name": args.lora,
         "priority": args.priority,
         **retention_options(args.retain),
     }

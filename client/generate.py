@@ -75,6 +75,7 @@ class GenerateParams:
     cache_salt: str | None = None
     session_id: str | None = None
     priority: int | None = None  # scheduling: lower runs first (default 0)
+    lora_name: str | None = None  # a LoRA adapter the server loaded (lora_adapters)
     # KV cache retention (TensorRT-LLM's KvCacheRetentionConfig): (start, end, priority,
     # duration_ms) per prompt token range (end / duration -1: the prompt's end / forever),
     # and the priority / duration_ms of the pages holding generated tokens.
@@ -118,6 +119,7 @@ class GenerateParams:
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
             "priority": self.priority,
+            "lora_name": self.lora_name,
             "exclude_input_in_output": self.exclude_input_in_output,
             "guided_decoding_guide_type": self.guide_type,
             "guided_decoding_guide": self.guide,
@@ -217,6 +219,7 @@ DTYPES = {
     "bad_words": "BYTES",
     "cache_salt": "BYTES",
     "session_id": "BYTES",
+    "lora_name": "BYTES",
     "guided_decoding_guide_type": "BYTES",
     "guided_decoding_guide": "BYTES",
     "embedding_bias_words": "BYTES",

@@ -9,6 +9,8 @@ with finite logits, a tokenizer) and writes a complete repository: ensemble, pre
 hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at the checkpoint.
 - `--calibrate` runs engine_build/calibrate.py on the checkpoint (4 anchors a page, 16 where 4
   fall short of the target) and serves `k_max: auto` and `anchor_density: auto`.
+- `--lora NAME=PATH` (repeatable) checks a PEFT LoRA adapter against the checkpoint and serves
+  it as NAME beside the base model (`lora_adapters`; eager backend).
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
   (engine_build/aot.py) into `<checkpoint>/<engine_dir>` and selects executor `compiled`
   (every family; mixture-of-experts layers route through the `moe_experts` operator).
@@ -27,7 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.model import load_model
+from backend.engine.config import check_adapter_name
+from backend.model import load_model, lora
 from backend.model.loader import CheckpointError
 from backend.triton.repo import MODEL_REPO, set_parameters
 
@@ -39,12 +42,19 @@ class BuildError(RuntimeError):
     pass
 
 
-def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32) -> dict:
-    """Loads the checkpoint and runs 8 tokens; returns a short description."""
+def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32,
+                        adapters: dict[str, Path] | None = None) -> dict:
+    """Loads the checkpoint and runs 8 tokens (and each LoRA adapter of `adapters` against
+    it); returns a short description."""
     try:
         model = load_model(model_dir, dtype=dtype)
     except (CheckpointError, ValueError) as e:
         raise BuildError(f"checkpoint {model_dir} is not usable: {e}") from e
+    for name, path in (adapters or {}).items():
+        try:
+            lora.load_adapter(name, path, model)
+        except ValueError as e:
+            raise BuildError(str(e)) from e
     cfg = model.config
     ids = torch.arange(8).remainder(cfg.vocab_size).unsqueeze(0)
     logits = model.logits(ids)
@@ -85,14 +95,21 @@ def build(args: argparse.Namespace) -> Path:
     steps = ["validate", *(["calibrate"] if args.calibrate else []),
              *(["compile"] if args.backend != "eager" else []), "repository"]
     params: dict[str, str] = {"dtype": args.dtype}
+    adapters = lora_options(args.lora)
+    if adapters and args.backend != "eager":
+        raise BuildError(f"--lora needs --backend eager (a {args.backend} engine holds the "
+                         "base model's weights only)")
+    if adapters:
+        params["lora_adapters"] = ",".join(f"{n}={p.resolve()}" for n, p in adapters.items())
     bar = tqdm(steps, desc=f"build ({args.backend})", unit="step")
     for step in bar:
         bar.set_postfix(step=step)
         if step == "validate":
-            info = validate_checkpoint(model_dir)
+            info = validate_checkpoint(model_dir, adapters=adapters)
             tqdm.write(f"checkpoint ok ({info['model_type']}): {info['parameters']:,} "
                        f"parameters, {info['layers']} layers, {info['groups']} "
-                       "linear-attention groups")
+                       "linear-attention groups"
+                       + (f"; LoRA adapters {', '.join(adapters)} ok" if adapters else ""))
         elif step == "calibrate":
             from engine_build import calibrate
 
@@ -128,8 +145,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine-dir", default="aot", help="aot: engine folder inside --model")
     p.add_argument("--calibrate", action="store_true",
                    help="calibrate k_max and the anchor density, and serve 'auto'")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
+                   help="serve this PEFT LoRA adapter as NAME beside the base model (checked "
+                        "against the checkpoint; eager backend); repeatable")
     p.add_argument("--force", action="store_true", help="replace an existing repository")
     return p.parse_args(argv)
+
+
+def lora_options(values: list[str]) -> dict[str, Path]:
+    """--lora NAME=PATH values -> {name: path} (BuildError naming a malformed one)."""
+    adapters: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise BuildError(f"--lora {value!r} is not NAME=PATH")
+        try:
+            check_adapter_name(name)
+        except ValueError as e:
+            raise BuildError(str(e)) from e
+        if name in adapters:
+            raise BuildError(f"--lora names {name!r} twice")
+        adapters[name] = Path(path)
+    return adapters
 
 
 def tensorrt_refusal(model_dir: Path) -> str | None:

@@ -48,7 +48,7 @@ from collections import deque
 from typing import Any
 
 from backend.cache.base import Tier
-from backend.cache.radix import TOKEN_BYTES, PageNode
+from backend.cache.radix import TOKEN_BYTES, PageNode, lora_of
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +116,12 @@ class KvEventLog:
                 last[1].append(h)
                 last[3].extend(node.tokens)
             else:
-                events.append(["BlockStored", [h], parent, list(node.tokens),
-                               len(node.key) // TOKEN_BYTES, None, medium])
+                event = ["BlockStored", [h], parent, list(node.tokens),
+                         len(node.key) // TOKEN_BYTES, None, medium]
+                lora = lora_of(node.salt)
+                if lora is not None:  # a LoRA adapter's page: vLLM's lora_name field
+                    event.append(lora)
+                events.append(event)
         return events
 
 

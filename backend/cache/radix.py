@@ -123,6 +123,21 @@ class PageNode:
         )
 
 
+# A LoRA adapter's prefixes live in a namespace of their own: the request's cache_salt, this,
+# the adapter's name (`backend/model/lora.py`).
+LORA_SEP = "\x00lora:"
+
+
+def lora_namespace(salt: str, adapter: str | None) -> str:
+    """The namespace of a request's cache_salt under LoRA `adapter` (None: the salt)."""
+    return salt if adapter is None else f"{salt}{LORA_SEP}{adapter}"
+
+
+def lora_of(salt: str) -> str | None:
+    """The LoRA adapter a namespace belongs to (None: the base model's)."""
+    return salt.partition(LORA_SEP)[2] or None
+
+
 def normalize_salt(salt: str | None) -> str:
     """`None` and `""` both name the default namespace."""
     if salt is None:

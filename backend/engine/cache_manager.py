@@ -41,13 +41,13 @@ class CacheManager:
         self.num_recomputed_tokens = 0
 
     # Admission --------------------------------------------------------------------------
-    def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor]]) -> None:
+    def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor, int]]) -> None:
         """Matches the sequence's prefix, locks it, restores linear states at the match end
         (live state, or a replay queued into `replays`), and plans state snapshots."""
         # Context logits, prompt log probabilities: every prompt position is computed (the
         # store holds no logits).
         key = b"" if seq.request.needs_prompt_logits else seq.prefix_key()
-        match = self.store.match_prefix(key, seq.request.cache_salt, count_hits=False)
+        match = self.store.match_prefix(key, seq.salt, count_hits=False)
         found_on = self.store.locations(match)  # before promotion moves them
         nodes = self._usable_prefix(match)
         n = len(nodes)
@@ -83,7 +83,8 @@ class CacheManager:
         else:
             k = replay_budget(seq.num_computed, self.config.replay,
                               n * self.layout.anchors_per_page)
-            replays.append((seq.run_slot, self.layout.last_rows(seq.anchor_blocks, k)))
+            replays.append((seq.run_slot, self.layout.last_rows(seq.anchor_blocks, k),
+                            seq.adapter))
             seq.replayed_anchors = k
             self.num_replayed_anchors += k
         seq.recomputed_tokens = len(seq.tokens) - seq.num_computed
@@ -95,7 +96,7 @@ class CacheManager:
         (no LRU touch, no hit counted)."""
         if self.policy == "none":
             return 0
-        return len(self.store.tree.walk(seq.prefix_key(), seq.request.cache_salt))
+        return len(self.store.tree.walk(seq.prefix_key(), seq.salt))
 
     def reads_pending(self, seq: Sequence, timeout: float) -> bool:
         """Whether the waiting `seq`'s matched pages (or state) are still being read from SSD
@@ -103,7 +104,7 @@ class CacheManager:
         counted as a deferred admission."""
         if self.tiers is None:
             return False
-        pending = self.tiers.prefetcher.reads_pending(seq.prefix_key(), seq.request.cache_salt,
+        pending = self.tiers.prefetcher.reads_pending(seq.prefix_key(), seq.salt,
                                                       timeout)
         self.tiers.stats.deferred_admissions += pending
         return pending
@@ -303,7 +304,7 @@ class CacheManager:
         if num_pages == seq.num_tree_pages and not states:
             return  # nothing new (states saved on pages an earlier chunk inserted do join)
         anchors = seq.anchor_blocks[:num_pages] if self.store.uses_anchors else ()
-        result = self.store.insert(seq.tokens[:end], seq.request.cache_salt,
+        result = self.store.insert(seq.tokens[:end], seq.salt,
                                    seq.page_table[:num_pages], anchors, states)
         for i, node in enumerate(result.nodes):
             seq.page_table[i] = node.kv_page

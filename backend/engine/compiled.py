@@ -201,8 +201,12 @@ class CompiledExecutor(ExecutorBuffers):
                 layer_hooks.after_write(a)
         return logits
 
-    def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:
-        """Rebuilds linear states into run slots from anchor rows (one packed call per group)."""
+    def replay(self, slots: list[int], anchor_rows: list[torch.Tensor],
+               adapters: list[int] | None = None) -> None:
+        """Rebuilds linear states into run slots from anchor rows (one packed call per group;
+        the base model's weights: `adapters`, if given, must all be 0)."""
+        if adapters and any(adapters):
+            raise ValueError("a compiled engine runs no LoRA adapter")
         lengths = torch.tensor([r.numel() for r in anchor_rows])
         cu = torch.zeros(len(slots) + 1, dtype=torch.long)
         cu[1:] = lengths.cumsum(0)

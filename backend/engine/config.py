@@ -79,6 +79,10 @@ class EngineConfig:
     kv_events_topic: str = "kv-events"
     kv_events_buffer_steps: int = 10_000
     kv_events_encoding: str = "map"
+    # LoRA adapters served beside the base model (`backend/model/lora.py`): "name=path,..."
+    # (PEFT directories; a relative path is under the model directory). A request names one
+    # (`Request.lora_name`); executor 'torch' only.
+    lora_adapters: str = ""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -130,6 +134,11 @@ class EngineConfig:
         if self.kv_events_buffer_steps < 1:
             raise ValueError(f"kv_events_buffer_steps must be >= 1, got "
                              f"{self.kv_events_buffer_steps}")
+        if self.lora_adapters.strip():
+            self.lora_adapter_paths()  # checks the list's form
+            if self.executor == "compiled":
+                raise ValueError("lora_adapters need executor 'torch' (the AOT graphs hold the "
+                                 "base model's weights only)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.tiers is not None and self.cache.policy != "checkpoint" and (
@@ -145,6 +154,21 @@ class EngineConfig:
     @property
     def page_size(self) -> int:
         return self.cache.page_size
+
+    def lora_adapter_paths(self) -> list[tuple[str, str]]:
+        """`lora_adapters` as (name, path) pairs, in order (ValueError naming a bad entry)."""
+        pairs: list[tuple[str, str]] = []
+        for entry in self.lora_adapters.split(","):
+            if not entry.strip():
+                continue
+            name, sep, path = (part.strip() for part in entry.partition("="))
+            if not sep or not name or not path:
+                raise ValueError(f"lora_adapters entry {entry.strip()!r} is not name=path")
+            check_adapter_name(name)
+            if name in dict(pairs):
+                raise ValueError(f"lora_adapters names {name!r} twice")
+            pairs.append((name, path))
+        return pairs
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> EngineConfig:
@@ -189,6 +213,12 @@ class EngineConfig:
             return replace(base, **engine)
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid engine parameters: {e}") from e
+
+
+def check_adapter_name(name: str) -> None:
+    """A LoRA adapter's name: what clients send as lora_name (or an OpenAI `model`)."""
+    if not name or len(name) > 128 or not all(c.isalnum() or c in "-_.:/" for c in name):
+        raise ValueError(f"LoRA adapter name {name!r} must be 1-128 letters, digits or -_.:/")
 
 
 def _check_alias(key: str, field_name: str, source: dict) -> None:

@@ -23,13 +23,18 @@ from backend.cache.tier_config import fingerprint_model_dir
 from backend.cache.tiers import TieredBackend
 from backend.engine.beam import BeamGroup, BeamSearch
 from backend.engine.cache_manager import CacheManager
-from backend.engine.config import DTYPES, FINGERPRINT_FROM_MODEL_DIR, EngineConfig
+from backend.engine.config import (
+    DTYPES,
+    FINGERPRINT_FROM_MODEL_DIR,
+    EngineConfig,
+    check_adapter_name,
+)
 from backend.engine.executor import TorchExecutor
 from backend.engine.guided import GrammarBackend
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.scheduler import Scheduler
 from backend.engine.sequence import Sequence
-from backend.model import HybridForCausalLM, load_model
+from backend.model import HybridForCausalLM, load_model, lora
 from backend.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -142,6 +147,8 @@ class Engine:
         self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
         self.num_failed = 0  # requests ended by a failed step
         self.num_cache_resets = 0  # reset_prefix_cache calls
+        self.adapters: dict[str, int] = {}  # LoRA adapter name -> its index in the model
+        self._adapters: list[lora.LoraAdapter] = []
         self._stopping = False
         self._grammars: GrammarBackend | None = None  # built for the first guided request
         self._grammar_lock = threading.Lock()
@@ -158,7 +165,28 @@ class Engine:
             engine_dir = Path(path) / config.engine_dir
             return cls(None, config, load_tokenizer(path), engine_dir=engine_dir)
         model = load_model(path, dtype=DTYPES[config.dtype])
-        return cls(model, config, load_tokenizer(path))
+        engine = cls(model, config, load_tokenizer(path))
+        for name, adapter_path in config.lora_adapter_paths():
+            engine.load_lora(name, Path(path) / adapter_path)  # an absolute path stays as is
+        return engine
+
+    # LoRA adapters ----------------------------------------------------------------------
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Serves the PEFT LoRA adapter at `path` as `name` (`backend/model/lora.py`):
+        requests with `lora_name` = name run on it. Raises ValueError (AdapterError) for an
+        adapter this model cannot take or a name already in use."""
+        check_adapter_name(name)
+        if self.config.executor != "torch":
+            raise ValueError("LoRA adapters need executor 'torch'")
+        if name in self.adapters:
+            raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+        adapter = lora.load_adapter(name, path, self.model)
+        with self._step_lock:  # between two steps: no forward sees half the weights
+            self._adapters.append(adapter)
+            lora.attach(self.model, self._adapters)
+            self.adapters[name] = len(self._adapters)
+        log.info("LoRA adapter %r loaded from %s: rank %d, scale %g, %d layers", name, path,
+                 adapter.rank, adapter.scale, len(adapter.weights))
 
     # Requests ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -168,6 +196,9 @@ class Engine:
         if params.end_id is None and self.eos_token_id is not None:
             request.sampling = replace(params, end_id=self.eos_token_id)
         seq = Sequence(request, list(request.prompt_ids), len(request.prompt_ids))
+        if request.lora_name is not None:
+            seq.adapter = self.adapters[request.lora_name]  # checked by _validate
+            seq.salt = lora.namespace(request.cache_salt, request.lora_name)
         if params.beam_width > 1:
             search = BeamSearch(request.sampling, len(request.prompt_ids), self.max_context_len)
             seq.beam = BeamGroup(seq, search, [seq])
@@ -189,6 +220,9 @@ class Engine:
                     else "return_prompt_log_probs")
             raise ValueError(f"{what} needs executor 'torch': a compiled engine's step "
                              "returns the last position's logits only")
+        if request.lora_name is not None and request.lora_name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"unknown LoRA adapter {request.lora_name!r} (loaded: {loaded})")
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
         if request.retention is not None and not isinstance(request.retention, RetentionConfig):
@@ -262,6 +296,10 @@ class Engine:
         `{"dropped_pages", "kept_pages"}`; the KV cache events announce the removals."""
         with self._step_lock:
             removed, kept = self.store.reset(cache_salt, every_salt)
+            if not every_salt:  # the namespace's prefixes under each adapter too
+                for name in self.adapters:
+                    r, k = self.store.reset(lora.namespace(cache_salt or "", name), False)
+                    removed, kept = removed + r, kept + k
             self.num_cache_resets += 1
             if self.kv_events is not None:
                 self.kv_events.flush()
@@ -396,7 +434,8 @@ class Engine:
                  return_perf_metrics: bool = False, return_generation_logits: bool = False,
                  return_context_logits: bool = False,
                  retention: RetentionConfig | None = None,
-                 return_prompt_log_probs: bool = False) -> RequestOutput:
+                 return_prompt_log_probs: bool = False,
+                 lora_name: str | None = None) -> RequestOutput:
         """Blocking: runs one request to completion and returns all its tokens."""
         done = threading.Event()
         tokens: list[int] = []
@@ -429,7 +468,7 @@ class Engine:
         self.submit(Request(rid, list(prompt_ids), sampling or SamplingParams(), cache_salt,
                             session_id, collect, return_first_logits, return_perf_metrics,
                             return_generation_logits, return_context_logits,
-                            return_prompt_log_probs, retention))
+                            return_prompt_log_probs, retention, lora_name=lora_name))
         if self._thread is None:
             while not done.is_set():
                 self.step()
@@ -481,6 +520,7 @@ class Engine:
             "finished_requests": sched.num_finished,
             "cancelled_requests": self.num_cancelled,
             "prefix_cache_resets": self.num_cache_resets,
+            "lora_adapters": sorted(self.adapters),
             "failed_requests": self.num_failed,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,

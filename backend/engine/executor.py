@@ -228,9 +228,11 @@ class TorchExecutor(ExecutorBuffers):
         """The run slots' linear states as `stash_states` last saw them."""
         _copy_slots(self._stash, self.run_states, slots)
 
-    def replay(self, slots: list[int], anchor_rows: list[torch.Tensor]) -> None:
+    def replay(self, slots: list[int], anchor_rows: list[torch.Tensor],
+               adapters: list[int] | None = None) -> None:
         """Rebuilds linear states into run slots `slots` from anchor rows, one packed batch
-        per group (sequence b replays anchors `anchor_rows[b]`, in position order)."""
+        per group (sequence b replays anchors `anchor_rows[b]`, in position order, through
+        its LoRA adapter `adapters[b]`, 0: none)."""
         cfg = self.model.config
         lengths = torch.tensor([r.numel() for r in anchor_rows])
         T = int(lengths.max())
@@ -238,11 +240,14 @@ class TorchExecutor(ExecutorBuffers):
         for b, rows in enumerate(anchor_rows):
             index[b, : rows.numel()] = rows
         slot_ids = torch.tensor(slots, device=self.model.device)
+        rows = torch.tensor(adapters, device=self.model.device) if adapters and any(adapters) \
+            else None
         for g, layers in enumerate(cfg.group_state_layers):
             hidden = self.anchors[g][index]  # [B, T, D]
             if self.anchor_scales is not None:
                 hidden = dequantize_int8(hidden, self.anchor_scales[g][index], self.model.dtype)
-            self._write_replayed(slot_ids, layers, self.model.replay_group(g, hidden, lengths))
+            self._write_replayed(slot_ids, layers,
+                                 self.model.replay_group(g, hidden, lengths, rows))
 
 
 def _copy_slot(src: StateSlots, i: int, dst: StateSlots, j: int) -> None:

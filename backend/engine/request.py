@@ -150,6 +150,9 @@ class Request:
     # goes ahead of those with a higher value and takes the slot (or pages) of a running one
     # with a higher value; equal ones keep the schedule policy's order.
     priority: int = 0
+    # The LoRA adapter it runs on (a name the engine loaded, `Engine.load_lora`); None: the
+    # base model. Its prefixes are cached apart from the base model's and other adapters'.
+    lora_name: str | None = None
 
     @property
     def needs_prompt_logits(self) -> bool:

@@ -207,14 +207,14 @@ class Scheduler:
 
     def _look_ahead(self) -> None:
         """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""
-        waiting = [(s.prefix_key(), s.request.cache_salt) for s in self.waiting]
+        waiting = [(s.prefix_key(), s.salt) for s in self.waiting]
         if self.cache.tiers is not None:
             self.cache.tiers.prefetcher.update(waiting)
         elif waiting:
             self.cache.store.protect(waiting)
 
     def _admit(self) -> None:
-        replays: list[tuple[int, torch.Tensor]] = []
+        replays: list[tuple[int, torch.Tensor, int]] = []
         replayed: list[Sequence] = []
         deferred: list[Sequence] = []
         admitted: set[Sequence] = set()  # this step's: their replays are queued below
@@ -261,7 +261,8 @@ class Scheduler:
             admitted.add(seq)
         self.waiting.extendleft(reversed(deferred))
         if replays:
-            self.executor.replay([s for s, _ in replays], [r for _, r in replays])
+            slots, rows, adapters = zip(*replays)
+            self.executor.replay(list(slots), list(rows), list(adapters))
             for seq in replayed:
                 self.cache.keep_replayed(seq)
 
@@ -277,11 +278,11 @@ class Scheduler:
         if not self.config.share_running_prefills or self.cache.policy != "suffixreplay" \
                 or seq.prefill_waits >= MAX_PREFILL_WAITS or seq.request.needs_prompt_logits:
             return False
-        key, salt = seq.prefix_key(), seq.request.cache_salt
+        key, salt = seq.prefix_key(), seq.salt
         page_bytes = self.config.page_size * TOKEN_BYTES
         cached = None
         for run in self.running:
-            if run.prefix_inserted or run.request.cache_salt != salt or \
+            if run.prefix_inserted or run.salt != salt or \
                     run.num_computed >= len(run.tokens) - 1:
                 continue  # not prefilling a prompt, or another cache namespace
             shared = seq.shared_pages.get(run)
@@ -439,7 +440,7 @@ class Scheduler:
         for b, c in enumerate(chunks):
             table = torch.tensor(c.seq.page_table)
             seqs.append(SeqInput(c.seq.tokens[c.start:c.end] + c.draft, c.start, table,
-                                 c.seq.run_slot))
+                                 c.seq.run_slot, c.seq.adapter))
             snapshots += [(b, pos - c.start, slot) for pos, slot in c.snapshots]
             plan = self.cache.capture_plan(c.seq, c.start, c.end + len(c.draft))
             if plan is not None:
@@ -753,7 +754,8 @@ class Scheduler:
         leader = group.leader
         seq = Sequence(leader.request, [], leader.num_prompt_tokens, arrival=leader.arrival,
                        arrival_wall_ns=leader.arrival_wall_ns,
-                       status=SeqStatus.RUNNING, run_slot=group.reserved.pop(), beam=group)
+                       status=SeqStatus.RUNNING, run_slot=group.reserved.pop(), beam=group,
+                       adapter=leader.adapter, salt=leader.salt)
         self.running.append(seq)
         return seq
 

@@ -49,6 +49,8 @@ class Sequence:
     pending_states: dict[int, int] = field(default_factory=dict)
     capture_positions: set[int] = field(default_factory=set)
     live_position: int | None = None
+    adapter: int = 0  # the LoRA adapter's index in the model (0: none)
+    salt: str | None = None  # the prefix-cache namespace: cache_salt and the adapter's name
     generator: torch.Generator | None = None
     cached_tokens: int = 0
     replayed_anchors: int = 0
@@ -86,6 +88,10 @@ class Sequence:
     def wants_context_logits(self) -> bool:
         """Its prompt's logits are still to be computed (asked for, no output yet)."""
         return self.request.needs_prompt_logits and self.first_token_time is None
+
+    def __post_init__(self) -> None:
+        if self.salt is None:
+            self.salt = self.request.cache_salt
 
     def prefix_key(self) -> bytes:
         """`encode_tokens(tokens[:-1])`, what the prefix store matches for it (at least one

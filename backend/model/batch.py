@@ -65,6 +65,7 @@ class SeqInput:
     start: int = 0
     page_table: torch.Tensor | None = None  # pages covering [0, start + len(token_ids))
     state_slot: int | None = None
+    adapter: int = 0  # the LoRA adapter it runs on (`backend/model/lora.py`; 0: none)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class ForwardBatch:
     # fast path's `decode.StateLog`), from which a row's states after fewer of its tokens
     # can be rebuilt (speculative decoding's rejected drafts).
     state_log: object | None = None
+    lora: torch.Tensor | None = None  # [B] each row's LoRA adapter; None: no row has one
 
     @property
     def fresh(self) -> bool:
@@ -138,6 +140,8 @@ class ForwardBatch:
         positions = torch.tensor(starts).unsqueeze(1) + ar
         valid = None if min(lens) == T else ar.unsqueeze(0) < lengths.unsqueeze(1)
         batch = cls(ids, positions, lengths, starts, valid, kv, states, capture=capture)
+        if any(s.adapter for s in seqs):
+            batch.lora = torch.tensor([s.adapter for s in seqs])
         if kv is not None:
             batch._plan_kv(seqs, lens, T)
         if states is not None:
@@ -179,7 +183,7 @@ class ForwardBatch:
 
     def to(self, device: torch.device | str) -> ForwardBatch:
         for name in ("input_ids", "positions", "lengths", "valid", "state_slots", "write_rows",
-                     "write_slots", "read_pages", "attn_mask", "fresh_rows"):
+                     "write_slots", "read_pages", "attn_mask", "fresh_rows", "lora"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))

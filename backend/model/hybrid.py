@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from backend.config import FULL, LINEAR, MOE, ModelConfig
+from backend.model import lora
 from backend.model.attention import Attention
 from backend.model.batch import Capture, ForwardBatch, SeqInput, Snapshots
 from backend.model.gated_deltanet import GatedDeltaNet, LinearState
@@ -175,6 +176,10 @@ class HybridForCausalLM(nn.Module):
         Steps of a few tokens a row on the CPU (decode, verification) take `fast_decode`
         when the model has one (same arithmetic, the recurrences a token at a time).
         """
+        if batch.lora is not None:  # LoRA rows: the general layers (`lora.py`), not the
+            with lora.active(batch.lora, batch.input_ids.shape[1]):  # fused decode path
+                hidden = self._run_layers(batch.input_ids, batch.positions, batch)
+            return self._logits_of(hidden, batch, last_only, logit_index)
         fast = (self.fast_decode is not None and (last_only or logit_index is not None)
                 and self.fast_decode.accepts(batch))
         if fast and batch.input_ids.shape[1] == 1 and logit_index is None:
@@ -185,6 +190,10 @@ class HybridForCausalLM(nn.Module):
                 hidden = hidden.unsqueeze(1)
         else:
             hidden = self._run_layers(batch.input_ids, batch.positions, batch)
+        return self._logits_of(hidden, batch, last_only, logit_index)
+
+    def _logits_of(self, hidden: torch.Tensor, batch: ForwardBatch, last_only: bool,
+                   logit_index: torch.Tensor | None) -> torch.Tensor:
         if logit_index is not None:
             return self.lm_head(hidden.flatten(0, 1).index_select(0, logit_index))
         if last_only:
@@ -229,15 +238,20 @@ class HybridForCausalLM(nn.Module):
     # Suffix replay primitive ------------------------------------------------------------
     @torch.inference_mode()
     def replay_group(
-        self, group: int, hidden: torch.Tensor, lengths: torch.Tensor | None = None
+        self, group: int, hidden: torch.Tensor, lengths: torch.Tensor | None = None,
+        adapters: torch.Tensor | None = None,
     ) -> list[LinearState]:
         """Runs only group `group`'s layers (linear layers with their MLPs; Nemotron-H's
         MLP-only layers between them) from zero state.
 
         hidden: [B, T, D] entry hidden states (right-padded; `lengths` [B] when ragged).
+        adapters: [B] each row's LoRA adapter (`lora.py`; None: the base model's layers).
         Returns the final (conv, recurrent) states of each linear layer of the group
         (`config.group_state_layers[group]`), in order.
         """
+        if adapters is not None and bool(adapters.any()):
+            with lora.active(adapters, hidden.shape[1]):
+                return self.replay_group(group, hidden, lengths)
         B, T, _ = hidden.shape
         valid = None
         if lengths is not None and int(lengths.min()) < T:

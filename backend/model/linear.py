@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.model import lora
+
 MIN_MACS = 1 << 16  # below this many multiply-adds per call, F.linear is faster
 MAX_PACKED_ROWS = 64  # up to here: padded to a power of two (see the module doc)
 ROW_ALIGN = 64  # larger inputs: padded to a multiple of this and cut into pieces
@@ -58,6 +60,7 @@ class Linear(nn.Linear):
     _packed: torch.Tensor | None = None
     _packed_from: torch.Tensor | None = None  # the parameter the packed copy was made from
     _packed_version = -1  # and its version then (in-place edits move it)
+    lora: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # adapter -> (A, scale B)
 
     def pack(self) -> None:
         w = self.weight.detach()
@@ -71,6 +74,12 @@ class Linear(nn.Linear):
         object.__setattr__(self, "_packed_from", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        if self.lora is not None:  # LoRA adapters of this layer (`backend/model/lora.py`)
+            return lora.apply(self.lora, x, y)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         p = self._packed
         if (p is not None and not torch.compiler.is_compiling() and not torch.is_grad_enabled()
                 and x.is_cpu and x.dtype == p.dtype and self.weight is self._packed_from):

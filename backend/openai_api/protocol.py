@@ -102,6 +102,7 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
                 echo=_bool(body, "echo", False),
                 logprobs=_int(body, "logprobs", None, 0, MAX_LOGPROBS), prompt_ids=ids)
     _common(body, plan)
+    _adapter(plan, models)
     if plan.echo and plan.logprobs is not None:  # the prompt's tokens are returned too
         plan.fields["return_prompt_log_probs"] = True
     return plan
@@ -126,6 +127,7 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N),
                 logprobs=(top or 0) if wanted else None, tools=tools)
     _common(body, plan)
+    _adapter(plan, models)
     guide = tools.guide() if tools is not None else None
     if guide is not None:
         if "guided_decoding_guide_type" in plan.fields:
@@ -402,6 +404,13 @@ def _model(body: Mapping[str, Any], models: Container[str]) -> str:
         raise RequestError(f"the model {model!r} does not exist", "model", 404,
                            code="model_not_found")
     return model
+
+
+def _adapter(plan: Plan, models: Container[str]) -> None:
+    """A served name that stands for a LoRA adapter (`models` maps names to adapters, None:
+    the base model) runs the request on it."""
+    if isinstance(models, Mapping) and models.get(plan.model):
+        plan.fields["lora_name"] = models[plan.model]
 
 
 def _refuse(body: Mapping[str, Any], name: str, message: str) -> None:

@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 from aiohttp import web
 
+from backend.cache.radix import lora_namespace
 from backend.openai_api import protocol, responses
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.metrics import GENERATION, FrontendMetrics
@@ -54,7 +55,7 @@ log = logging.getLogger("backend.openai_api")
 class State:
     upstream: Upstream
     served: ServedModel
-    names: list[str]
+    names: dict[str, str | None]  # what clients send as `model` -> its LoRA adapter or None
     tokenizer: Any  # backend.tokenizer.Tokenizer, or None (then max_tokens is required)
     template: ChatTemplate | None
     created: int = field(default_factory=lambda: int(time.time()))
@@ -182,7 +183,8 @@ class Run:
             error = await self._relay(p, state.upstream, fields)
         else:  # several replicas: the best one; an unreachable one hands over to the next
             ids = self.route_ids[p]
-            salt = fields.get("cache_salt") or ""
+            # the namespace the replicas cache it in: cache_salt, and its LoRA adapter
+            salt = lora_namespace(fields.get("cache_salt") or "", fields.get("lora_name"))
             tried: list[int] = []
             while True:
                 replica = state.router.pick(ids, salt, exclude=tried)
@@ -604,8 +606,11 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 def _model(state: State, name: str) -> dict[str, Any]:
-    return {"id": name, "object": "model", "created": state.created, "owned_by": "suffixreplay",
-            "max_model_len": state.served.max_context_len}
+    entry = {"id": name, "object": "model", "created": state.created,
+             "owned_by": "suffixreplay", "max_model_len": state.served.max_context_len}
+    if state.names.get(name):  # a LoRA adapter: its base model, as vLLM lists adapters
+        entry["parent"] = next(n for n, adapter in state.names.items() if adapter is None)
+    return entry
 
 
 async def health_ready(request: web.Request) -> web.Response:
@@ -752,7 +757,10 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
         log.warning("no tokenizer folder under %s: chat and a missing max_tokens are refused",
                     model_repository)
     app = web.Application(middlewares=[observed, json_errors], client_max_size=64 << 20)
-    app[STATE] = State(upstream, served, list(served_names) or ["ensemble"], tokenizer,
+    # Served names -> the LoRA adapter each stands for (None: the base model).
+    names: dict[str, str | None] = dict.fromkeys(list(served_names) or ["ensemble"])
+    names.update({adapter: adapter for adapter in served.adapters})
+    app[STATE] = State(upstream, served, names, tokenizer,
                        template, reasoning_parser=reasoning_parser,
                        tool_layout=LAYOUTS[tool_call_parser], upstreams=upstreams,
                        router=Router(len(urls), kv_events, max_imbalance, down_s)

@@ -72,6 +72,7 @@ class ServedModel:
     model_dir: Path | None
     max_context_len: int
     add_special_tokens: bool = True  # preprocessing's, for prompts sent as token ids
+    adapters: list[str] = field(default_factory=list)  # hybrid_llm's LoRA adapters' names
 
     @classmethod
     async def load(cls, upstream: Upstream, model_repository: str | Path) -> ServedModel:
@@ -83,6 +84,7 @@ class ServedModel:
         tokenizer_dir = model_dir = None
         limit = DEFAULT_CONTEXT_LEN
         special = True
+        adapters: list[str] = []
         if "preprocessing" in steps:
             config = await upstream.model_config("preprocessing")
             params = _parameters(config)
@@ -95,6 +97,8 @@ class ServedModel:
                 model_dir = repo / "hybrid_llm" / params["model_path"]
             if params.get("max_context_len", "").isdigit():
                 limit = int(params["max_context_len"])
+            adapters = [entry.partition("=")[0].strip()  # "name=path,..." (the engine checks)
+                        for entry in params.get("lora_adapters", "").split(",") if entry.strip()]
         if model_dir is not None:  # the engine also stops at the model's positions
             config = model_dir / "config.json"
             if config.is_file():
@@ -103,7 +107,7 @@ class ServedModel:
                     "text_config", {}).get("max_position_embeddings")
                 if isinstance(positions, int) and positions > 0:
                     limit = min(limit, positions)
-        return cls(types, tokenizer_dir or model_dir, model_dir, limit, special)
+        return cls(types, tokenizer_dir or model_dir, model_dir, limit, special, adapters)
 
 
 def _parameters(config: Mapping[str, Any]) -> dict[str, str]:

@@ -157,6 +157,7 @@ class HybridLlm:
                 cache_salt=parsed.cache_salt,
                 session_id=parsed.session_id,
                 priority=parsed.priority,
+                lora_name=parsed.lora_name,
                 on_output=lambda out, entry=entry: self._on_output(entry, out),
                 return_perf_metrics=parsed.return_perf_metrics,
                 return_generation_logits=parsed.return_generation_logits,

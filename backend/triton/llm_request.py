@@ -14,7 +14,8 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   early_stopping [1] BOOL (as TensorRT-LLM's; an integer is taken too, nonzero: true);
   stop_words_list / bad_words_list [1, 2, L] INT32 (row 0: the words' ids back to back,
   row 1: the end offset of each word, padded with -1); embedding_bias [1, V] FP32;
-  cache_salt, session_id [1] BYTES (ours); priority [1] INT32 (ours, vLLM's convention: lower
+  cache_salt, session_id, lora_name (a LoRA adapter of the lora_adapters parameter; none:
+  the base model) [1] BYTES (ours); priority [1] INT32 (ours, vLLM's convention: lower
   runs first, default 0; `Request.priority`); guided_decoding_guide_type, guided_decoding_guide
   [1] BYTES (`json`, `json_schema`, `regex`, `ebnf_grammar`, `structural_tag` and the schema /
   regex / grammar / tag, as TensorRT-LLM's; `backend/engine/guided.py`);
@@ -72,6 +73,7 @@ class LlmRequest:
     cache_salt: str = ""
     session_id: str | None = None
     priority: int = 0  # lower runs first
+    lora_name: str | None = None  # a LoRA adapter of the engine's lora_adapters
     # Rows of the response: sequences (K engine requests), or with beam search
     # (sampling.beam_width > 1) the best beams of the one engine request.
     num_return_sequences: int = 1
@@ -128,6 +130,7 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         cache_salt=text_of(inputs, "cache_salt") or "",
         session_id=text_of(inputs, "session_id") or None,
         priority=int(scalar(inputs, "priority", "iu", 0)),
+        lora_name=text_of(inputs, "lora_name") or None,
         num_return_sequences=num_sequences,
         return_perf_metrics=bool(scalar(inputs, "return_perf_metrics", "b", False)),
         return_context_logits=bool(scalar(inputs, "return_context_logits", "b", False)),

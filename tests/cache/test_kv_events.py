@@ -75,6 +75,20 @@ def test_evicted_pages_are_removed_and_the_log_forgets_them():
     assert alive == set(_hashes(pages(1, 2))) | set(_hashes(pages(5, 6)))
 
 
+def test_a_lora_adapters_pages_carry_its_name():
+    """Pages cached under a LoRA adapter (its namespace: cache_salt + the adapter) are
+    announced with vLLM's lora_name; their hashes differ from the base model's pages."""
+    from backend.model.lora import namespace
+
+    store = _store()
+    cache_tokens(store, pages(1, 2), salt=namespace("", "tutor"))
+    cache_tokens(store, pages(1, 2))
+    tuned, plain = store.tree.events.take()
+    assert len(tuned) == 8 and tuned[7] == "tutor" and len(plain) == 7
+    assert tuned[1] == _hashes(pages(1, 2), namespace("", "tutor"))
+    assert not set(tuned[1]) & set(plain[1])
+
+
 def test_a_reset_removes_every_unheld_page_and_keeps_a_held_path():
     """`PrefixStore.reset`: pages no request holds leave the tree (each a BlockRemoved), a
     locked path stays whole, a checkpoint-policy store's states go with their pages; one

@@ -79,3 +79,30 @@ def test_tensorrt_plugin_ptx_is_generated_without_a_gpu():
         assert f".entry {kernel.name}(" in kernel.ptx and ".target sm_90" in kernel.ptx
     with pytest.raises(ValueError, match="unknown operator"):
         compile_ptx("nope")
+
+
+def test_lora_adapters_are_checked_and_served(tmp_path, capsys):
+    """--lora NAME=PATH: the adapter is read against the checkpoint and named in
+    lora_adapters (absolute path); one that does not fit the checkpoint, a malformed value
+    or a compiled backend is refused before anything is written."""
+    import torch
+    from hf_oracle import make_lora_adapter
+    from transformers import Qwen3_5ForCausalLM
+
+    ckpt = _model_copy(tmp_path)
+    hf = Qwen3_5ForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    adapter = make_lora_adapter(tmp_path / "tutor", hf, ("q_proj", "down_proj"))
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"),
+                       "--lora", f"tutor={adapter}"]) == 0
+    params = read_parameters(tmp_path / "repo" / "hybrid_llm" / "config.pbtxt")
+    assert params["lora_adapters"] == f"tutor={adapter.resolve()}"
+    assert "LoRA adapters tutor ok" in capsys.readouterr().out
+    head = make_lora_adapter(tmp_path / "head", hf, ("lm_head",))
+    for extra, message in ((["--lora", f"head={head}"], "lm_head"),
+                           (["--lora", "tutor"], "not NAME=PATH"),
+                           (["--lora", f"tutor={adapter}", "--backend", "aot"],
+                            "--backend eager")):
+        assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "bad"),
+                           *extra]) == 1
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "bad").exists()

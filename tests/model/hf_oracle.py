@@ -199,3 +199,43 @@ def make_nemotron_h_checkpoint(path: Path, seed: int = 0, slow_decay: bool = Fal
         if (MODEL_REPO / DEFAULT_MODEL / f).exists():
             shutil.copy2(MODEL_REPO / DEFAULT_MODEL / f, path / f)
     return model
+
+
+def make_lora_adapter(path: Path, hf_model, targets: tuple[str, ...], rank: int = 8,
+                      alpha: float = 16.0, seed: int = 0, std: float = 0.05,
+                      rslora: bool = False) -> Path:
+    """A random LoRA adapter in PEFT's saved layout (`backend.model.lora.save_adapter`) for
+    the transformers model `hf_model`: lora_A [r, in] / lora_B [out, r] for every nn.Linear
+    whose name ends in one of `targets`."""
+    from backend.model.lora import save_adapter
+
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, module in hf_model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+            weights[name] = (torch.randn(rank, module.in_features, generator=g) * std,
+                             torch.randn(module.out_features, rank, generator=g) * std)
+    return save_adapter(path, weights, alpha, rslora)
+
+
+def merge_lora(hf_model, adapter_dir: Path):
+    """`hf_model` with the adapter's low-rank updates added to its weights (W + s B A, s =
+    lora_alpha / r, or / sqrt(r) with use_rslora), in place: the oracle of a served adapter."""
+    import json
+    import math
+
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    r = config["r"]
+    scale = config["lora_alpha"] / (math.sqrt(r) if config.get("use_rslora") else r)
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if not key.endswith(".lora_A.weight"):
+                continue
+            name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            b = tensors[key.replace("lora_A", "lora_B")]
+            module = hf_model.get_submodule(name)
+            module.weight += scale * (b @ a).to(module.weight.dtype)
+    return hf_model

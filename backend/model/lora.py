@@ -1,0 +1,233 @@
+"""LoRA adapters served beside the base model, each request choosing one (or none).
+
+An adapter is a PEFT directory: `adapter_config.json` (`r`, `lora_alpha`, `target_modules`,
+optionally `use_rslora`) and `adapter_model.safetensors` holding, per adapted linear layer,
+`base_model.model.<module>.lora_A.weight` [r, in] and `...lora_B.weight` [out, r]. A layer's
+output for a token of a request on adapter a is `W x + scale_a * B_a (A_a x)` with
+`scale_a = lora_alpha / r` (`lora_alpha / sqrt(r)` with rslora): the weights are never merged,
+so one batch mixes requests on different adapters and on the base model.
+
+`attach(model, adapters)` gives every targeted `Linear` its adapters' (A, scale * B) pairs,
+indexed 1..N (0: no adapter). During a forward, `active(rows)` says which adapter each batch
+row uses ([B] int64); `Linear.forward` adds the low-rank terms of the rows on its adapters
+(`apply`). The engine's prefix cache keeps each adapter's pages in a namespace of their own
+(`namespace`): the same prompt under another adapter has other KV, anchors and states.
+
+Supported targets: the linear layers the loader maps one to one from the checkpoint
+(attention q/k/v/o, Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
+out_proj, Mamba2's in_proj / out_proj, dense MLP projections). Not: embeddings, lm_head, MoE
+experts and router, Qwen3-Next's packed in_proj_qkvz / in_proj_ba (refused at load, by name).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from backend.cache.radix import lora_namespace
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_KEY = re.compile(r"(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+
+
+class AdapterError(ValueError):
+    """An adapter directory that cannot be served; the message names the file and what."""
+
+
+@dataclass
+class LoraAdapter:
+    name: str
+    path: Path
+    rank: int
+    scale: float
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> list[str]:
+        return sorted(self.weights)
+
+
+def namespace(salt: str, adapter: str | None) -> str:
+    """The prefix-cache namespace of a request's cache_salt under `adapter` (None: as is)."""
+    return lora_namespace(salt, adapter)
+
+
+def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
+    """Reads a PEFT LoRA directory for `model` (shapes and targets checked against it)."""
+    from backend.model.linear import Linear
+
+    path = Path(path)
+    config_file, weights_file = path / CONFIG, path / WEIGHTS
+    if not config_file.is_file():
+        raise AdapterError(f"LoRA adapter {name!r}: {config_file} is missing")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise AdapterError(f"LoRA adapter {name!r}: {config_file}: unreadable ({e})") from e
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not "
+                           "LORA")
+    rank, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+        raise AdapterError(f"LoRA adapter {name!r}: {config_file} needs an integer r >= 1 and "
+                           f"a number lora_alpha, got r={rank!r}, lora_alpha={alpha!r}")
+    for key, neutral in (("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False)):
+        if config.get(key, neutral) != neutral:
+            raise AdapterError(f"LoRA adapter {name!r}: {key}={config[key]!r} is not supported "
+                               f"(only {neutral!r})")
+    if config.get("modules_to_save"):
+        raise AdapterError(f"LoRA adapter {name!r}: modules_to_save "
+                           f"{config['modules_to_save']!r} is not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise AdapterError(f"LoRA adapter {name!r}: rank_pattern / alpha_pattern are not "
+                           "supported")
+    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    if not weights_file.is_file():
+        raise AdapterError(f"LoRA adapter {name!r}: {weights_file} is missing (only "
+                           "safetensors adapters are read)")
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(weights_file), framework="pt") as st:
+            for key in st.keys():
+                match = _KEY.fullmatch(key.removeprefix(_PREFIX))
+                if match is None:
+                    raise AdapterError(f"LoRA adapter {name!r}: {weights_file}: tensor {key!r} "
+                                       "is not a lora_A / lora_B weight")
+                module = _canonical(match.group(1))
+                parts.setdefault(module, {})[match.group(2)] = st.get_tensor(key)
+    except SafetensorError as e:
+        raise AdapterError(f"LoRA adapter {name!r}: {weights_file}: unreadable ({e})") from e
+    if not parts:
+        raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
+    adapter = LoraAdapter(name, path, rank, float(scale))
+    dtype = next(model.parameters()).dtype
+    device = next(model.parameters()).device
+    for module, ab in sorted(parts.items()):
+        linear = None if ".experts." in module or module == "lm_head" else linears.get(module)
+        if linear is None:
+            raise AdapterError(f"LoRA adapter {name!r}: {module!r} is not a linear layer this "
+                               "model can adapt (embeddings, lm_head, MoE experts and "
+                               "Qwen3-Next's packed projections are not)")
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(f"LoRA adapter {name!r}: {module!r} lacks its lora_"
+                               f"{'B' if 'A' in ab else 'A'} weight")
+        a, b = ab["A"], ab["B"]
+        want_a, want_b = (a.shape[0], linear.in_features), (linear.out_features, a.shape[0])
+        if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != want_a or \
+                tuple(b.shape) != want_b:
+            raise AdapterError(f"LoRA adapter {name!r}: {module!r} has lora_A "
+                               f"{tuple(a.shape)} and lora_B {tuple(b.shape)}; the layer is "
+                               f"{linear.in_features} -> {linear.out_features}")
+        adapter.weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
+                                   (b.float() * scale).to(device=device, dtype=dtype)
+                                   .contiguous())
+    return adapter
+
+
+def save_adapter(path: str | Path, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                 alpha: float, rslora: bool = False) -> Path:
+    """Writes an adapter in PEFT's saved layout: `weights` maps a module name (the
+    checkpoint's naming) to its (lora_A [r, in], lora_B [out, r]); one rank for all."""
+    from safetensors.torch import save_file
+
+    ranks = {a.shape[0] for a, _ in weights.values()}
+    if len(ranks) != 1:
+        raise ValueError(f"one rank for every module, got {sorted(ranks)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (a, b) in weights.items():
+        tensors[f"{_PREFIX}{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"{_PREFIX}{name}.lora_B.weight"] = b.contiguous()
+    save_file(tensors, str(path / WEIGHTS))
+    targets = sorted({name.rsplit(".", 1)[-1] for name in weights})
+    (path / CONFIG).write_text(json.dumps({
+        "peft_type": "LORA", "r": ranks.pop(), "lora_alpha": alpha, "target_modules": targets,
+        "bias": "none", "use_rslora": rslora, "task_type": "CAUSAL_LM"}, indent=2))
+    return path
+
+
+def _canonical(module: str) -> str:
+    """A PEFT module name in the loader's naming (Nemotron-H's backbone. -> model.)."""
+    from backend.model.loader import _canonical as canonical_name
+
+    return (canonical_name(module + ".weight") or module + ".weight").removesuffix(".weight")
+
+
+def attach(model: nn.Module, adapters: list[LoraAdapter]) -> None:
+    """Gives each targeted layer its adapters' weights, adapter i of the list as index
+    i + 1 (replacing what an earlier call attached)."""
+    from backend.model.linear import Linear
+
+    for _, module in model.named_modules():
+        if isinstance(module, Linear):
+            module.lora = None
+    modules = dict(model.named_modules())
+    for index, adapter in enumerate(adapters, 1):
+        for name, pair in adapter.weights.items():
+            linear = modules[name]
+            if linear.lora is None:
+                linear.lora = {}
+            linear.lora[index] = pair
+
+
+class _Active(threading.local):
+    rows: torch.Tensor | None = None  # [B] adapter index per batch row (0: none)
+    tokens: torch.Tensor | None = None  # [B * T]: the same per token of the padded batch
+    present: tuple[int, ...] = ()
+
+
+_ACTIVE = _Active()
+
+
+@contextmanager
+def active(rows: torch.Tensor | None, num_tokens: int = 1):
+    """Within: a forward over a [B, T] batch (T = `num_tokens`) whose row b uses adapter
+    rows[b] (0: the base model)."""
+    previous = (_ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present)
+    if rows is not None:
+        _ACTIVE.rows, _ACTIVE.tokens = rows, rows.repeat_interleave(num_tokens)
+        _ACTIVE.present = tuple(int(i) for i in rows.unique().tolist() if i)
+    else:
+        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present = None, None, ()
+    try:
+        yield
+    finally:
+        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present = previous
+
+
+def apply(lora: dict[int, tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
+          y: torch.Tensor) -> torch.Tensor:
+    """`y` (= W x) plus the low-rank terms of the rows whose adapter adapts this layer."""
+    rows = _ACTIVE.rows
+    if rows is None:
+        return y
+    mine = [i for i in _ACTIVE.present if i in lora]
+    if not mine:
+        return y
+    tokens = _ACTIVE.tokens
+    if x.dim() == 2 and x.shape[0] == tokens.shape[0]:  # [B * T, in]: every token, flattened
+        per = tokens
+    elif x.dim() > 2 and x.shape[0] == rows.shape[0]:  # [B, T, ..., in]
+        per = rows
+    else:  # e.g. a subset of the tokens: which row each came from is unknown here
+        raise RuntimeError(f"LoRA: an input of shape {tuple(x.shape)} in a batch of "
+                           f"{rows.shape[0]} rows x {tokens.shape[0] // rows.shape[0]} tokens")
+    y = y.clone()
+    for i in mine:
+        a, b = lora[i]
+        take = per == i
+        y[take] += (x[take] @ a.t()) @ b.t()
+    return y

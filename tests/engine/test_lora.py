@@ -1,0 +1,253 @@
+"""LoRA adapters (`backend/model/lora.py`, `Engine.load_lora`): a request on an adapter decodes
+what transformers decodes with the adapter merged into the weights (both families); requests
+on different adapters and on the base model share a step and each gets its own; an adapter's
+prefixes are cached apart from the base model's, and a hit under an adapter (anchors replayed
+through the adapted layers, or its live state) decodes the same; bad adapters and names are
+errors that say what is wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_helpers import TINY_MODEL_DIR, assert_no_leak, family_checkpoint, make_engine
+from hf_oracle import make_lora_adapter, merge_lora
+
+from backend.engine import Engine, EngineConfig, SamplingParams
+from backend.engine.request import Request
+from backend.model import load_model
+from backend.model.lora import AdapterError, load_adapter
+from backend.replay.budget import ReplayConfig
+
+GREEDY = SamplingParams(max_tokens=10, top_k=1)
+QWEN_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                "in_proj_b", "in_proj_a", "out_proj", "gate_proj", "up_proj", "down_proj")
+NEMOTRON_TARGETS = ("in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                    "up_proj", "down_proj")
+
+
+def _hf(path, family):
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForCausalLM as cls
+    else:
+        from transformers import NemotronHForCausalLM as cls
+    return cls.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3_5", "nemotron_h"])
+def setup(request, tmp_path_factory):
+    """(our model, its directory, family, {adapter name: (dir, merged transformers model)})."""
+    family = request.param
+    if family == "qwen3_5":
+        path = TINY_MODEL_DIR
+    else:
+        path = tmp_path_factory.mktemp("lora-nemotron")
+        family_checkpoint(path, family, seed=2)
+    targets = QWEN_TARGETS if family == "qwen3_5" else NEMOTRON_TARGETS
+    adapters = {}
+    for name, seed, rslora in (("math", 1, False), ("chat", 2, True)):
+        folder = make_lora_adapter(tmp_path_factory.mktemp(f"lora-{name}"), _hf(path, family),
+                                   targets, seed=seed, rslora=rslora)
+        adapters[name] = (folder, merge_lora(_hf(path, family), folder))
+    return load_model(path), path, family, adapters
+
+
+def _oracle(hf, prompt: list[int], n: int = 10) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy tokens and its logits after the prompt."""
+    ids = torch.tensor([prompt])
+    out, first = [], None
+    with torch.no_grad():
+        for _ in range(n):
+            logits = hf(ids, use_cache=False).logits[0, -1]
+            first = logits if first is None else first
+            out.append(int(logits.argmax()))
+            ids = torch.cat([ids, torch.tensor([[out[-1]]])], 1)
+    return out, first
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+def _engine(setup, **options) -> Engine:
+    model, _, _, adapters = setup
+    engine = make_engine(model, max_tokens_per_step=200, **options)
+    for name, (folder, _) in adapters.items():
+        engine.load_lora(name, folder)
+    return engine
+
+
+def test_a_request_on_an_adapter_decodes_what_the_merged_model_decodes(setup):
+    model, path, family, adapters = setup
+    engine = _engine(setup)
+    vocab = model.config.vocab_size
+    prompt = _prompt(100, 7, vocab)
+    base = engine.generate(prompt, GREEDY)
+    for name, (_, merged) in adapters.items():
+        want, logits = _oracle(merged, prompt)
+        got = engine.generate(prompt, GREEDY, lora_name=name, return_first_logits=True)
+        assert got.cached_tokens == 0  # the base model's pages are not this adapter's
+        assert got.new_token_ids == want, name
+        torch.testing.assert_close(got.first_logits, logits, atol=2e-3, rtol=0)
+    # The adapters change the model: otherwise this test could not fail.
+    assert {tuple(_oracle(m, prompt)[0]) for _, m in adapters.values()} != {
+        tuple(base.new_token_ids)}
+    assert_no_leak(engine)
+
+
+def test_adapters_and_the_base_model_share_a_step(setup):
+    model, _, _, adapters = setup
+    engine = _engine(setup)
+    prompt = _prompt(90, 8, model.config.vocab_size)
+    outputs: dict[str, list[int]] = {}
+    for name in (None, "math", "chat"):
+        rid = name or "base"
+        outputs[rid] = []
+        engine.submit(Request(rid, prompt, GREEDY, lora_name=name,
+                              on_output=lambda out, rid=rid: outputs[rid].extend(
+                                  out.new_token_ids)))
+    engine.step()
+    assert len(engine.scheduler.running) == 3  # one forward for all three
+    while engine.has_work:
+        engine.step()
+    assert outputs["base"] == engine.generate(prompt, GREEDY).new_token_ids
+    for name, (_, merged) in adapters.items():
+        assert outputs[name] == _oracle(merged, prompt)[0], name
+    assert_no_leak(engine)
+
+
+def _merged(path, folder):
+    """Our model with the adapter merged into its weights (the direct test above checks
+    the adapter against transformers; this one the cache paths against the same engine)."""
+    model = load_model(path)
+    adapter = load_adapter("merged", folder, model)
+    with torch.no_grad():
+        for name, (a, scaled_b) in adapter.weights.items():
+            model.get_submodule(name).weight += scaled_b @ a
+    return model
+
+
+@pytest.mark.parametrize("live_state", [False, True], ids=["replay", "live-state"])
+def test_a_hit_under_an_adapter_decodes_the_same(setup, live_state):
+    """A branch's 144 cached tokens come back under the adapter: its linear states from
+    anchors replayed through the adapted layers (suffix replay approximates the states;
+    with the live state kept at the branch point's page, exactly). It decodes what the
+    same engine decodes on a model with the adapter merged into its weights, with the same
+    logits; the other adapter and the base model find none of it."""
+    model, path, _, adapters = setup
+    replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8,
+                          live_state=live_state)
+    engine = _engine(setup, replay=replay)
+    merged = make_engine(_merged(path, adapters["math"][0]), max_tokens_per_step=200,
+                         replay=replay)
+    vocab = model.config.vocab_size
+    prompt, other = _prompt(200, 9, vocab), _prompt(60, 10, vocab)
+    branch = prompt[:150] + other[:30]
+    if live_state:  # the first request's prompt ends at the branch point's page
+        prompt = prompt[:144]
+    engine.generate(prompt, GREEDY, lora_name="math")
+    merged.generate(prompt, GREEDY)
+    got = engine.generate(branch, GREEDY, lora_name="math", return_first_logits=True)
+    want = merged.generate(branch, GREEDY, return_first_logits=True)
+    assert got.cached_tokens == want.cached_tokens == 144
+    assert got.replayed_anchors == want.replayed_anchors
+    assert (got.replayed_anchors > 0) != live_state
+    assert got.new_token_ids == want.new_token_ids
+    torch.testing.assert_close(got.first_logits, want.first_logits, atol=2e-3, rtol=0)
+    if live_state:  # an exact state: what a full prefill under the adapter decodes
+        assert got.new_token_ids == _oracle(adapters["math"][1], branch)[0]
+    assert engine.generate(branch, GREEDY, lora_name="chat").cached_tokens == 0
+    assert engine.generate(branch, GREEDY).cached_tokens == 0
+    assert_no_leak(engine)
+
+
+def test_a_namespace_reset_covers_its_adapters(setup):
+    model, _, _, _ = setup
+    engine = _engine(setup)
+    prompt = _prompt(100, 11, model.config.vocab_size)
+    engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math")
+    assert engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math").cached_tokens > 0
+    assert engine.reset_prefix_cache("t", every_salt=False)["dropped_pages"] > 0
+    assert engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math").cached_tokens == 0
+
+
+def test_bad_adapters_and_names_are_errors(setup, tmp_path):
+    model, path, family, adapters = setup
+    engine = _engine(setup)
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'nope' \\(loaded: chat, math\\)"):
+        engine.submit(Request("x", [5, 6, 7], GREEDY, lora_name="nope"))
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.load_lora("math", adapters["math"][0])
+    with pytest.raises(ValueError, match="must be 1-128"):
+        engine.load_lora("bad name", adapters["math"][0])
+    with pytest.raises(AdapterError, match="adapter_config.json is missing"):
+        engine.load_lora("empty", tmp_path)
+    # lm_head is not a layer an adapter may change here
+    folder = make_lora_adapter(tmp_path / "head", _hf(path, family), ("lm_head",))
+    with pytest.raises(AdapterError, match="lm_head"):
+        engine.load_lora("head", folder)
+    # a lora_B of the wrong shape
+    src = adapters["math"][0]
+    bad = tmp_path / "shape"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text((src / "adapter_config.json").read_text())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_B.weight"))
+    tensors[key] = tensors[key][:-1]
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="lora_B"):
+        engine.load_lora("shape", bad)
+    config = json.loads((src / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="use_dora"):
+        engine.load_lora("dora", bad)
+    with pytest.raises(ValueError, match="executor 'torch'"):
+        EngineConfig(executor="compiled", lora_adapters="math=/x")
+    with pytest.raises(ValueError, match="not name=path"):
+        EngineConfig(lora_adapters="math")
+    assert engine.stats()["active_requests"] == 0
+
+
+def test_adapters_named_in_the_engine_config(setup):
+    """`lora_adapters` ("name=path,...") loads them with the model (Engine.from_model_dir)."""
+    model, path, family, adapters = setup
+    if family != "qwen3_5":
+        pytest.skip("one family is enough for the configuration path")
+    listing = ",".join(f"{n}={folder}" for n, (folder, _) in adapters.items())
+    engine = Engine.from_model_dir(path, EngineConfig(lora_adapters=listing))
+    assert sorted(engine.adapters) == ["chat", "math"]
+    prompt = _prompt(40, 12, model.config.vocab_size)
+    got = engine.generate(prompt, GREEDY, lora_name="chat")
+    assert got.new_token_ids == _oracle(adapters["chat"][1], prompt)[0]
+
+
+def test_speculative_decoding_and_beam_search_run_on_the_adapter(setup):
+    """ngram drafts verified on the adapter give the tokens a step a token gives; a beam
+    search's beams (forked sequences) stay on the adapter: its best beam is what a search
+    on the merged-weights model finds."""
+    from dataclasses import replace
+
+    model, path, family, adapters = setup
+    if family != "qwen3_5":
+        pytest.skip("one family is enough for the decoding modes")
+    engine = _engine(setup)
+    spec = make_engine(model, max_tokens_per_step=200)
+    spec = Engine(model, replace(spec.config, speculative_method="ngram",
+                                 num_speculative_tokens=4, prompt_lookup_min=2,
+                                 speculative_adaptive=False))
+    spec.load_lora("math", adapters["math"][0])
+    repeat = _prompt(30, 13, model.config.vocab_size) * 3  # much to look up
+    sampling = SamplingParams(max_tokens=24, top_k=1)
+    want = engine.generate(repeat, sampling, lora_name="math").new_token_ids
+    assert spec.generate(repeat, sampling, lora_name="math").new_token_ids == want
+    assert spec.stats()["spec_draft_tokens"] > 0
+    beams = SamplingParams(max_tokens=8, beam_width=3)
+    merged = make_engine(_merged(path, adapters["math"][0]), max_tokens_per_step=200)
+    prompt = _prompt(50, 14, model.config.vocab_size)
+    got = engine.generate(prompt, beams, lora_name="math")
+    assert got.new_token_ids == merged.generate(prompt, beams).new_token_ids
+    assert_no_leak(engine)
