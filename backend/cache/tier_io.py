@@ -16,6 +16,7 @@ from backend.cache.chunk_format import ChunkHeader, Expected, prefix_hash, salt_
 from backend.cache.host_pool import HostPool
 from backend.cache.io_pool import Priority
 from backend.cache.page_io import CopyStream
+from backend.cache.radix import lora_of
 from backend.cache.ssd import ChunkState, SsdChunk, SsdStore
 from backend.cache.tier_entry import Op, OpKind, TierEntry
 from backend.cache.tier_stats import TierStats
@@ -39,13 +40,24 @@ class TierIO:
         self.inflight: dict[int, Op] = {}
         self._done: deque[Op] = deque()
         self._salt_hashes: dict[str, bytes] = {}
+        # LoRA adapter name -> a digest of its weights: an adapter's namespace hashes with it,
+        # so pages an earlier run left on SSD under another adapter of that name are foreign.
+        self.adapter_fingerprints: dict[str, str] = {}
 
     # Entries ----------------------------------------------------------------------------
     def salt_hash(self, salt: str) -> bytes:
         h = self._salt_hashes.get(salt)
         if h is None:
-            h = self._salt_hashes[salt] = salt_hash(salt)
+            adapter = lora_of(salt)
+            key = salt if adapter is None else \
+                f"{salt}@{self.adapter_fingerprints.get(adapter, '')}"
+            h = self._salt_hashes[salt] = salt_hash(key)
         return h
+
+    def add_adapter(self, name: str, fingerprint: str) -> None:
+        """A LoRA adapter the engine serves as `name` (before any request names it)."""
+        self.adapter_fingerprints[name] = fingerprint
+        self._salt_hashes.clear()
 
     def entry(self, node) -> TierEntry:
         """The node's entry, created (with those of its ancestors) on first use."""

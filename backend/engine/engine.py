@@ -185,6 +185,8 @@ class Engine:
             self._adapters.append(adapter)
             lora.attach(self.model, self._adapters)
             self.adapters[name] = len(self._adapters)
+            if self.tiers is not None:  # SSD pages of another adapter of that name: foreign
+                self.tiers.add_adapter(name, adapter.fingerprint)
         log.info("LoRA adapter %r loaded from %s: rank %d, scale %g, %d layers", name, path,
                  adapter.rank, adapter.scale, len(adapter.weights))
 

@@ -21,6 +21,7 @@ experts and router, Qwen3-Next's packed in_proj_qkvz / in_proj_ba (refused at lo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -52,6 +53,7 @@ class LoraAdapter:
     rank: int
     scale: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    fingerprint: str = ""  # a digest of its config and weights files
 
     @property
     def modules(self) -> list[str]:
@@ -111,7 +113,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file}: unreadable ({e})") from e
     if not parts:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
-    adapter = LoraAdapter(name, path, rank, float(scale))
+    adapter = LoraAdapter(name, path, rank, float(scale), fingerprint=_digest(
+        [config_file, weights_file]))
     dtype = next(model.parameters()).dtype
     device = next(model.parameters()).device
     for module, ab in sorted(parts.items()):
@@ -157,6 +160,15 @@ def save_adapter(path: str | Path, weights: dict[str, tuple[torch.Tensor, torch.
         "peft_type": "LORA", "r": ranks.pop(), "lora_alpha": alpha, "target_modules": targets,
         "bias": "none", "use_rslora": rslora, "task_type": "CAUSAL_LM"}, indent=2))
     return path
+
+
+def _digest(files: list[Path]) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        with open(f, "rb") as stream:
+            while chunk := stream.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()[:32]
 
 
 def _canonical(module: str) -> str:

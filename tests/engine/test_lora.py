@@ -251,3 +251,40 @@ def test_speculative_decoding_and_beam_search_run_on_the_adapter(setup):
     got = engine.generate(prompt, beams, lora_name="math")
     assert got.new_token_ids == merged.generate(prompt, beams).new_token_ids
     assert_no_leak(engine)
+
+
+def test_ssd_pages_of_another_adapter_of_the_same_name_are_foreign(setup, tmp_path):
+    """A restarted engine restores an adapter's pages from SSD only when the adapter of that
+    name is the same (its weights' digest is part of the namespace's hash): with other
+    weights under the name, nothing is restored and the tokens are the new adapter's."""
+    from dataclasses import replace
+
+    from backend.cache.tier_config import TierConfig
+
+    model, path, family, adapters = setup
+    if family != "qwen3_5":
+        pytest.skip("one family is enough for the SSD tier")
+    tiers = TierConfig(host_pages=64, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
+                       ssd_bytes=1 << 30)
+    config = replace(make_engine(model, max_tokens_per_step=200).config, tiers=tiers)
+
+    def restarted(folder):
+        engine = Engine(model, config)
+        engine.load_lora("tuned", folder)
+        return engine
+
+    prompt = _prompt(200, 15, model.config.vocab_size)
+    first = restarted(adapters["math"][0])
+    first.generate(prompt, GREEDY, lora_name="tuned")
+    first.tiers.drain()
+    first.stop()
+    same = restarted(adapters["math"][0])
+    assert same.generate(prompt, GREEDY, lora_name="tuned").cached_tokens > 0
+    same.tiers.drain()
+    same.stop()
+    other = restarted(adapters["chat"][0])
+    got = other.generate(prompt, GREEDY, lora_name="tuned")
+    assert got.cached_tokens == 0
+    assert got.new_token_ids == _oracle(adapters["chat"][1], prompt)[0]
+    assert other.stats()["tiers"]["restored_pages"] == 0
+    other.stop()
