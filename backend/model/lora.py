@@ -199,6 +199,7 @@ class _Active(threading.local):
     rows: torch.Tensor | None = None  # [B] adapter index per batch row (0: none)
     tokens: torch.Tensor | None = None  # [B * T]: the same per token of the padded batch
     present: tuple[int, ...] = ()
+    uniform: int = 0  # the adapter of every row when they all share one (0: mixed or none)
 
 
 _ACTIVE = _Active()
@@ -208,16 +209,18 @@ _ACTIVE = _Active()
 def active(rows: torch.Tensor | None, num_tokens: int = 1):
     """Within: a forward over a [B, T] batch (T = `num_tokens`) whose row b uses adapter
     rows[b] (0: the base model)."""
-    previous = (_ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present)
+    previous = (_ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present, _ACTIVE.uniform)
     if rows is not None:
         _ACTIVE.rows, _ACTIVE.tokens = rows, rows.repeat_interleave(num_tokens)
-        _ACTIVE.present = tuple(int(i) for i in rows.unique().tolist() if i)
+        found = rows.unique().tolist()
+        _ACTIVE.present = tuple(int(i) for i in found if i)
+        _ACTIVE.uniform = int(found[0]) if len(found) == 1 else 0
     else:
-        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present = None, None, ()
+        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present, _ACTIVE.uniform = None, None, (), 0
     try:
         yield
     finally:
-        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present = previous
+        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present, _ACTIVE.uniform = previous
 
 
 def apply(lora: dict[int, tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
@@ -226,6 +229,9 @@ def apply(lora: dict[int, tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
     rows = _ACTIVE.rows
     if rows is None:
         return y
+    if _ACTIVE.uniform:  # every row on one adapter: no rows to pick
+        pair = lora.get(_ACTIVE.uniform)
+        return y if pair is None else y + (x @ pair[0].t()) @ pair[1].t()
     mine = [i for i in _ACTIVE.present if i in lora]
     if not mine:
         return y
