@@ -148,6 +148,7 @@ class Engine:
         self.num_failed = 0  # requests ended by a failed step
         self.num_cache_resets = 0  # reset_prefix_cache calls
         self.adapters: dict[str, int] = {}  # LoRA adapter name -> its index in the model
+        self.lora_requests: dict[str, int] = {}  # requests submitted on each adapter
         self._adapters: list[lora.LoraAdapter] = []
         self._stopping = False
         self._grammars: GrammarBackend | None = None  # built for the first guided request
@@ -185,6 +186,7 @@ class Engine:
             self._adapters.append(adapter)
             lora.attach(self.model, self._adapters)
             self.adapters[name] = len(self._adapters)
+            self.lora_requests[name] = 0
             if self.tiers is not None:  # SSD pages of another adapter of that name: foreign
                 self.tiers.add_adapter(name, adapter.fingerprint)
         log.info("LoRA adapter %r loaded from %s: rank %d, scale %g, %d layers", name, path,
@@ -201,6 +203,7 @@ class Engine:
         if request.lora_name is not None:
             seq.adapter = self.adapters[request.lora_name]  # checked by _validate
             seq.salt = lora.namespace(request.cache_salt, request.lora_name)
+            self.lora_requests[request.lora_name] += 1
         if params.beam_width > 1:
             search = BeamSearch(request.sampling, len(request.prompt_ids), self.max_context_len)
             seq.beam = BeamGroup(seq, search, [seq])
@@ -492,6 +495,15 @@ class Engine:
         with self._step_lock:
             return self._stats()
 
+    def _lora_running(self) -> dict[str, int]:
+        """Requests running (admitted) on each LoRA adapter."""
+        names = {index: name for name, index in self.adapters.items()}
+        running = dict.fromkeys(self.adapters, 0)
+        for seq in self.scheduler.running:
+            if seq.adapter and (seq.beam is None or seq is seq.beam.leader):
+                running[names[seq.adapter]] += 1
+        return running
+
     def _memory_bytes(self) -> dict[str, int]:
         """Bytes in use: the device pools' KV pages, anchor blocks and saved-state slots
         (cached entries and running requests' pages alike), and the lower tiers'."""
@@ -523,6 +535,8 @@ class Engine:
             "cancelled_requests": self.num_cancelled,
             "prefix_cache_resets": self.num_cache_resets,
             "lora_adapters": sorted(self.adapters),
+            "lora_requests": dict(self.lora_requests),
+            "lora_running": self._lora_running(),
             "failed_requests": self.num_failed,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,

@@ -103,6 +103,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "Requests preempted (recomputed) for lack of pages or for a more urgent request",
         COUNTER,
     ),
+    "suffixreplay_lora_requests_total": (
+        "Requests submitted on each LoRA adapter (lora_adapters)", COUNTER),
+    "suffixreplay_lora_running_requests": (
+        "Requests running (admitted) on each LoRA adapter", GAUGE),
     "suffixreplay_prefix_cache_resets_total": (
         "Prefix cache resets (reset_prefix_cache requests); the pages they dropped are "
         "suffixreplay_evictions_total{reason=\"reset\"}",
@@ -198,6 +202,8 @@ BY_LABEL: tuple[tuple[str, tuple[tuple[str, str], ...], str, str], ...] = (
     ),
     ("suffixreplay_ssd_chunk_rejects_total", (), "reason", "tier:chunk_rejects"),
     ("suffixreplay_memory_bytes", (), "pool", "memory_bytes"),
+    ("suffixreplay_lora_requests_total", (), "adapter", "lora_requests"),
+    ("suffixreplay_lora_running_requests", (), "adapter", "lora_running"),
 )
 
 

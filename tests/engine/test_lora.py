@@ -110,6 +110,9 @@ def test_adapters_and_the_base_model_share_a_step(setup):
                                   out.new_token_ids)))
     engine.step()
     assert len(engine.scheduler.running) == 3  # one forward for all three
+    stats = engine.stats()
+    assert stats["lora_running"] == {"chat": 1, "math": 1}
+    assert stats["lora_requests"] == {"chat": 1, "math": 1}
     while engine.has_work:
         engine.step()
     assert outputs["base"] == engine.generate(prompt, GREEDY).new_token_ids

@@ -22,6 +22,9 @@ STATS = {
     "tiers": {"ssd_bytes_read": 4096, "prefetch_hits": 3, "prefetch_started": 5,
               "chunk_rejects": {"checksum": 1}},
     "label": "not a number",
+    "lora_adapters": ["tutor", "v1.2"],
+    "lora_requests": {"tutor": 5, "v1.2": 0},
+    "lora_running": {"tutor": 2, "v1.2": 0},
 }
 
 
@@ -57,3 +60,10 @@ def test_ours_by_label_and_missing_keys_skipped():
     families = {family for family, _ in got}
     assert "suffixreplay_checksum_failures_total" not in families  # not in these stats
     assert families <= set(FAMILIES)
+
+
+def test_lora_adapters_by_name():
+    got = by_key()
+    assert got[("suffixreplay_lora_requests_total", (("adapter", "tutor"),))] == 5
+    assert got[("suffixreplay_lora_requests_total", (("adapter", "v1.2"),))] == 0
+    assert got[("suffixreplay_lora_running_requests", (("adapter", "tutor"),))] == 2
