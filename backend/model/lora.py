@@ -127,12 +127,13 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
             raise AdapterError(f"LoRA adapter {name!r}: {module!r} lacks its lora_"
                                f"{'B' if 'A' in ab else 'A'} weight")
         a, b = ab["A"], ab["B"]
-        want_a, want_b = (a.shape[0], linear.in_features), (linear.out_features, a.shape[0])
+        want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != want_a or \
                 tuple(b.shape) != want_b:
             raise AdapterError(f"LoRA adapter {name!r}: {module!r} has lora_A "
-                               f"{tuple(a.shape)} and lora_B {tuple(b.shape)}; the layer is "
-                               f"{linear.in_features} -> {linear.out_features}")
+                               f"{tuple(a.shape)} and lora_B {tuple(b.shape)}; rank {rank} "
+                               f"and the layer ({linear.in_features} -> "
+                               f"{linear.out_features}) want {want_a} and {want_b}")
         adapter.weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
                                    (b.float() * scale).to(device=device, dtype=dtype)
                                    .contiguous())

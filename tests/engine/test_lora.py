@@ -205,6 +205,11 @@ def test_bad_adapters_and_names_are_errors(setup, tmp_path):
     with pytest.raises(AdapterError, match="lora_B"):
         engine.load_lora("shape", bad)
     config = json.loads((src / "adapter_config.json").read_text())
+    save_file(load_file(str(src / "adapter_model.safetensors")),
+              str(bad / "adapter_model.safetensors"))
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    with pytest.raises(AdapterError, match="rank 4"):  # the files' rank is 8: scale wrong
+        engine.load_lora("rank", bad)
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(AdapterError, match="use_dora"):
         engine.load_lora("dora", bad)
