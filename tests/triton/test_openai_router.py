@@ -132,11 +132,23 @@ def test_the_index_follows_a_publisher_from_its_replay():
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
+    """Two servers with KV cache events, each serving a LoRA adapter `tutor` beside the
+    base model."""
+    import torch
+    from hf_oracle import make_lora_adapter
+    from transformers import Qwen3_5ForCausalLM
+
+    from tests.triton.conftest import DEFAULT_MODEL, MODEL_REPO
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(MODEL_REPO / DEFAULT_MODEL, dtype=torch.float32)
+    adapter = make_lora_adapter(tmp_path_factory.mktemp("router-lora"), hf,
+                                ("q_proj", "out_proj", "down_proj"), seed=3)
     servers, events = [], []
     for i in range(2):
         pub, replay = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
         params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "kv_events_endpoint": pub,
-                                 "kv_events_replay_endpoint": replay}}
+                                 "kv_events_replay_endpoint": replay,
+                                 "lora_adapters": f"tutor={adapter}"}}
         servers.append(launch(LLM_MODELS, params, tmp_path_factory.mktemp(f"replica{i}")))
         events.append(f"{pub},{replay}")
     yield servers, events
@@ -144,7 +156,10 @@ def replicas(tmp_path_factory):
         server.stop()
 
 
-def test_each_turn_goes_where_the_conversation_is_cached(replicas, tmp_path):
+@pytest.mark.parametrize("model", ["ensemble", "tutor"])
+def test_each_turn_goes_where_the_conversation_is_cached(replicas, tmp_path, model):
+    """On the base model and on a LoRA adapter (whose pages the replicas announce in the
+    adapter's namespace, where the router looks them up)."""
     servers, events = replicas
     args = ["--triton-url", servers[1].urls.grpc]
     for spec in events:
@@ -155,7 +170,7 @@ def test_each_turn_goes_where_the_conversation_is_cached(replicas, tmp_path):
         for turn in range(3):
             for messages in chats:
                 messages.append({"role": "user", "content": f"Question {turn}?"})
-                reply = sdk.chat.completions.create(model="ensemble", messages=messages,
+                reply = sdk.chat.completions.create(model=model, messages=messages,
                                                     max_tokens=4, extra_body={"top_k": 1})
                 messages.append({"role": "assistant",
                                  "content": reply.choices[0].message.content})
