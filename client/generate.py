@@ -22,6 +22,9 @@ import numpy as np
 MODEL = "ensemble"
 ENGINE_MODEL = "hybrid_llm"  # what the ensemble runs; reset_prefix_cache goes to it directly
 RESET_COUNTS = ("dropped_pages", "kept_pages")
+# hybrid_llm's required inputs, as a control request (reset, LoRA updates) fills them.
+_CONTROL = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.ones((1, 1), np.int32),
+            "request_output_len": np.ones((1, 1), np.int32)}
 COUNTS = (
     "num_input_tokens",
     "num_output_tokens",
@@ -337,16 +340,31 @@ def grpc_results(url: str, model: str, inputs: list, timeout_s: float) -> Iterat
         client.close()
 
 
+def update_lora(url: str, action: str, name: str, path: str | None = None,
+                timeout_s: float = 120.0) -> dict[str, int]:
+    """Loads (`action` "load", the adapter's folder on the server at `path`) or unloads
+    ("unload") LoRA adapter `name` on a server whose hybrid_llm allows it
+    (`allow_runtime_lora`); an unload returns {"dropped_pages"}. Failures raise
+    `GenerateError`."""
+    if action not in ("load", "unload"):
+        raise ValueError(f"action must be load or unload, got {action!r}")
+    fields: dict[str, Any] = {**_CONTROL, f"{action}_lora": np.ones((1, 1), np.bool_),
+                              "lora_name": np.array([[name.encode("utf-8")]], np.object_)}
+    if path is not None:
+        fields["lora_path"] = np.array([[str(path).encode("utf-8")]], np.object_)
+    counts: dict[str, int] = {}
+    for result in grpc_results(url, ENGINE_MODEL, grpc_inputs(fields), timeout_s):
+        if "dropped_pages" in {o.name for o in result.get_response().outputs}:
+            counts["dropped_pages"] = int(result.as_numpy("dropped_pages").reshape(-1)[0])
+    return counts
+
+
 def reset_prefix_cache(url: str, cache_salt: str | None = None,
                        timeout_s: float = 60.0) -> dict[str, int]:
     """Asks the server's engine model to forget its cached prefixes on every tier (with
     `cache_salt`: that namespace's only); pages running requests hold stay. Returns
     {"dropped_pages", "kept_pages"}; failures raise `GenerateError`."""
-    fields: dict[str, Any] = {
-        "input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.ones((1, 1), np.int32),
-        "request_output_len": np.ones((1, 1), np.int32),
-        "reset_prefix_cache": np.ones((1, 1), np.bool_),
-    }
+    fields: dict[str, Any] = {**_CONTROL, "reset_prefix_cache": np.ones((1, 1), np.bool_)}
     if cache_salt is not None:
         fields["cache_salt"] = np.array([[cache_salt.encode("utf-8")]], dtype=np.object_)
     counts: dict[str, int] = {}

@@ -17,6 +17,7 @@ import torch
 
 from backend import openmp
 from backend.cache.page_io import DeviceBuffers
+from backend.cache.radix import lora_of
 from backend.cache.retention import RetentionConfig
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
@@ -149,7 +150,8 @@ class Engine:
         self.num_cache_resets = 0  # reset_prefix_cache calls
         self.adapters: dict[str, int] = {}  # LoRA adapter name -> its index in the model
         self.lora_requests: dict[str, int] = {}  # requests submitted on each adapter
-        self._adapters: list[lora.LoraAdapter] = []
+        self._adapters: dict[int, lora.LoraAdapter] = {}
+        self._next_adapter = 1  # an unloaded adapter's index is never reused
         self._stopping = False
         self._grammars: GrammarBackend | None = None  # built for the first guided request
         self._grammar_lock = threading.Lock()
@@ -182,15 +184,41 @@ class Engine:
         if name in self.adapters:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
         adapter = lora.load_adapter(name, path, self.model)
-        with self._step_lock:  # between two steps: no forward sees half the weights
-            self._adapters.append(adapter)
+        with self._step_lock, self._lock:  # between two steps: no forward sees half of it
+            if name in self.adapters:
+                raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
+            index, self._next_adapter = self._next_adapter, self._next_adapter + 1
+            self._adapters[index] = adapter
             lora.attach(self.model, self._adapters)
-            self.adapters[name] = len(self._adapters)
-            self.lora_requests[name] = 0
+            self.adapters[name] = index
+            self.lora_requests.setdefault(name, 0)
             if self.tiers is not None:  # SSD pages of another adapter of that name: foreign
                 self.tiers.add_adapter(name, adapter.fingerprint)
         log.info("LoRA adapter %r loaded from %s: rank %d, scale %g, %d layers", name, path,
                  adapter.rank, adapter.scale, len(adapter.weights))
+
+    def unload_lora(self, name: str) -> dict[str, int]:
+        """Stops serving LoRA adapter `name` and forgets the prefixes cached under it (on
+        the device and in DRAM; SSD copies stay, for a reload of the same adapter). Raises
+        ValueError while a request on it is queued or running, or for an unknown name.
+        Returns {"dropped_pages"}."""
+        with self._step_lock, self._lock:
+            if name not in self.adapters:
+                raise ValueError(f"unknown LoRA adapter {name!r} (loaded: "
+                                 f"{', '.join(sorted(self.adapters)) or 'none'})")
+            users = sum(seq.request.lora_name == name for seq in self._live.values())
+            if users:
+                raise ValueError(f"{users} request(s) on LoRA adapter {name!r} are queued or "
+                                 "running: unload it once they finished")
+            del self._adapters[self.adapters.pop(name)]
+            lora.attach(self.model, self._adapters)
+            salts = [s for s in self.store.tree.roots if lora_of(s) == name]
+            dropped = sum(self.store.evictor.drop_unlocked(self.store.tree.roots[s])[0]
+                          for s in salts)
+            if self.kv_events is not None:
+                self.kv_events.flush()
+        log.info("LoRA adapter %r unloaded: %d cached pages dropped", name, dropped)
+        return {"dropped_pages": dropped}
 
     # Requests ---------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -200,18 +228,19 @@ class Engine:
         if params.end_id is None and self.eos_token_id is not None:
             request.sampling = replace(params, end_id=self.eos_token_id)
         seq = Sequence(request, list(request.prompt_ids), len(request.prompt_ids))
-        if request.lora_name is not None:
-            seq.adapter = self.adapters[request.lora_name]  # checked by _validate
-            seq.salt = lora.namespace(request.cache_salt, request.lora_name)
-            self.lora_requests[request.lora_name] += 1
         if params.beam_width > 1:
             search = BeamSearch(request.sampling, len(request.prompt_ids), self.max_context_len)
             seq.beam = BeamGroup(seq, search, [seq])
         if params.guide is not None:
             seq.guide = self.grammars().state(params.guide, request.sampling.end_id)
-        with self._lock:
+        with self._lock:  # (unload_lora holds it: the adapter stays while this is live)
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
+            if request.lora_name is not None:
+                self._check_adapter(request.lora_name)
+                seq.adapter = self.adapters[request.lora_name]
+                seq.salt = lora.namespace(request.cache_salt, request.lora_name)
+                self.lora_requests[request.lora_name] += 1
             self._live[request.request_id] = seq
             self._inbox.append(seq)
             self._lock.notify()
@@ -225,9 +254,8 @@ class Engine:
                     else "return_prompt_log_probs")
             raise ValueError(f"{what} needs executor 'torch': a compiled engine's step "
                              "returns the last position's logits only")
-        if request.lora_name is not None and request.lora_name not in self.adapters:
-            loaded = ", ".join(sorted(self.adapters)) or "none"
-            raise ValueError(f"unknown LoRA adapter {request.lora_name!r} (loaded: {loaded})")
+        if request.lora_name is not None:
+            self._check_adapter(request.lora_name)
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
         if request.retention is not None and not isinstance(request.retention, RetentionConfig):
@@ -275,6 +303,11 @@ class Engine:
                 f"the request needs {pages} KV pages, the pool holds "
                 f"{self.config.cache.num_kv_pages}"
             )
+
+    def _check_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            loaded = ", ".join(sorted(self.adapters)) or "none"
+            raise ValueError(f"unknown LoRA adapter {name!r} (loaded: {loaded})")
 
     def grammars(self) -> GrammarBackend:
         """The guided-decoding compiler for this model's vocabulary (ValueError without a
@@ -498,7 +531,7 @@ class Engine:
     def _lora_running(self) -> dict[str, int]:
         """Requests running (admitted) on each LoRA adapter."""
         names = {index: name for name, index in self.adapters.items()}
-        running = dict.fromkeys(self.adapters, 0)
+        running = dict.fromkeys(self.lora_requests, 0)  # unloaded ones too: a gauge at 0
         for seq in self.scheduler.running:
             if seq.adapter and (seq.beam is None or seq is seq.beam.leader):
                 running[names[seq.adapter]] += 1

@@ -26,6 +26,7 @@ import json
 import math
 import re
 import threading
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,16 +180,16 @@ def _canonical(module: str) -> str:
     return (canonical_name(module + ".weight") or module + ".weight").removesuffix(".weight")
 
 
-def attach(model: nn.Module, adapters: list[LoraAdapter]) -> None:
-    """Gives each targeted layer its adapters' weights, adapter i of the list as index
-    i + 1 (replacing what an earlier call attached)."""
+def attach(model: nn.Module, adapters: Mapping[int, LoraAdapter]) -> None:
+    """Gives each targeted layer its adapters' weights under their indices (>= 1),
+    replacing what an earlier call attached."""
     from backend.model.linear import Linear
 
     for _, module in model.named_modules():
         if isinstance(module, Linear):
             module.lora = None
     modules = dict(model.named_modules())
-    for index, adapter in enumerate(adapters, 1):
+    for index, adapter in adapters.items():
         for name, pair in adapter.weights.items():
             linear = modules[name]
             if linear.lora is None:

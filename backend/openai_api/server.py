@@ -643,8 +643,10 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
             body = await _body(request)
         except RequestError as exc:
             return _error(exc)
-        if not isinstance(body, dict):
-            return _error(RequestError("the request body must be a JSON object"))
+        try:
+            body = _json_object(body)
+        except RequestError as exc:
+            return _error(exc)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return _error(RequestError("cache_salt must be a string", "cache_salt"))
@@ -664,6 +666,67 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
              f"cache_salt {salt!r}", replicas)
     return web.json_response({"cache_salt": salt, **totals, "replicas": replicas},
                              status=status)
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    """`POST /v1/load_lora_adapter` (vLLM's route; `--enable-lora-updates`): body
+    {"lora_name", "lora_path"}: every replica loads the adapter (the path on its server),
+    which is then a model clients can name. 200, or the first failing replica's status."""
+    return await _update_lora(request, "load")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    """`POST /v1/unload_lora_adapter` (vLLM's route): body {"lora_name"}: every replica
+    stops serving it (refused while requests on it run) and the name is no model now."""
+    return await _update_lora(request, "unload")
+
+
+async def _update_lora(request: web.Request, action: str) -> web.Response:
+    state = request.app[STATE]
+    try:
+        body = _json_object(await _body(request))
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise RequestError("'lora_name' must be a non-empty string", "lora_name")
+        path = body.get("lora_path")
+        if action == "load" and (not isinstance(path, str) or not path):
+            raise RequestError("'lora_path' must be the adapter's folder on the server",
+                               "lora_path")
+        if action == "load" and name in state.names:
+            raise RequestError(f"the model {name!r} already exists", "lora_name")
+        if action == "unload" and not state.names.get(name):
+            raise RequestError(f"{name!r} is not a LoRA adapter of this server", "lora_name",
+                               404)
+    except RequestError as exc:
+        return _error(exc)
+    results = await asyncio.gather(
+        *(u.update_lora(action, name, path if action == "load" else None)
+          for u in state.upstreams), return_exceptions=True)
+    replicas, status, message = [], 200, ""
+    for upstream, result in zip(state.upstreams, results):
+        if isinstance(result, UpstreamError):
+            replicas.append({"url": upstream.url, "error": result.message})
+            if status == 200:
+                status, message = result.status, result.message
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            replicas.append({"url": upstream.url, **result})
+    if status != 200:  # the name follows the replicas that answered: none or some
+        return _error(RequestError(f"{action} of LoRA adapter {name!r}: {message}",
+                                   "lora_name", status))
+    if action == "load":
+        state.names[name] = name
+    else:
+        state.names.pop(name, None)
+    log.info("LoRA adapter %r %sed: %s", name, action, replicas)
+    return web.json_response({"lora_name": name, "action": action, "replicas": replicas})
+
+
+def _json_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    return body
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -718,7 +781,8 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                    reasoning_parser: str | None = None,
                    tool_call_parser: str = "qwen",
                    kv_events: Sequence[str] = (), max_imbalance: int = 16,
-                   down_s: float = 5.0, enable_cache_reset: bool = False) -> web.Application:
+                   down_s: float = 5.0, enable_cache_reset: bool = False,
+                   enable_lora_updates: bool = False) -> web.Application:
     """The app, connected to Triton (its configuration read once, from the first URL);
     several URLs: replicas of one model, routed by their KV cache events (`kv_events`, one
     "PUB[,REPLAY]" a replica, in the same order; fewer: the rest have none)."""
@@ -779,6 +843,9 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     app.router.add_get("/metrics", metrics)
     if enable_cache_reset:  # an admin action: off unless asked for (as vLLM's dev mode)
         app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    if enable_lora_updates:  # likewise (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
 
     async def close(app: web.Application) -> None:
         state = app[STATE]
@@ -829,6 +896,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve POST /reset_prefix_cache (vLLM's admin route): every "
                              "replica forgets its cached prefixes (?cache_salt=S: one "
                              "namespace's); off by default, as any client could call it")
+    parser.add_argument("--enable-lora-updates", action="store_true",
+                        help="serve vLLM's POST /v1/load_lora_adapter and "
+                             "/v1/unload_lora_adapter (the replicas need allow_runtime_lora); "
+                             "off by default, as any client could call them")
     parser.add_argument("--wait-s", type=float, default=120.0,
                         help="how long to wait at start for Triton (one replica) to be ready")
     args = parser.parse_args(argv)
@@ -864,7 +935,7 @@ def main(argv: list[str] | None = None) -> None:
         return await make_app(args.triton_url, args.model_repository, args.served_model_name,
                               args.reasoning_parser, args.tool_call_parser, args.kv_events,
                               args.router_max_imbalance, args.router_down_s,
-                              args.enable_cache_reset)
+                              args.enable_cache_reset, args.enable_lora_updates)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)

@@ -25,9 +25,12 @@ from backend.triton.params import get_bool_param
 
 ENSEMBLE = "ensemble"
 ENGINE = "hybrid_llm"  # the ensemble's engine step; a prefix cache reset goes to it directly
-RESET_INPUTS = {"input_ids": "TYPE_INT32", "input_lengths": "TYPE_INT32",
-                "request_output_len": "TYPE_INT32", "reset_prefix_cache": "TYPE_BOOL",
-                "cache_salt": "TYPE_STRING"}
+CONTROL_INPUTS = {"input_ids": "TYPE_INT32", "input_lengths": "TYPE_INT32",
+                  "request_output_len": "TYPE_INT32", "reset_prefix_cache": "TYPE_BOOL",
+                  "cache_salt": "TYPE_STRING", "load_lora": "TYPE_BOOL",
+                  "unload_lora": "TYPE_BOOL", "lora_name": "TYPE_STRING",
+                  "lora_path": "TYPE_STRING"}
+_CONTROL = {"input_ids": 0, "input_lengths": 1, "request_output_len": 1}
 RESET_COUNTS = ("dropped_pages", "kept_pages")
 COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens")
 DEFAULT_CONTEXT_LEN = 8192  # hybrid_llm's default max_context_len (backend/engine/config.py)
@@ -184,19 +187,33 @@ class Upstream:
     async def reset_prefix_cache(self, cache_salt: str | None = None) -> dict[str, int]:
         """Asks the engine model to forget its cached prefixes (`cache_salt`: one namespace):
         {"dropped_pages", "kept_pages"}; an error raises UpstreamError."""
-        fields: dict[str, Any] = {"input_ids": 0, "input_lengths": 1, "request_output_len": 1,
-                                  "reset_prefix_cache": True}
+        fields: dict[str, Any] = {**_CONTROL, "reset_prefix_cache": True}
         if cache_salt is not None:
             fields["cache_salt"] = cache_salt
+        counts = await self._control(fields)
+        if set(counts) != set(RESET_COUNTS):
+            raise UpstreamError(f"Triton at {self.url} answered the reset without "
+                                "dropped_pages / kept_pages")
+        return counts
+
+    async def update_lora(self, action: str, name: str,
+                          path: str | None = None) -> dict[str, int]:
+        """Loads (`action` "load", from `path` on the server) or unloads LoRA adapter
+        `name` (`allow_runtime_lora`); an unload answers {"dropped_pages"}. An error raises
+        UpstreamError."""
+        fields: dict[str, Any] = {**_CONTROL, f"{action}_lora": True, "lora_name": name}
+        if path is not None:
+            fields["lora_path"] = path
+        return await self._control(fields)
+
+    async def _control(self, fields: Mapping[str, Any]) -> dict[str, int]:
+        """A control request to the engine model: the counts its answer carries."""
         counts: dict[str, int] = {}
-        request = self.request(fields, model=ENGINE, types=RESET_INPUTS)
+        request = self.request(fields, model=ENGINE, types=CONTROL_INPUTS)
         async for result, response, _ in self._stream(request):
             names = {o.name for o in response.outputs}
             counts.update({n: int(result.as_numpy(n).reshape(-1)[0]) for n in RESET_COUNTS
                            if n in names})
-        if set(counts) != set(RESET_COUNTS):
-            raise UpstreamError(f"Triton at {self.url} answered the reset without "
-                                "dropped_pages / kept_pages")
         return counts
 
     async def _stream(self, request: Any) -> AsyncIterator[tuple[Any, Any, bool]]:

@@ -26,7 +26,13 @@ from backend.engine.engine import Engine
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.triton.errors import ConfigError, RequestError
 from backend.triton.llm_config import ServingSettings, engine_params, serving_settings
-from backend.triton.llm_request import LlmRequest, cache_reset_of, is_stop, parse_request
+from backend.triton.llm_request import (
+    LlmRequest,
+    cache_reset_of,
+    is_stop,
+    lora_update_of,
+    parse_request,
+)
 from backend.triton.llm_response import OutputStream
 from backend.triton.metrics import EngineMetrics
 from backend.triton.params import parse_model_config
@@ -126,6 +132,9 @@ class HybridLlm:
             self._stop(request.request_id())
             self.responder.send_now(Outgoing(sender, final=True))
             return
+        if (update := lora_update_of(inputs)) is not None:
+            self._update_lora(*update, sender)
+            return
         if (reset := cache_reset_of(inputs)) is not None:
             result = self.engine.reset_prefix_cache(*reset)
             log(self.pb_utils, f"hybrid_llm: prefix cache reset: {result}")
@@ -177,6 +186,23 @@ class HybridLlm:
             if isinstance(exc, ValueError):  # the engine's checks: context, vocabulary, beams
                 raise RequestError(str(exc)) from None
             raise
+
+    def _update_lora(self, action: str, name: str, path: str | None, sender: Any) -> None:
+        """A runtime LoRA load or unload (`allow_runtime_lora`); refusals are INVALID_ARG."""
+        if not self.settings.allow_runtime_lora:
+            raise RequestError("runtime LoRA updates are off on this model (parameter "
+                               "allow_runtime_lora is false)")
+        try:
+            if action == "load":
+                self.engine.load_lora(name, path)
+                tensors = None
+            else:
+                result = self.engine.unload_lora(name)
+                tensors = {"dropped_pages": np.array([[result["dropped_pages"]]], np.int64)}
+        except ValueError as exc:  # a bad name / folder / adapter, or one still in use
+            raise RequestError(str(exc)) from None
+        log(self.pb_utils, f"hybrid_llm: LoRA adapter {name!r} {action}ed")
+        self.responder.send_now(Outgoing(sender, tensors, final=True))
 
     def _submit_siblings(self, entry: OpenRequest) -> None:
         """Engine thread, sequence 0's first output: the other sequences go to the engine

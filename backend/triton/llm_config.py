@@ -9,6 +9,9 @@ Serving keys (all optional):
   guided_decoding_backend: `xgrammar` (default; loaded in the background when the model loads,
     so the first guided request does not wait for it) or `none` (guided requests are
     INVALID_ARG), TensorRT-LLM's parameter.
+  allow_runtime_lora: `true` lets requests with `load_lora` / `unload_lora` add and remove
+    LoRA adapters while the model serves (default `false`: they are INVALID_ARG; an adapter
+    path is read from the server's disk).
 Every other key is handed to `EngineConfig.from_params`, which rejects unknown keys. An empty
 value or an unfilled `${...}` template counts as unset, as in TensorRT-LLM's templates.
 """
@@ -30,6 +33,7 @@ SERVING_KEYS = (
     "stats_check_period_ms",
     "cancellation_check_period_ms",
     "guided_decoding_backend",
+    "allow_runtime_lora",
 )
 GUIDED_BACKENDS = ("xgrammar", "none")
 
@@ -41,6 +45,7 @@ class ServingSettings:
     stats_check_period_ms: int = 100
     cancellation_check_period_ms: int = 100
     guided_decoding_backend: str = "xgrammar"
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.guided_decoding_backend not in GUIDED_BACKENDS:
@@ -70,6 +75,7 @@ def serving_settings(config: Mapping[str, Any], model_dir: Path) -> ServingSetti
         cancellation_check_period_ms=_int_param(config, "cancellation_check_period_ms", 100),
         guided_decoding_backend=str(get_param(config, "guided_decoding_backend",
                                               "xgrammar")).lower(),
+        allow_runtime_lora=get_bool_param(config, "allow_runtime_lora", False),
     )
 
 

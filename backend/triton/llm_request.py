@@ -25,6 +25,9 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   `backend/cache/retention.py`);
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
+  load_lora / unload_lora [1] BOOL with lora_name and (load) lora_path [1] BYTES (ours; the
+  parameter allow_runtime_lora must be true): adds or removes a LoRA adapter while serving
+  (an unload answers dropped_pages); no generation, the other inputs are ignored.
   reset_prefix_cache [1] BOOL (ours): true forgets the cached prefixes on every tier (with
   cache_salt: that namespace's only) and answers dropped_pages / kept_pages [1] INT64 (pages
   running requests hold stay); no generation, the other inputs are ignored.
@@ -142,6 +145,24 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
 
 def is_stop(inputs: Tensors) -> bool:
     return bool(scalar(inputs, "stop", "b", False))
+
+
+def lora_update_of(inputs: Tensors) -> tuple[str, str, str | None] | None:
+    """`load_lora` / `unload_lora` = true: ("load" | "unload", the adapter's name, its path
+    for a load), else None; RequestError for a request that says neither well."""
+    load = bool(scalar(inputs, "load_lora", "b", False))
+    unload = bool(scalar(inputs, "unload_lora", "b", False))
+    if not (load or unload):
+        return None
+    if load and unload:
+        raise RequestError("load_lora and unload_lora are both true: one at a time")
+    name = text_of(inputs, "lora_name")
+    if not name:
+        raise RequestError(f"{'load_lora' if load else 'unload_lora'} needs lora_name")
+    path = text_of(inputs, "lora_path")
+    if load and not path:
+        raise RequestError("load_lora needs lora_path (the adapter's folder on the server)")
+    return ("load" if load else "unload"), name, path
 
 
 def cache_reset_of(inputs: Tensors) -> tuple[str | None, bool] | None:

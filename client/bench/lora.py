@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     summary = {
         "benchmark": "lora", "date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
         "config": config_of(args), "cases": medians,
-        "adapter_layers": len(engine._adapters[0].weights),
+        "adapter_layers": len(engine._adapters[engine.adapters["a"]].weights),
         "decode_throughput_vs_base": {c: round(medians[c]["decode_tokens_per_second"]
                                                / base["decode_tokens_per_second"], 3)
                                       for c in CASES},

@@ -296,3 +296,34 @@ def test_ssd_pages_of_another_adapter_of_the_same_name_are_foreign(setup, tmp_pa
     assert got.new_token_ids == _oracle(adapters["chat"][1], prompt)[0]
     assert other.stats()["tiers"]["restored_pages"] == 0
     other.stop()
+
+
+def test_adapters_load_and_unload_at_run_time(setup):
+    """An adapter loaded while the engine serves runs the next request; unloading one is
+    refused while a request on it is queued, then forgets its cached pages (the base model's
+    and the other adapter's stay) and its name (a request on it is refused); a reload under
+    the name serves it again."""
+    model, _, _, adapters = setup
+    engine = make_engine(model, max_tokens_per_step=200)
+    engine.load_lora("math", adapters["math"][0])
+    prompt = _prompt(150, 16, model.config.vocab_size)
+    engine.generate(prompt, GREEDY)
+    before = engine.generate(prompt, GREEDY, lora_name="math").new_token_ids
+    engine.load_lora("chat", adapters["chat"][0])  # at run time
+    assert engine.generate(prompt, GREEDY, lora_name="chat").new_token_ids == \
+        _oracle(adapters["chat"][1], prompt)[0]
+    engine.submit(Request("queued", prompt, GREEDY, lora_name="math"))
+    with pytest.raises(ValueError, match="1 request\\(s\\) on LoRA adapter 'math'"):
+        engine.unload_lora("math")
+    while engine.has_work:
+        engine.step()
+    assert engine.unload_lora("math")["dropped_pages"] == 150 // 16
+    with pytest.raises(ValueError, match="unknown LoRA adapter 'math' \\(loaded: chat\\)"):
+        engine.submit(Request("gone", prompt, GREEDY, lora_name="math"))
+    assert engine.generate(prompt, GREEDY).cached_tokens > 0
+    assert engine.generate(prompt, GREEDY, lora_name="chat").cached_tokens > 0
+    engine.load_lora("math", adapters["math"][0])
+    again = engine.generate(prompt, GREEDY, lora_name="math")
+    assert again.cached_tokens == 0 and again.new_token_ids == before
+    assert engine.stats()["lora_requests"] == {"chat": 2, "math": 3}
+    assert_no_leak(engine)

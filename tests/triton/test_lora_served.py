@@ -18,7 +18,7 @@ import torch
 from hf_oracle import make_lora_adapter
 
 from backend.engine import Engine, EngineConfig, SamplingParams
-from client.generate import GenerateError, GenerateParams, generate_http
+from client.generate import GenerateError, GenerateParams, generate_http, update_lora
 from tests.triton.conftest import DEFAULT_MODEL, LLM_MODELS, LLM_PARAMS, MODEL_REPO
 from tests.triton.llm_helpers import long_prompt, running_frontend
 
@@ -38,7 +38,8 @@ def adapter(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(triton_server, adapter):
-    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "lora_adapters": f"tutor={adapter}"}}
+    params = {"hybrid_llm": {**LLM_PARAMS["hybrid_llm"], "lora_adapters": f"tutor={adapter}",
+                             "allow_runtime_lora": "true"}}
     return triton_server(LLM_MODELS, params)
 
 
@@ -106,3 +107,83 @@ def test_the_frontend_serves_the_adapter_as_a_model(server, tmp_path):
             assert answer["model"] == model
             texts[model] = answer["choices"][0]["text"]
     assert texts == {"tutor": want, "ensemble": base}
+
+
+@pytest.fixture(scope="module")
+def second(tmp_path_factory) -> Path:
+    """Another adapter, loaded at run time."""
+    from transformers import Qwen3_5ForCausalLM
+
+    hf = Qwen3_5ForCausalLM.from_pretrained(MODEL_REPO / DEFAULT_MODEL, dtype=torch.float32)
+    return make_lora_adapter(tmp_path_factory.mktemp("served-lora-2"), hf, TARGETS, seed=6,
+                             std=0.08)
+
+
+def test_adapters_load_and_unload_while_serving(server, local, second):
+    prompt = long_prompt("Runtime adapters", 100)
+    with pytest.raises(GenerateError, match="unknown LoRA adapter 'coach'"):
+        generate_http(server.urls.http, _params(prompt, lora_name="coach"))
+    assert update_lora(server.urls.grpc, "load", "coach", str(second)) == {}
+    local.load_lora("coach", second)
+    ids = local.tokenizer.encode(prompt)
+    want = local.generate(ids, SamplingParams(max_tokens=MAX_TOKENS, top_k=1),
+                          lora_name="coach").new_token_ids
+    salt = uuid.uuid4().hex
+    got = generate_http(server.urls.http, _params(prompt, cache_salt=salt, lora_name="coach"))
+    assert got.text == local.tokenizer.decode(want, skip_special_tokens=True)
+    with pytest.raises(GenerateError, match="already loaded"):
+        update_lora(server.urls.grpc, "load", "coach", str(second))
+    assert update_lora(server.urls.grpc, "unload", "coach")["dropped_pages"] >= 100 // 64
+    with pytest.raises(GenerateError, match="unknown LoRA adapter 'coach'"):
+        generate_http(server.urls.http, _params(prompt, lora_name="coach"))
+    with pytest.raises(GenerateError, match="lora_path"):
+        update_lora(server.urls.grpc, "load", "coach")
+
+
+def test_runtime_updates_are_off_unless_allowed(llm_server, second):
+    with pytest.raises(GenerateError, match="allow_runtime_lora"):
+        update_lora(llm_server.urls.grpc, "load", "coach", str(second))
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_the_frontend_loads_and_unloads_adapters(server, second, tmp_path):
+    load = {"lora_name": "mentor", "lora_path": str(second)}
+    with running_frontend(server, tmp_path / "off.log") as url:
+        assert _post(f"{url}/v1/load_lora_adapter", load)[0] == 404
+    with running_frontend(server, tmp_path / "on.log", "--enable-lora-updates") as url:
+        status, body = _post(f"{url}/v1/load_lora_adapter", load)
+        assert status == 200, body
+        assert body["replicas"] == [{"url": server.urls.grpc}]
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+            models = {m["id"]: m for m in json.loads(resp.read())["data"]}
+        assert models["mentor"]["parent"] == "ensemble"
+        prompt = long_prompt("Mentor says", 90)
+        body = json.dumps({"model": "mentor", "prompt": prompt, "max_tokens": MAX_TOKENS,
+                           "temperature": 0, "cache_salt": uuid.uuid4().hex}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            text = json.loads(resp.read())["choices"][0]["text"]
+        assert text == generate_http(server.urls.http,
+                                     _params(prompt, lora_name="mentor")).text
+        assert _post(f"{url}/v1/load_lora_adapter", load)[0] == 400  # the name exists
+        assert _post(f"{url}/v1/load_lora_adapter", {"lora_name": "x"})[0] == 400
+        status, body = _post(f"{url}/v1/unload_lora_adapter", {"lora_name": "mentor"})
+        assert status == 200 and body["replicas"][0]["dropped_pages"] >= 0
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
+            assert "mentor" not in {m["id"] for m in json.loads(resp.read())["data"]}
+        assert _post(f"{url}/v1/unload_lora_adapter", {"lora_name": "mentor"})[0] == 404
+        bad = {"lora_name": "broken", "lora_path": str(tmp_path)}  # no adapter there
+        status, body = _post(f"{url}/v1/load_lora_adapter", bad)
+        assert status == 400 and "adapter_config.json" in body["error"]["message"]
