@@ -539,7 +539,8 @@ class Engine:
 
     def _memory_bytes(self) -> dict[str, int]:
         """Bytes in use: the device pools' KV pages, anchor blocks and saved-state slots
-        (cached entries and running requests' pages alike), and the lower tiers'."""
+        (cached entries and running requests' pages alike), the lower tiers', and the LoRA
+        adapters' weights."""
         store = self.store
         kv, anchors, states = self._entry_bytes
         out = {"device_kv": store.kv_pool.num_used * kv,
@@ -547,6 +548,9 @@ class Engine:
                "device_states": store.state_pool.num_used * states}
         if self.tiers is not None:
             out.update(self.tiers.memory_bytes())
+        if self._adapters:  # LoRA adapters' weights (A and scaled B of every adapted layer)
+            out["lora"] = sum(t.numel() * t.element_size() for a in self._adapters.values()
+                              for pair in a.weights.values() for t in pair)
         return out
 
     def _stats(self) -> dict:

@@ -325,5 +325,9 @@ def test_adapters_load_and_unload_at_run_time(setup):
     engine.load_lora("math", adapters["math"][0])
     again = engine.generate(prompt, GREEDY, lora_name="math")
     assert again.cached_tokens == 0 and again.new_token_ids == before
-    assert engine.stats()["lora_requests"] == {"chat": 2, "math": 3}
+    stats = engine.stats()
+    assert stats["lora_requests"] == {"chat": 2, "math": 3}
+    layers = engine._adapters[engine.adapters["chat"]].weights
+    per_adapter = sum(a.numel() + b.numel() for a, b in layers.values()) * 4  # float32
+    assert stats["memory_bytes"]["lora"] == 2 * per_adapter  # chat and math, same shapes
     assert_no_leak(engine)
