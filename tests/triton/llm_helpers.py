@@ -144,3 +144,18 @@ def assert_built_repository_serves_as_eager(triton_server, build, seed_text: str
     assert params["executor"] == "compiled" and params["engine_dir"] == "aot"
     server, eager = serve_checkpoint(triton_server, model_dir, params)
     return assert_prompt_and_branch_served_as_generated(server, eager, seed_text, max_tokens)
+
+
+def post_json(url: str, body: dict | bytes | None = None) -> tuple[int, dict]:
+    """POSTs `body` (a dict as JSON, or raw bytes) and returns (status, JSON answer), errors
+    included."""
+    import json
+
+    data = json.dumps(body).encode() if isinstance(body, dict) else body or b""
+    request = urllib.request.Request(url, data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())

@@ -6,18 +6,15 @@ the counters show it; the OpenAI frontend's `POST /reset_prefix_cache` (off unle
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
 from backend.triton.server import ServerHandle
 from client.generate import GenerateParams, generate_http, reset_prefix_cache, stream_grpc
 from client.metrics import by_label
-from tests.triton.llm_helpers import running_frontend, scrape, value
+from tests.triton.llm_helpers import post_json, running_frontend, scrape, value
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = {"model": "hybrid_llm", "version": "1"}
@@ -83,19 +80,9 @@ def test_a_namespace_never_used_has_nothing_to_drop(llm_server):
         {"dropped_pages": 0, "kept_pages": 0}
 
 
-def _post(url: str, body: bytes | None = None) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=body or b"", method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_the_frontend_route_is_off_unless_enabled(llm_server, tmp_path):
     with running_frontend(llm_server, tmp_path / "off.log") as url:
-        status, body = _post(f"{url}/reset_prefix_cache")
+        status, body = post_json(f"{url}/reset_prefix_cache")
     assert status == 404 and "error" in body
 
 
@@ -104,12 +91,12 @@ def test_the_frontend_resets_the_replicas(llm_server, tmp_path):
     _cached(llm_server, prompt, "reset-http")
     assert _cached(llm_server, prompt, "reset-http") > 0
     with running_frontend(llm_server, tmp_path / "on.log", "--enable-cache-reset") as url:
-        status, body = _post(f"{url}/reset_prefix_cache?cache_salt=reset-http")
+        status, body = post_json(f"{url}/reset_prefix_cache?cache_salt=reset-http")
         assert status == 200, body
         assert body["cache_salt"] == "reset-http" and body["dropped_pages"] >= 300 // 64
         assert [r["url"] for r in body["replicas"]] == [llm_server.urls.grpc]
         assert _cached(llm_server, prompt, "reset-http") == 0
-        status, body = _post(f"{url}/reset_prefix_cache", b'{"cache_salt": 7}')
+        status, body = post_json(f"{url}/reset_prefix_cache", b'{"cache_salt": 7}')
         assert status == 400 and "cache_salt" in body["error"]["message"]
-        status, body = _post(f"{url}/reset_prefix_cache", b'{"cache_salt": "reset-http"}')
+        status, body = post_json(f"{url}/reset_prefix_cache", b'{"cache_salt": "reset-http"}')
         assert status == 200 and body["dropped_pages"] > 0  # the _cached above, cached again

@@ -20,7 +20,7 @@ from hf_oracle import make_lora_adapter
 from backend.engine import Engine, EngineConfig, SamplingParams
 from client.generate import GenerateError, GenerateParams, generate_http, update_lora
 from tests.triton.conftest import DEFAULT_MODEL, LLM_MODELS, LLM_PARAMS, MODEL_REPO
-from tests.triton.llm_helpers import long_prompt, running_frontend
+from tests.triton.llm_helpers import long_prompt, post_json, running_frontend
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -145,24 +145,12 @@ def test_runtime_updates_are_off_unless_allowed(llm_server, second):
         update_lora(llm_server.urls.grpc, "load", "coach", str(second))
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    import urllib.error
-
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_the_frontend_loads_and_unloads_adapters(server, second, tmp_path):
     load = {"lora_name": "mentor", "lora_path": str(second)}
     with running_frontend(server, tmp_path / "off.log") as url:
-        assert _post(f"{url}/v1/load_lora_adapter", load)[0] == 404
+        assert post_json(f"{url}/v1/load_lora_adapter", load)[0] == 404
     with running_frontend(server, tmp_path / "on.log", "--enable-lora-updates") as url:
-        status, body = _post(f"{url}/v1/load_lora_adapter", load)
+        status, body = post_json(f"{url}/v1/load_lora_adapter", load)
         assert status == 200, body
         assert body["replicas"] == [{"url": server.urls.grpc}]
         with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
@@ -177,13 +165,13 @@ def test_the_frontend_loads_and_unloads_adapters(server, second, tmp_path):
             text = json.loads(resp.read())["choices"][0]["text"]
         assert text == generate_http(server.urls.http,
                                      _params(prompt, lora_name="mentor")).text
-        assert _post(f"{url}/v1/load_lora_adapter", load)[0] == 400  # the name exists
-        assert _post(f"{url}/v1/load_lora_adapter", {"lora_name": "x"})[0] == 400
-        status, body = _post(f"{url}/v1/unload_lora_adapter", {"lora_name": "mentor"})
+        assert post_json(f"{url}/v1/load_lora_adapter", load)[0] == 400  # the name exists
+        assert post_json(f"{url}/v1/load_lora_adapter", {"lora_name": "x"})[0] == 400
+        status, body = post_json(f"{url}/v1/unload_lora_adapter", {"lora_name": "mentor"})
         assert status == 200 and body["replicas"][0]["dropped_pages"] >= 0
         with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as resp:
             assert "mentor" not in {m["id"] for m in json.loads(resp.read())["data"]}
-        assert _post(f"{url}/v1/unload_lora_adapter", {"lora_name": "mentor"})[0] == 404
+        assert post_json(f"{url}/v1/unload_lora_adapter", {"lora_name": "mentor"})[0] == 404
         bad = {"lora_name": "broken", "lora_path": str(tmp_path)}  # no adapter there
-        status, body = _post(f"{url}/v1/load_lora_adapter", bad)
+        status, body = post_json(f"{url}/v1/load_lora_adapter", bad)
         assert status == 400 and "adapter_config.json" in body["error"]["message"]
