@@ -352,10 +352,16 @@ def update_lora(url: str, action: str, name: str, path: str | None = None,
                               "lora_name": np.array([[name.encode("utf-8")]], np.object_)}
     if path is not None:
         fields["lora_path"] = np.array([[str(path).encode("utf-8")]], np.object_)
+    return _control(url, fields, timeout_s)
+
+
+def _control(url: str, fields: dict[str, Any], timeout_s: float) -> dict[str, int]:
+    """A control request to the engine model: the counts (RESET_COUNTS) its answer carries."""
     counts: dict[str, int] = {}
     for result in grpc_results(url, ENGINE_MODEL, grpc_inputs(fields), timeout_s):
-        if "dropped_pages" in {o.name for o in result.get_response().outputs}:
-            counts["dropped_pages"] = int(result.as_numpy("dropped_pages").reshape(-1)[0])
+        names = {o.name for o in result.get_response().outputs}
+        counts.update({n: int(result.as_numpy(n).reshape(-1)[0]) for n in RESET_COUNTS
+                       if n in names})
     return counts
 
 
@@ -367,11 +373,7 @@ def reset_prefix_cache(url: str, cache_salt: str | None = None,
     fields: dict[str, Any] = {**_CONTROL, "reset_prefix_cache": np.ones((1, 1), np.bool_)}
     if cache_salt is not None:
         fields["cache_salt"] = np.array([[cache_salt.encode("utf-8")]], dtype=np.object_)
-    counts: dict[str, int] = {}
-    for result in grpc_results(url, ENGINE_MODEL, grpc_inputs(fields), timeout_s):
-        names = {o.name for o in result.get_response().outputs}
-        counts.update({n: int(result.as_numpy(n).reshape(-1)[0]) for n in RESET_COUNTS
-                       if n in names})
+    counts = _control(url, fields, timeout_s)
     if set(counts) != set(RESET_COUNTS):
         raise GenerateError("no result", "the server answered without dropped_pages / "
                             "kept_pages (does its hybrid_llm take reset_prefix_cache?)")

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.engine.config import check_adapter_name
+from backend.engine.config import adapter_entries
 from backend.model import load_model, lora
 from backend.model.loader import CheckpointError
 from backend.triton.repo import MODEL_REPO, set_parameters
@@ -154,19 +154,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def lora_options(values: list[str]) -> dict[str, Path]:
     """--lora NAME=PATH values -> {name: path} (BuildError naming a malformed one)."""
-    adapters: dict[str, Path] = {}
-    for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise BuildError(f"--lora {value!r} is not NAME=PATH")
-        try:
-            check_adapter_name(name)
-        except ValueError as e:
-            raise BuildError(str(e)) from e
-        if name in adapters:
-            raise BuildError(f"--lora names {name!r} twice")
-        adapters[name] = Path(path)
-    return adapters
+    try:
+        return {name: Path(path) for name, path in adapter_entries(values, "--lora")}
+    except ValueError as e:
+        raise BuildError(str(e)) from e
 
 
 def tensorrt_refusal(model_dir: Path) -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 
 import torch
@@ -157,18 +158,7 @@ class EngineConfig:
 
     def lora_adapter_paths(self) -> list[tuple[str, str]]:
         """`lora_adapters` as (name, path) pairs, in order (ValueError naming a bad entry)."""
-        pairs: list[tuple[str, str]] = []
-        for entry in self.lora_adapters.split(","):
-            if not entry.strip():
-                continue
-            name, sep, path = (part.strip() for part in entry.partition("="))
-            if not sep or not name or not path:
-                raise ValueError(f"lora_adapters entry {entry.strip()!r} is not name=path")
-            check_adapter_name(name)
-            if name in dict(pairs):
-                raise ValueError(f"lora_adapters names {name!r} twice")
-            pairs.append((name, path))
-        return pairs
+        return adapter_entries(self.lora_adapters.split(","), "lora_adapters")
 
     @classmethod
     def from_params(cls, params: dict[str, str]) -> EngineConfig:
@@ -213,6 +203,23 @@ class EngineConfig:
             return replace(base, **engine)
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid engine parameters: {e}") from e
+
+
+def adapter_entries(entries: Iterable[str], what: str) -> list[tuple[str, str]]:
+    """NAME=PATH entries (blank ones skipped) as (name, path) pairs, in order; ValueError
+    naming `what` (the parameter or option) for a malformed or repeated one."""
+    pairs: dict[str, str] = {}
+    for entry in entries:
+        if not entry.strip():
+            continue
+        name, sep, path = (part.strip() for part in entry.partition("="))
+        if not sep or not name or not path:
+            raise ValueError(f"{what} {entry.strip()!r} is not NAME=PATH")
+        check_adapter_name(name)
+        if name in pairs:
+            raise ValueError(f"{what} names {name!r} twice")
+        pairs[name] = path
+    return list(pairs.items())
 
 
 def check_adapter_name(name: str) -> None:

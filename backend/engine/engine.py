@@ -17,7 +17,7 @@ import torch
 
 from backend import openmp
 from backend.cache.page_io import DeviceBuffers
-from backend.cache.radix import lora_of
+from backend.cache.radix import lora_namespace, lora_of
 from backend.cache.retention import RetentionConfig
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
@@ -198,10 +198,10 @@ class Engine:
                  adapter.rank, adapter.scale, len(adapter.weights))
 
     def unload_lora(self, name: str) -> dict[str, int]:
-        """Stops serving LoRA adapter `name` and forgets the prefixes cached under it (on
-        the device and in DRAM; SSD copies stay, for a reload of the same adapter). Raises
-        ValueError while a request on it is queued or running, or for an unknown name.
-        Returns {"dropped_pages"}."""
+        """Stops serving LoRA adapter `name` and forgets the prefixes cached under it, on
+        every tier (`PrefixStore.reset` of each of its namespaces). Raises ValueError while
+        a request on it is queued or running, or for an unknown name. Returns
+        {"dropped_pages"}."""
         with self._step_lock, self._lock:
             if name not in self.adapters:
                 raise ValueError(f"unknown LoRA adapter {name!r} (loaded: "
@@ -213,8 +213,7 @@ class Engine:
             del self._adapters[self.adapters.pop(name)]
             lora.attach(self.model, self._adapters)
             salts = [s for s in self.store.tree.roots if lora_of(s) == name]
-            dropped = sum(self.store.evictor.drop_unlocked(self.store.tree.roots[s])[0]
-                          for s in salts)
+            dropped = sum(self.store.reset(s, every_salt=False)[0] for s in salts)
             if self.kv_events is not None:
                 self.kv_events.flush()
         log.info("LoRA adapter %r unloaded: %d cached pages dropped", name, dropped)
@@ -239,7 +238,6 @@ class Engine:
             if request.lora_name is not None:
                 self._check_adapter(request.lora_name)
                 seq.adapter = self.adapters[request.lora_name]
-                seq.salt = lora.namespace(request.cache_salt, request.lora_name)
                 self.lora_requests[request.lora_name] += 1
             self._live[request.request_id] = seq
             self._inbox.append(seq)
@@ -254,8 +252,6 @@ class Engine:
                     else "return_prompt_log_probs")
             raise ValueError(f"{what} needs executor 'torch': a compiled engine's step "
                              "returns the last position's logits only")
-        if request.lora_name is not None:
-            self._check_adapter(request.lora_name)
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
         if request.retention is not None and not isinstance(request.retention, RetentionConfig):
@@ -336,7 +332,7 @@ class Engine:
             removed, kept = self.store.reset(cache_salt, every_salt)
             if not every_salt:  # the namespace's prefixes under each adapter too
                 for name in self.adapters:
-                    r, k = self.store.reset(lora.namespace(cache_salt or "", name), False)
+                    r, k = self.store.reset(lora_namespace(cache_salt or "", name), False)
                     removed, kept = removed + r, kept + k
             self.num_cache_resets += 1
             if self.kv_events is not None:

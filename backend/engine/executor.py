@@ -240,8 +240,7 @@ class TorchExecutor(ExecutorBuffers):
         for b, rows in enumerate(anchor_rows):
             index[b, : rows.numel()] = rows
         slot_ids = torch.tensor(slots, device=self.model.device)
-        rows = torch.tensor(adapters, device=self.model.device) if adapters and any(adapters) \
-            else None
+        rows = torch.tensor(adapters, device=self.model.device) if adapters else None
         for g, layers in enumerate(cfg.group_state_layers):
             hidden = self.anchors[g][index]  # [B, T, D]
             if self.anchor_scales is not None:

@@ -755,7 +755,7 @@ class Scheduler:
         seq = Sequence(leader.request, [], leader.num_prompt_tokens, arrival=leader.arrival,
                        arrival_wall_ns=leader.arrival_wall_ns,
                        status=SeqStatus.RUNNING, run_slot=group.reserved.pop(), beam=group,
-                       adapter=leader.adapter, salt=leader.salt)
+                       adapter=leader.adapter)
         self.running.append(seq)
         return seq
 

@@ -8,7 +8,7 @@ from enum import Enum
 
 import torch
 
-from backend.cache.radix import encode_tokens
+from backend.cache.radix import encode_tokens, lora_namespace
 from backend.engine.beam import BeamGroup
 from backend.engine.guided import GuideState
 from backend.engine.request import Request, RequestMetrics, RequestOutput
@@ -50,7 +50,6 @@ class Sequence:
     capture_positions: set[int] = field(default_factory=set)
     live_position: int | None = None
     adapter: int = 0  # the LoRA adapter's index in the model (0: none)
-    salt: str | None = None  # the prefix-cache namespace: cache_salt and the adapter's name
     generator: torch.Generator | None = None
     cached_tokens: int = 0
     replayed_anchors: int = 0
@@ -89,9 +88,10 @@ class Sequence:
         """Its prompt's logits are still to be computed (asked for, no output yet)."""
         return self.request.needs_prompt_logits and self.first_token_time is None
 
-    def __post_init__(self) -> None:
-        if self.salt is None:
-            self.salt = self.request.cache_salt
+    @property
+    def salt(self) -> str:
+        """Its prefix-cache namespace: the request's cache_salt, and its LoRA adapter."""
+        return lora_namespace(self.request.cache_salt, self.request.lora_name)
 
     def prefix_key(self) -> bytes:
         """`encode_tokens(tokens[:-1])`, what the prefix store matches for it (at least one

@@ -8,10 +8,11 @@ output for a token of a request on adapter a is `W x + scale_a * B_a (A_a x)` wi
 so one batch mixes requests on different adapters and on the base model.
 
 `attach(model, adapters)` gives every targeted `Linear` its adapters' (A, scale * B) pairs,
-indexed 1..N (0: no adapter). During a forward, `active(rows)` says which adapter each batch
-row uses ([B] int64); `Linear.forward` adds the low-rank terms of the rows on its adapters
-(`apply`). The engine's prefix cache keeps each adapter's pages in a namespace of their own
-(`namespace`): the same prompt under another adapter has other KV, anchors and states.
+indexed from 1, never reused (0: no adapter). During a forward, `active(rows)` says which
+adapter each batch row uses ([B] int64); `Linear.forward` adds the low-rank terms of the rows
+on its adapters (`apply`). The engine's prefix cache keeps each adapter's pages in a
+namespace of their own (`backend.cache.radix.lora_namespace`): the same prompt under another
+adapter has other KV, anchors and states.
 
 Supported targets: the linear layers the loader maps one to one from the checkpoint
 (attention q/k/v/o, Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
@@ -35,8 +36,6 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from backend.cache.radix import lora_namespace
-
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
@@ -59,11 +58,6 @@ class LoraAdapter:
     @property
     def modules(self) -> list[str]:
         return sorted(self.weights)
-
-
-def namespace(salt: str, adapter: str | None) -> str:
-    """The prefix-cache namespace of a request's cache_salt under `adapter` (None: as is)."""
-    return lora_namespace(salt, adapter)
 
 
 def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:

@@ -75,7 +75,7 @@ class Plan:
 
 
 def parse_completion(body: Any, models: Container[str]) -> Plan:
-    body = _object(body)
+    body = json_object(body)
     model = _model(body, models)
     prompt = body.get("prompt")
     ids: list[list[int] | None] = []
@@ -110,7 +110,7 @@ def parse_completion(body: Any, models: Container[str]) -> Plan:
 
 def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
     """`template`: a `chat.ChatTemplate` (None: the model has none, a 400)."""
-    body = _object(body)
+    body = json_object(body)
     model = _model(body, models)
     messages = chat_messages(body.get("messages"))
     tools = parse_tools(body)
@@ -145,7 +145,7 @@ def tokenize_body(body: Any, models: Container[str], tokenizer: Any, template: A
     """vLLM's `/tokenize`: a `prompt` (`add_special_tokens` default true) or chat `messages`
     rendered as `/v1/chat/completions` would (default false) -> its token ids and count;
     `return_token_strs` adds each token's name."""
-    body = _object(body)
+    body = json_object(body)
     _model(body, models)
     if tokenizer is None:
         raise RequestError("the frontend found no tokenizer for this model")
@@ -170,7 +170,7 @@ def tokenize_body(body: Any, models: Container[str], tokenizer: Any, template: A
 
 def detokenize_body(body: Any, models: Container[str], tokenizer: Any) -> dict[str, Any]:
     """vLLM's `/detokenize`: `tokens` (ids) -> their text, special tokens included."""
-    body = _object(body)
+    body = json_object(body)
     _model(body, models)
     if tokenizer is None:
         raise RequestError("the frontend found no tokenizer for this model")
@@ -390,7 +390,7 @@ def _stop(value: Any) -> list[str]:
     return list(dict.fromkeys(values))
 
 
-def _object(body: Any) -> Mapping[str, Any]:
+def json_object(body: Any) -> Mapping[str, Any]:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     return body

@@ -640,32 +640,35 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
     salt = request.query.get("cache_salt")
     if salt is None and request.can_read_body:
         try:
-            body = await _body(request)
+            salt = protocol.json_object(await _body(request)).get("cache_salt")
         except RequestError as exc:
             return _error(exc)
-        try:
-            body = _json_object(body)
-        except RequestError as exc:
-            return _error(exc)
-        salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             return _error(RequestError("cache_salt must be a string", "cache_salt"))
-    results = await asyncio.gather(*(u.reset_prefix_cache(salt) for u in state.upstreams),
-                                   return_exceptions=True)
-    replicas, status = [], 200
-    for upstream, result in zip(state.upstreams, results):
-        if isinstance(result, UpstreamError):
-            replicas.append({"url": upstream.url, "error": result.message})
-            status = result.status if status == 200 else status
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            replicas.append({"url": upstream.url, **result})
+    replicas, failed = await _on_every_replica(state, lambda u: u.reset_prefix_cache(salt))
     totals = {n: sum(r.get(n, 0) for r in replicas) for n in ("dropped_pages", "kept_pages")}
     log.info("prefix cache reset (%s): %s", "every namespace" if salt is None else
              f"cache_salt {salt!r}", replicas)
     return web.json_response({"cache_salt": salt, **totals, "replicas": replicas},
-                             status=status)
+                             status=failed.status if failed else 200)
+
+
+async def _on_every_replica(state: State, call) -> tuple[list[dict[str, Any]],
+                                                          UpstreamError | None]:
+    """`call(upstream)` on every replica at once: each one's URL with its answer (a dict)
+    or its error, and the first error (None: all answered)."""
+    results = await asyncio.gather(*(call(u) for u in state.upstreams),
+                                   return_exceptions=True)
+    replicas, failed = [], None
+    for upstream, result in zip(state.upstreams, results):
+        if isinstance(result, UpstreamError):
+            replicas.append({"url": upstream.url, "error": result.message})
+            failed = failed or result
+        elif isinstance(result, BaseException):
+            raise result
+        else:
+            replicas.append({"url": upstream.url, **result})
+    return replicas, failed
 
 
 async def load_lora_adapter(request: web.Request) -> web.Response:
@@ -684,7 +687,7 @@ async def unload_lora_adapter(request: web.Request) -> web.Response:
 async def _update_lora(request: web.Request, action: str) -> web.Response:
     state = request.app[STATE]
     try:
-        body = _json_object(await _body(request))
+        body = protocol.json_object(await _body(request))
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
             raise RequestError("'lora_name' must be a non-empty string", "lora_name")
@@ -699,34 +702,17 @@ async def _update_lora(request: web.Request, action: str) -> web.Response:
                                404)
     except RequestError as exc:
         return _error(exc)
-    results = await asyncio.gather(
-        *(u.update_lora(action, name, path if action == "load" else None)
-          for u in state.upstreams), return_exceptions=True)
-    replicas, status, message = [], 200, ""
-    for upstream, result in zip(state.upstreams, results):
-        if isinstance(result, UpstreamError):
-            replicas.append({"url": upstream.url, "error": result.message})
-            if status == 200:
-                status, message = result.status, result.message
-        elif isinstance(result, BaseException):
-            raise result
-        else:
-            replicas.append({"url": upstream.url, **result})
-    if status != 200:  # the name follows the replicas that answered: none or some
-        return _error(RequestError(f"{action} of LoRA adapter {name!r}: {message}",
-                                   "lora_name", status))
+    replicas, failed = await _on_every_replica(
+        state, lambda u: u.update_lora(action, name, path if action == "load" else None))
+    if failed:  # the name follows the replicas that answered: none or some
+        return _error(RequestError(f"{action} of LoRA adapter {name!r}: {failed.message}",
+                                   "lora_name", failed.status))
     if action == "load":
         state.names[name] = name
     else:
         state.names.pop(name, None)
     log.info("LoRA adapter %r %sed: %s", name, action, replicas)
     return web.json_response({"lora_name": name, "action": action, "replicas": replicas})
-
-
-def _json_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    return body
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ import pytest
 from cache_helpers import cache_tokens, make_store, pages
 
 from backend.cache.events import KvEventLog, KvEventPublisher, page_hash
-from backend.cache.radix import encode_tokens
+from backend.cache.radix import encode_tokens, lora_namespace
 from client.kv_events import KvEventSubscriber
 
 
@@ -78,14 +78,12 @@ def test_evicted_pages_are_removed_and_the_log_forgets_them():
 def test_a_lora_adapters_pages_carry_its_name():
     """Pages cached under a LoRA adapter (its namespace: cache_salt + the adapter) are
     announced with vLLM's lora_name; their hashes differ from the base model's pages."""
-    from backend.model.lora import namespace
-
     store = _store()
-    cache_tokens(store, pages(1, 2), salt=namespace("", "tutor"))
+    cache_tokens(store, pages(1, 2), salt=lora_namespace("", "tutor"))
     cache_tokens(store, pages(1, 2))
     tuned, plain = store.tree.events.take()
     assert len(tuned) == 8 and tuned[7] == "tutor" and len(plain) == 7
-    assert tuned[1] == _hashes(pages(1, 2), namespace("", "tutor"))
+    assert tuned[1] == _hashes(pages(1, 2), lora_namespace("", "tutor"))
     assert not set(tuned[1]) & set(plain[1])
 
 

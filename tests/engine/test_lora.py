@@ -215,7 +215,7 @@ def test_bad_adapters_and_names_are_errors(setup, tmp_path):
         engine.load_lora("dora", bad)
     with pytest.raises(ValueError, match="executor 'torch'"):
         EngineConfig(executor="compiled", lora_adapters="math=/x")
-    with pytest.raises(ValueError, match="not name=path"):
+    with pytest.raises(ValueError, match="not NAME=PATH"):
         EngineConfig(lora_adapters="math")
     assert engine.stats()["active_requests"] == 0
 
