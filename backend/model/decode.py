@@ -25,6 +25,10 @@ masked, the conv as one windowed sum and the recurrences a token at a time (the 
 step's arithmetic, T times); with a `StateLog` on the batch, what the recurrences read is
 kept, so a row's states after fewer of its tokens can be rebuilt afterwards (`rewind`).
 
+Rows on LoRA adapters take this path too: each product (`_Product`) adds, per part, the
+low-rank terms of the rows on that part's adapters (`lora.delta`, read from the layers at
+call time), as `Linear.forward` does on the general path.
+
 Used by `HybridForCausalLM.forward_batch` when the model was loaded for CPU inference in
 float32 with packed linears (`load_model`), the step is one over cached sequences (at most
 MAX_FAST_TOKENS tokens a row, no fresh row, no mid-forward snapshots). Anchor capture and
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.model import lora
 from backend.model.linear import packing_available
 from backend.model.mlp import NemotronMoE, SparseMoE
 from backend.model.rotary import apply_rotary
@@ -80,6 +85,38 @@ def _packed_of(linear: nn.Module) -> torch.Tensor:
             or linear._packed_version != linear.weight._version:
         linear.pack()
     return linear._packed
+
+
+class _Product:
+    """One packed product over one input: a `Linear`'s own, or several fused (their outputs
+    concatenated in order); the LoRA terms of the batch's adapter rows are added to each
+    part's output (`lora.delta`), read from the layers at call time."""
+
+    def __init__(self, linears: list[nn.Module], packed: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        self.linears = linears
+        if packed is None:  # a single product: the layer's own packed copy and bias
+            (linear,) = linears
+            packed, bias = _packed_of(linear), _bias(linear)
+        self.packed, self.bias = packed, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, K] -> [N, sum of the parts' outputs]."""
+        y = _mm(x, self.packed, self.bias)
+        if lora.any_active():
+            start = 0
+            for linear in self.linears:
+                end = start + linear.out_features
+                if linear.lora is not None:
+                    d = lora.delta(linear.lora, x)
+                    if d is not None:
+                        y[:, start:end] += d
+                start = end
+        return y
+
+
+def _bias(linear: nn.Module) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
 
 
 def _mm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,16 +264,16 @@ class _FusedLayer(_Fused):
         mlp = layer.mlp
         self.moe = mlp if isinstance(mlp, SparseMoE) else None  # Qwen3-Next: its own code
         if self.moe is None:
-            self.w_gate_up = _pack(fused["gate_up"])
+            self.gate_up = _Product([mlp.gate_proj, mlp.up_proj], _pack(fused["gate_up"]))
             self.ffn_dim = mlp.gate_proj.out_features
-            self.w_down = _packed_of(mlp.down_proj)
+            self.down = _Product([mlp.down_proj])
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         h = F.rms_norm(x, (x.shape[-1],), self.n_post, self.eps)
         if self.moe is not None:
             return x + self.moe(h)
-        gate, up = _mm(h, self.w_gate_up).split(self.ffn_dim, -1)
-        return x + _mm(F.silu(gate) * up, self.w_down)
+        gate, up = self.gate_up(h).split(self.ffn_dim, -1)
+        return x + self.down(F.silu(gate) * up)
 
 
 class _LinearLayer(_FusedLayer):
@@ -247,13 +284,14 @@ class _LinearLayer(_FusedLayer):
         super().__init__(layer, fused)
         m = layer.linear_attn
         self.state_index = layer.state_index
-        self.w_in = _pack(fused["in"])
+        self.proj_in = _Product([m.in_proj_qkv, m.in_proj_z, m.in_proj_b, m.in_proj_a],
+                                _pack(fused["in"]))
         self.in_sizes = [m.conv_dim, m.value_dim, m.num_v_heads, m.num_v_heads]
         self.taps = m.conv1d.weight.detach().squeeze(1)  # [C, W]
         self.neg_a = -m.A_log.detach().float().exp()
         self.dt_bias = m.dt_bias.detach()
         self.g_norm, self.g_eps = m.norm.weight.detach(), m.norm.eps
-        self.w_out = _packed_of(m.out_proj)
+        self.proj_out = _Product([m.out_proj])
         self.hk, self.hv = m.num_k_heads, m.num_v_heads
         self.dk, self.dv = m.head_k_dim, m.head_v_dim
         self.qk_sizes = [2 * m.key_dim, m.value_dim]
@@ -265,7 +303,7 @@ class _LinearLayer(_FusedLayer):
         B, D = x.shape
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         h = F.rms_norm(x, (D,), self.n_in, self.eps)
-        xin, z, b, a = _mm(h, self.w_in).split(self.in_sizes, -1)
+        xin, z, b, a = self.proj_in(h).split(self.in_sizes, -1)
         window = torch.cat((conv_state.to(x.dtype), xin.unsqueeze(-1)), -1)  # [B, C, W]
         mixed = F.silu((window * self.taps).sum(-1))
         qk, v = mixed.split(self.qk_sizes, -1)
@@ -280,7 +318,7 @@ class _LinearLayer(_FusedLayer):
                     v.reshape(BH, 1, dv), b.sigmoid().reshape(BH, 1, 1))
         o = torch.bmm(qk[:, :hv].reshape(BH, 1, dk), S).view(B, hv, dv) * self.scale
         y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, hv, dv))
-        x = x + _mm(y.view(B, hv * dv), self.w_out)
+        x = x + self.proj_out(y.view(B, hv * dv))
         return self.ffn(x), window[:, :, 1:], S.view(B, hv, dk, dv)
 
     def multi(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor,
@@ -292,7 +330,7 @@ class _LinearLayer(_FusedLayer):
         B, T, D = x.shape
         hk, hv, dk, dv = self.hk, self.hv, self.dk, self.dv
         h = F.rms_norm(x, (D,), self.n_in, self.eps)
-        xin, z, b, a = _mm(h.view(B * T, D), self.w_in).split(self.in_sizes, -1)
+        xin, z, b, a = self.proj_in(h.view(B * T, D)).split(self.in_sizes, -1)
         mixed, new_conv, full = _conv_steps(conv_state.to(x.dtype), xin.view(B, T, -1),
                                             self.taps, None, steps)
         qk, v = F.silu(mixed).split(self.qk_sizes, -1)
@@ -323,7 +361,7 @@ class _LinearLayer(_FusedLayer):
             outs.append(torch.bmm(q[:, t:t + 1], S))
         o = torch.cat(outs, 1).view(B, hv, T, dv).transpose(1, 2) * self.scale
         y = F.rms_norm(o, (dv,), self.g_norm, self.g_eps) * F.silu(z.view(B, T, hv, dv))
-        x = x + _mm(y.reshape(B * T, hv * dv), self.w_out).view(B, T, D)
+        x = x + self.proj_out(y.reshape(B * T, hv * dv)).view(B, T, D)
         return self.ffn(x.view(B * T, D)).view(B, T, D), new_conv, S.view(B, hv, dk, dv)
 
 
@@ -336,8 +374,9 @@ class _AttentionLayer(_FusedLayer):
         at = self.attn = layer.self_attn
         self.h, self.hkv, self.dh = at.num_heads, at.num_kv_heads, at.head_dim
         self.qkv_sizes = [self.h * 2 * self.dh, self.hkv * self.dh, self.hkv * self.dh]
-        self.w_qkv, self.b_qkv = _pack(fused["qkv"]), fused.get("qkv_bias")
-        self.w_o, self.b_o = _packed_of(at.o_proj), _bias(at.o_proj)
+        self.qkv = _Product([at.q_proj, at.k_proj, at.v_proj], _pack(fused["qkv"]),
+                            fused.get("qkv_bias"))
+        self.o = _Product([at.o_proj])
         # q heads then k heads, each kind with its own (1 + w): one norm call for both
         self.qk_norm = torch.cat([(1.0 + at.q_norm.weight).detach().expand(self.h, -1),
                                   (1.0 + at.k_norm.weight).detach().expand(self.hkv, -1)])
@@ -347,29 +386,28 @@ class _AttentionLayer(_FusedLayer):
         """x [B, D]; cos, sin [B, 1, R] -> x."""
         B, D = x.shape
         h, hkv, dh = self.h, self.hkv, self.dh
-        qg, k, v = _mm(F.rms_norm(x, (D,), self.n_in, self.eps), self.w_qkv,
-                       self.b_qkv).split(self.qkv_sizes, -1)
+        qg, k, v = self.qkv(F.rms_norm(x, (D,), self.n_in, self.eps)).split(self.qkv_sizes, -1)
         qg = qg.view(B, h, 2 * dh)
         qk = torch.cat((qg[..., :dh], k.view(B, hkv, dh)), 1)  # [B, H + Hkv, Dh]
         qk = F.rms_norm(qk, (dh,), None, self.qk_eps) * self.qk_norm
         qk = apply_rotary(qk, cos.view(B, -1), sin.view(B, -1))  # the rows as its tokens
         out = _attend(self.attn, batch, qk[:, :h], qk[:, h:], v.view(B, hkv, dh))
         out = out * torch.sigmoid(qg[..., dh:].reshape(B, h * dh))
-        return self.ffn(x + _mm(out, self.w_o, self.b_o))
+        return self.ffn(x + self.o(out))
 
     def multi(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch):
         """`__call__` over T tokens a row: x [B, T, D]; cos, sin [B, T, R]."""
         B, T, D = x.shape
         N, h, hkv, dh = B * T, self.h, self.hkv, self.dh
-        qg, k, v = _mm(F.rms_norm(x.view(N, D), (D,), self.n_in, self.eps), self.w_qkv,
-                       self.b_qkv).split(self.qkv_sizes, -1)
+        qg, k, v = self.qkv(F.rms_norm(x.view(N, D), (D,), self.n_in,
+                                       self.eps)).split(self.qkv_sizes, -1)
         qg = qg.view(N, h, 2 * dh)
         qk = torch.cat((qg[..., :dh], k.view(N, hkv, dh)), 1)
         qk = F.rms_norm(qk, (dh,), None, self.qk_eps) * self.qk_norm
         qk = apply_rotary(qk, cos.reshape(N, -1), sin.reshape(N, -1))
         out = _attend(self.attn, batch, qk[:, :h], qk[:, h:], v.view(N, hkv, dh), T)
         out = out * torch.sigmoid(qg[..., dh:].reshape(N, h * dh))
-        return self.ffn(x.view(N, D) + _mm(out, self.w_o, self.b_o)).view(B, T, D)
+        return self.ffn(x.view(N, D) + self.o(out)).view(B, T, D)
 
 
 def _attend(attn: nn.Module, batch, q: torch.Tensor, k: torch.Tensor,
@@ -396,10 +434,6 @@ def _attend(attn: nn.Module, batch, q: torch.Tensor, k: torch.Tensor,
     return out.transpose(1, 2).reshape(N, -1)
 
 
-def _bias(linear: nn.Module) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.detach()
-
-
 class _MambaBlock(_Fused):
     """A Nemotron-H block with a Mamba2 mixer: norm, in_proj, the conv step, the SSD step
     (S <- S exp(dt A) + B (dt x)^T, y = S^T C + D x), the gated group norm, out_proj."""
@@ -409,7 +443,7 @@ class _MambaBlock(_Fused):
         m = layer.mixer
         self.state_index = layer.state_index
         self.norm_w, self.eps = layer.norm.weight.detach(), layer.norm.eps
-        self.w_in, self.b_in = _packed_of(m.in_proj), _bias(m.in_proj)
+        self.proj_in = _Product([m.in_proj])
         self.in_sizes = [m.inner, m.conv_dim, m.num_heads]
         self.taps = m.conv1d.weight.detach().squeeze(1)  # [C, W]
         self.conv_bias = None if m.conv1d.bias is None else m.conv1d.bias.detach()
@@ -419,15 +453,15 @@ class _MambaBlock(_Fused):
         self.dt_bias, self.dt_min = m.dt_bias.detach(), m.dt_min
         self.skip = m.D.detach().float().unsqueeze(-1)  # [H, 1]
         self.g_norm, self.g_eps, self.g_size = m.norm.weight.detach(), m.norm.eps, m.norm.group_size
-        self.w_out, self.b_out = _packed_of(m.out_proj), _bias(m.out_proj)
+        self.proj_out = _Product([m.out_proj])
 
     def __call__(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor):
         """x [B, D]; conv_state [B, C, W - 1]; rec [B, H, N, P] (updated in place: the
         caller's gathered copy) -> (x, conv, rec)."""
         B, D = x.shape
         H, P, G, N = self.h, self.p, self.g, self.n
-        z, xbc, dt = _mm(F.rms_norm(x, (D,), self.norm_w, self.eps), self.w_in,
-                         self.b_in).split(self.in_sizes, -1)
+        z, xbc, dt = self.proj_in(F.rms_norm(x, (D,), self.norm_w,
+                                             self.eps)).split(self.in_sizes, -1)
         window = torch.cat((conv_state.to(x.dtype), xbc.unsqueeze(-1)), -1)  # [B, C, W]
         mixed = (window * self.taps).sum(-1)
         if self.conv_bias is not None:
@@ -442,7 +476,7 @@ class _MambaBlock(_Fused):
         y = torch.matmul(bc[:, 1].unsqueeze(-2), S).squeeze(-2) + xs * self.skip  # [B, H, P]
         y = (y.view(B, H * P) * F.silu(z)).view(B, -1, self.g_size)
         y = F.rms_norm(y, (self.g_size,), None, self.g_eps).view(B, H * P) * self.g_norm
-        return x + _mm(y, self.w_out, self.b_out), window[:, :, 1:], S
+        return x + self.proj_out(y), window[:, :, 1:], S
 
     def multi(self, x: torch.Tensor, conv_state: torch.Tensor, rec: torch.Tensor,
               steps: _Steps, log: StateLog | None = None):
@@ -450,8 +484,8 @@ class _MambaBlock(_Fused):
         B, T, D = x.shape
         M = B * T
         H, P, G, N = self.h, self.p, self.g, self.n
-        z, xbc, dt = _mm(F.rms_norm(x.view(M, D), (D,), self.norm_w, self.eps), self.w_in,
-                         self.b_in).split(self.in_sizes, -1)
+        z, xbc, dt = self.proj_in(F.rms_norm(x.view(M, D), (D,), self.norm_w,
+                                             self.eps)).split(self.in_sizes, -1)
         mixed, new_conv, full = _conv_steps(conv_state.to(x.dtype), xbc.view(B, T, -1),
                                             self.taps, self.conv_bias, steps)
         xs, b, c = F.silu(mixed).split(self.xbc_sizes, -1)
@@ -474,7 +508,7 @@ class _MambaBlock(_Fused):
         y = torch.stack(ys, 1) + xs * self.skip  # [B, T, H, P]
         y = (y.reshape(M, H * P) * F.silu(z)).view(M, -1, self.g_size)
         y = F.rms_norm(y, (self.g_size,), None, self.g_eps).view(M, H * P) * self.g_norm
-        return x + _mm(y, self.w_out, self.b_out).view(B, T, D), new_conv, S
+        return x + self.proj_out(y).view(B, T, D), new_conv, S
 
 
 class _PlainAttentionBlock(_Fused):
@@ -487,28 +521,27 @@ class _PlainAttentionBlock(_Fused):
         self.norm_w, self.eps = layer.norm.weight.detach(), layer.norm.eps
         self.h, self.hkv, self.dh = at.num_heads, at.num_kv_heads, at.head_dim
         self.sizes = [self.h * self.dh, self.hkv * self.dh, self.hkv * self.dh]
-        self.w_qkv = _pack(torch.cat([at.q_proj.weight.detach(), at.k_proj.weight.detach(),
-                                      at.v_proj.weight.detach()]))
-        self.b_qkv = (None if at.q_proj.bias is None else
-                      torch.cat([_bias(at.q_proj), _bias(at.k_proj), _bias(at.v_proj)]))
-        self.w_o, self.b_o = _packed_of(at.o_proj), _bias(at.o_proj)
+        projs = [at.q_proj, at.k_proj, at.v_proj]
+        self.qkv = _Product(projs, _pack(torch.cat([p.weight.detach() for p in projs])),
+                            None if at.q_proj.bias is None else
+                            torch.cat([_bias(p) for p in projs]))
+        self.o = _Product([at.o_proj])
 
     def __call__(self, x: torch.Tensor, cos, sin, batch) -> torch.Tensor:
         B, D = x.shape
-        q, k, v = _mm(F.rms_norm(x, (D,), self.norm_w, self.eps), self.w_qkv,
-                      self.b_qkv).split(self.sizes, -1)
+        q, k, v = self.qkv(F.rms_norm(x, (D,), self.norm_w, self.eps)).split(self.sizes, -1)
         out = _attend(self.attn, batch, q.view(B, self.h, self.dh),
                       k.view(B, self.hkv, self.dh), v.view(B, self.hkv, self.dh))
-        return x + _mm(out, self.w_o, self.b_o)
+        return x + self.o(out)
 
     def multi(self, x: torch.Tensor, cos, sin, batch) -> torch.Tensor:
         B, T, D = x.shape
         N = B * T
-        q, k, v = _mm(F.rms_norm(x.view(N, D), (D,), self.norm_w, self.eps), self.w_qkv,
-                      self.b_qkv).split(self.sizes, -1)
+        q, k, v = self.qkv(F.rms_norm(x.view(N, D), (D,), self.norm_w,
+                                      self.eps)).split(self.sizes, -1)
         out = _attend(self.attn, batch, q.view(N, self.h, self.dh),
                       k.view(N, self.hkv, self.dh), v.view(N, self.hkv, self.dh), T)
-        return x + _mm(out, self.w_o, self.b_o).view(B, T, D)
+        return x + self.o(out).view(B, T, D)
 
 
 class _MlpBlock(_Fused):
@@ -518,12 +551,11 @@ class _MlpBlock(_Fused):
         super().__init__(layer)
         mlp = layer.mixer
         self.norm_w, self.eps = layer.norm.weight.detach(), layer.norm.eps
-        self.w_up, self.b_up = _packed_of(mlp.up_proj), _bias(mlp.up_proj)
-        self.w_down, self.b_down = _packed_of(mlp.down_proj), _bias(mlp.down_proj)
+        self.up, self.down = _Product([mlp.up_proj]), _Product([mlp.down_proj])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        h = _mm(F.rms_norm(x, (x.shape[-1],), self.norm_w, self.eps), self.w_up, self.b_up)
-        return x + _mm(F.relu(h).square(), self.w_down, self.b_down)
+        h = self.up(F.rms_norm(x, (x.shape[-1],), self.norm_w, self.eps))
+        return x + self.down(F.relu(h).square())
 
 
 class _MoEBlock(_Fused):

@@ -29,6 +29,7 @@ class PagedSession:
         ]
         self.lengths = [0] * batch_size
         self.max_tokens = max_tokens
+        self.adapters = [0] * batch_size  # each sequence's LoRA adapter (0: none)
 
     def step(self, chunks: list[list[int]], rows: list[int] | None = None) -> torch.Tensor:
         """Feeds `chunks[i]` to sequence `rows[i]`; returns last-token logits [len(chunks), V]."""
@@ -40,7 +41,8 @@ class PagedSession:
                     f"sequence {r} would hold {self.lengths[r] + len(chunk)} tokens, "
                     f"more than max_tokens={self.max_tokens}"
                 )
-            seqs.append(SeqInput(chunk, self.lengths[r], self.page_tables[r], r))
+            seqs.append(SeqInput(chunk, self.lengths[r], self.page_tables[r], r,
+                                 self.adapters[r]))
         batch = ForwardBatch.build(seqs, self.kv, self.states, device=self.model.device)
         logits = self.model.forward_batch(batch)
         for r, chunk in zip(rows, chunks):

@@ -176,10 +176,13 @@ class HybridForCausalLM(nn.Module):
         Steps of a few tokens a row on the CPU (decode, verification) take `fast_decode`
         when the model has one (same arithmetic, the recurrences a token at a time).
         """
-        if batch.lora is not None:  # LoRA rows: the general layers (`lora.py`), not the
-            with lora.active(batch.lora, batch.input_ids.shape[1]):  # fused decode path
-                hidden = self._run_layers(batch.input_ids, batch.positions, batch)
-            return self._logits_of(hidden, batch, last_only, logit_index)
+        if batch.lora is not None:  # rows on LoRA adapters: their terms added (`lora.py`)
+            with lora.active(batch.lora, batch.input_ids.shape[1]):
+                return self._forward_batch(batch, last_only, logit_index)
+        return self._forward_batch(batch, last_only, logit_index)
+
+    def _forward_batch(self, batch: ForwardBatch, last_only: bool,
+                       logit_index: torch.Tensor | None) -> torch.Tensor:
         fast = (self.fast_decode is not None and (last_only or logit_index is not None)
                 and self.fast_decode.accepts(batch))
         if fast and batch.input_ids.shape[1] == 1 and logit_index is None:

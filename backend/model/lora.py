@@ -10,7 +10,8 @@ so one batch mixes requests on different adapters and on the base model.
 `attach(model, adapters)` gives every targeted `Linear` its adapters' (A, scale * B) pairs,
 indexed from 1, never reused (0: no adapter). During a forward, `active(rows)` says which
 adapter each batch row uses ([B] int64); `Linear.forward` adds the low-rank terms of the rows
-on its adapters (`apply`). The engine's prefix cache keeps each adapter's pages in a
+on its adapters (`apply`), and so do the CPU decode path's fused products (`decode.py`, per
+part, through `delta`). The engine's prefix cache keeps each adapter's pages in a
 namespace of their own (`backend.cache.radix.lora_namespace`): the same prompt under another
 adapter has other KV, anchors and states.
 
@@ -191,11 +192,34 @@ def attach(model: nn.Module, adapters: Mapping[int, LoraAdapter]) -> None:
             linear.lora[index] = pair
 
 
+@dataclass(frozen=True)
+class _Batch:
+    """Which adapter each row and token of the running forward uses, and (computed once
+    a forward, not per layer) where each adapter's rows and tokens are."""
+
+    rows: torch.Tensor  # [B] adapter index per batch row (0: none)
+    num_tokens: int  # T: tokens a row in the padded batch
+    present: tuple[int, ...]  # the adapters some row uses
+    uniform: int  # the adapter of every row when they all share one (0: mixed or none)
+    row_index: dict[int, torch.Tensor]  # adapter -> its rows
+    token_index: dict[int, torch.Tensor]  # adapter -> its tokens in the flat [B * T]
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, num_tokens: int) -> _Batch:
+        found = [int(i) for i in rows.unique().tolist()]
+        present = tuple(i for i in found if i)
+        uniform = found[0] if len(found) == 1 else 0
+        row_index, token_index = {}, {}
+        if not uniform:
+            tokens = rows.repeat_interleave(num_tokens)
+            for i in present:
+                row_index[i] = (rows == i).nonzero().squeeze(1)
+                token_index[i] = (tokens == i).nonzero().squeeze(1)
+        return cls(rows, num_tokens, present, uniform, row_index, token_index)
+
+
 class _Active(threading.local):
-    rows: torch.Tensor | None = None  # [B] adapter index per batch row (0: none)
-    tokens: torch.Tensor | None = None  # [B * T]: the same per token of the padded batch
-    present: tuple[int, ...] = ()
-    uniform: int = 0  # the adapter of every row when they all share one (0: mixed or none)
+    batch: _Batch | None = None
 
 
 _ACTIVE = _Active()
@@ -205,43 +229,50 @@ _ACTIVE = _Active()
 def active(rows: torch.Tensor | None, num_tokens: int = 1):
     """Within: a forward over a [B, T] batch (T = `num_tokens`) whose row b uses adapter
     rows[b] (0: the base model)."""
-    previous = (_ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present, _ACTIVE.uniform)
-    if rows is not None:
-        _ACTIVE.rows, _ACTIVE.tokens = rows, rows.repeat_interleave(num_tokens)
-        found = rows.unique().tolist()
-        _ACTIVE.present = tuple(int(i) for i in found if i)
-        _ACTIVE.uniform = int(found[0]) if len(found) == 1 else 0
-    else:
-        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present, _ACTIVE.uniform = None, None, (), 0
+    previous = _ACTIVE.batch
+    _ACTIVE.batch = None if rows is None else _Batch.of(rows, num_tokens)
     try:
         yield
     finally:
-        _ACTIVE.rows, _ACTIVE.tokens, _ACTIVE.present, _ACTIVE.uniform = previous
+        _ACTIVE.batch = previous
+
+
+def delta(lora: dict[int, tuple[torch.Tensor, torch.Tensor]],
+          x: torch.Tensor) -> torch.Tensor | None:
+    """The low-rank terms a layer adds to its output for input `x` (zero on rows without one
+    of its adapters); None when no row of the active batch uses one of them."""
+    batch = _ACTIVE.batch
+    if batch is None:
+        return None
+    if batch.uniform:  # every row on one adapter: no rows to pick
+        pair = lora.get(batch.uniform)
+        return None if pair is None else (x @ pair[0].t()) @ pair[1].t()
+    mine = [i for i in batch.present if i in lora]
+    if not mine:
+        return None
+    B = batch.rows.shape[0]
+    if x.dim() == 2 and x.shape[0] == B * batch.num_tokens:  # [B * T, in]: every token
+        index = batch.token_index
+    elif x.dim() > 2 and x.shape[0] == B:  # [B, T, ..., in]
+        index = batch.row_index
+    else:  # e.g. a subset of the tokens: which row each came from is unknown here
+        raise RuntimeError(f"LoRA: an input of shape {tuple(x.shape)} in a batch of "
+                           f"{B} rows x {batch.num_tokens} tokens")
+    out = x.new_zeros(*x.shape[:-1], lora[mine[0]][1].shape[0])
+    for i in mine:
+        a, b = lora[i]
+        take = index[i]
+        out.index_copy_(0, take, (x.index_select(0, take) @ a.t()) @ b.t())
+    return out
 
 
 def apply(lora: dict[int, tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor,
           y: torch.Tensor) -> torch.Tensor:
     """`y` (= W x) plus the low-rank terms of the rows whose adapter adapts this layer."""
-    rows = _ACTIVE.rows
-    if rows is None:
-        return y
-    if _ACTIVE.uniform:  # every row on one adapter: no rows to pick
-        pair = lora.get(_ACTIVE.uniform)
-        return y if pair is None else y + (x @ pair[0].t()) @ pair[1].t()
-    mine = [i for i in _ACTIVE.present if i in lora]
-    if not mine:
-        return y
-    tokens = _ACTIVE.tokens
-    if x.dim() == 2 and x.shape[0] == tokens.shape[0]:  # [B * T, in]: every token, flattened
-        per = tokens
-    elif x.dim() > 2 and x.shape[0] == rows.shape[0]:  # [B, T, ..., in]
-        per = rows
-    else:  # e.g. a subset of the tokens: which row each came from is unknown here
-        raise RuntimeError(f"LoRA: an input of shape {tuple(x.shape)} in a batch of "
-                           f"{rows.shape[0]} rows x {tokens.shape[0] // rows.shape[0]} tokens")
-    y = y.clone()
-    for i in mine:
-        a, b = lora[i]
-        take = per == i
-        y[take] += (x[take] @ a.t()) @ b.t()
-    return y
+    d = delta(lora, x)
+    return y if d is None else y + d
+
+
+def any_active() -> bool:
+    """A forward with some row on an adapter is running (in this thread)."""
+    return _ACTIVE.batch is not None and bool(_ACTIVE.batch.present)

@@ -6,8 +6,8 @@ Each round sends `--requests` distinct prompts of `--prompt-len` tokens at once 
 rounds, so every round prefills cold. The cases rotate round by round (the host's noise
 lands on each alike); reported per case, as medians over `--repeats` rounds: time to the
 last request's first token, mean TTFT, the whole round's time and decode tokens/s.
-Requests on an adapter run the general layers with the adapter's low-rank terms added
-(`backend/model/lora.py`), not the fused CPU decode path the base model's requests take.
+Requests on an adapter run the same layers (the fused CPU decode path included) with the
+adapter's low-rank terms added (`backend/model/lora.py`).
 
     python -m client.bench.lora [--rank 16] [--requests 8] [--repeats 5]
 Writes client/bench/results/lora/summary.json and lora.png.

@@ -73,15 +73,18 @@ def model(request, tmp_path_factory):
     return loaded
 
 
-def _run(model, fast, batch: int, steps: int, seed: int = 0, max_chunk: int = 1):
+def _run(model, fast, batch: int, steps: int, seed: int = 0, max_chunk: int = 1,
+         adapters: list[int] | None = None):
     """Prefill ragged prompts, then `steps` steps of 1..max_chunk tokens a row (ragged, with
     logits at every row's tokens where max_chunk > 1); logits of every step and the final
-    KV / states buffers."""
+    KV / states buffers. `adapters`: each row's LoRA adapter."""
     saved = model.fast_decode
     model.fast_decode = fast
     try:
         g = torch.Generator().manual_seed(seed)
         session = PagedSession(model, batch, 400, page_size=16)
+        if adapters is not None:
+            session.adapters = adapters[:batch]
         session.step([torch.randint(0, 250, (n,), generator=g).tolist()
                       for n in (37, 5, 64, 90, 1, 17, 33, 48)[:batch]])
         logits = []
@@ -93,8 +96,8 @@ def _run(model, fast, batch: int, steps: int, seed: int = 0, max_chunk: int = 1)
                 continue
             T = max(sizes)  # every token's logits, through forward_batch's logit_index
             index = torch.tensor([b * T + t for b, n in enumerate(sizes) for t in range(n)])
-            seqs = [SeqInput(c, session.lengths[b], session.page_tables[b], b)
-                    for b, c in enumerate(chunks)]
+            seqs = [SeqInput(c, session.lengths[b], session.page_tables[b], b,
+                             session.adapters[b]) for b, c in enumerate(chunks)]
             fb = ForwardBatch.build(seqs, session.kv, session.states)
             logits.append(model.forward_batch(fb, logit_index=index))
             for b, n in enumerate(sizes):
@@ -126,6 +129,40 @@ def test_fast_steps_of_several_tokens_match_the_general_layers(model, batch):
     """Steps of 1..6 tokens a row (ragged: padded rows), every token's logits: the fused
     layers' recurrences a token at a time against the general path's chunked forms."""
     _assert_same(model, batch, 12, seed=1, max_chunk=6)
+
+
+LORA_TARGETS = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z",
+                "in_proj_b", "in_proj_a", "out_proj", "in_proj", "gate_proj", "up_proj",
+                "down_proj"}
+
+
+@pytest.mark.parametrize("rows", [[1, 1, 1, 1, 1], [0, 1, 2, 0, 2]])
+def test_lora_rows_on_the_fast_path_match_the_general_layers(model, rows):
+    """Rows on LoRA adapters (all on one; mixed with base-model rows): the fused products
+    with each part's low-rank terms against the general layers', one- and multi-token
+    steps; and the adapters change the logits (terms left out would show)."""
+    from backend.model.linear import Linear
+    from backend.model.lora import LoraAdapter, attach
+
+    g = torch.Generator().manual_seed(7)
+    adapters = {}
+    for index in (1, 2):
+        adapter = LoraAdapter(f"a{index}", None, 4, 2.0)
+        for name, m in model.named_modules():
+            if isinstance(m, Linear) and name.rsplit(".", 1)[-1] in LORA_TARGETS \
+                    and ".experts." not in name:
+                adapter.weights[name] = (torch.randn(4, m.in_features, generator=g) * 0.1,
+                                         torch.randn(m.out_features, 4, generator=g) * 0.1)
+        adapters[index] = adapter
+    base, _ = _run(model, model.fast_decode, 5, 6)
+    attach(model, adapters)
+    try:
+        _assert_same(model, 5, 12, adapters=rows)
+        _assert_same(model, 5, 6, seed=1, max_chunk=6, adapters=rows)
+        adapted, _ = _run(model, model.fast_decode, 5, 6, adapters=rows)
+    finally:
+        attach(model, {})
+    assert (adapted - base).abs().max().item() > 1e-2
 
 
 def test_fast_decode_takes_only_short_steps_of_cached_sequences(model, monkeypatch):
