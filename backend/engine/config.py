@@ -27,6 +27,10 @@ FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 16
+    # Requests that may wait for a slot (queued, not yet running; TensorRT-LLM's
+    # max_queue_size, SGLang's max_queued_requests): one more is refused with `QueueFull`
+    # (Triton UNAVAILABLE, HTTP 503) so clients and routers go elsewhere or retry; 0: no limit.
+    max_queue_size: int = 0
     max_tokens_per_step: int = 512  # token budget of one step (prefill chunks + decodes)
     max_context_len: int = 8192
     executor: str = "torch"  # "torch" (eager PyTorch) or "compiled" (AOT engine directory)
@@ -88,6 +92,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_queue_size < 0:
+            raise ValueError(f"max_queue_size must be >= 0 (0: no limit), got "
+                             f"{self.max_queue_size}")
         if self.max_tokens_per_step < self.cache.page_size:
             raise ValueError(
                 f"max_tokens_per_step={self.max_tokens_per_step} must be >= page_size="

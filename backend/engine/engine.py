@@ -41,6 +41,11 @@ from backend.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger(__name__)
 
 
+class QueueFull(RuntimeError):
+    """A request refused because `max_queue_size` requests wait already (not the request's
+    fault: the same request may be retried later or elsewhere)."""
+
+
 def apply_calibration(model_dir: str | Path, config: EngineConfig) -> EngineConfig:
     """`k_max: auto` / `anchor_density: auto`: the values of `engine_build/calibrate.py`'s
     calibration.json (the configured ones, with a warning, where it is missing). Warns when
@@ -141,12 +146,16 @@ class Engine:
         self._inbox: deque[Sequence] = deque()
         self._cancels: set[str] = set()
         self._live: dict[str, Sequence] = {}
+        # Requests in the scheduler's queue, as of the engine thread's last look (with the
+        # inbox: what max_queue_size counts; written under _lock).
+        self._queued = 0
         self._thread: threading.Thread | None = None
         # Held for a whole step, output callbacks included (reentrant: a callback may call
         # stats()); stats() may be called from other threads (metrics).
         self._step_lock = threading.RLock()
         self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
         self.num_failed = 0  # requests ended by a failed step
+        self.num_rejected = 0  # requests refused with the queue full (max_queue_size)
         self.num_cache_resets = 0  # reset_prefix_cache calls
         self.adapters: dict[str, int] = {}  # LoRA adapter name -> its index in the model
         self.lora_requests: dict[str, int] = {}  # requests submitted on each adapter
@@ -220,8 +229,10 @@ class Engine:
         return {"dropped_pages": dropped}
 
     # Requests ---------------------------------------------------------------------------
-    def submit(self, request: Request) -> None:
-        """Queues a request; raises ValueError (with the offending values) for bad ones."""
+    def submit(self, request: Request, over_queue_limit: bool = False) -> None:
+        """Queues a request; raises ValueError (with the offending values) for bad ones and
+        `QueueFull` when `max_queue_size` requests wait already (`over_queue_limit`: queued
+        anyway, e.g. the later sequences of a request that was admitted)."""
         self._validate(request)
         params = request.sampling
         if params.end_id is None and self.eos_token_id is not None:
@@ -235,6 +246,12 @@ class Engine:
         with self._lock:  # (unload_lora holds it: the adapter stays while this is live)
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
+            limit = self.config.max_queue_size
+            if limit and not over_queue_limit and self._queued + len(self._inbox) >= limit:
+                self.num_rejected += 1
+                raise QueueFull(f"the request queue is full ({limit} requests wait for the "
+                                f"model's {self.config.max_num_seqs} slots: max_queue_size); "
+                                "retry later")
             if request.lora_name is not None:
                 self._check_adapter(request.lora_name)
                 seq.adapter = self.adapters[request.lora_name]
@@ -353,6 +370,7 @@ class Engine:
                 outputs.extend(self.scheduler.step())
             except Exception as e:  # a failed step fails its requests, never the engine
                 outputs.extend(self._fail_step(e))
+            self._count_queued()
             for out in outputs:
                 self._deliver(out)
             try:
@@ -366,6 +384,12 @@ class Engine:
                 self.kv_events.flush()
         return outputs
 
+    def _count_queued(self) -> None:
+        """Publishes how many requests wait in the scheduler (a beam search once)."""
+        waiting = sum(1 for s in self.scheduler.waiting if s.beam is None or s is s.beam.leader)
+        with self._lock:
+            self._queued = waiting
+
     def _fail_step(self, error: Exception) -> list[RequestOutput]:
         log.exception("engine step failed")
         self.scheduler.drop_after()
@@ -375,6 +399,7 @@ class Engine:
         with self._lock:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = self._cancels, set()
+            self._queued += len(new)  # until the step's own count (`_count_queued`)
         self.scheduler.waiting.extend(new)
         outputs = []
         for rid in cancels:
@@ -571,6 +596,8 @@ class Engine:
             "lora_requests": dict(self.lora_requests),
             "lora_running": self._lora_running(),
             "failed_requests": self.num_failed,
+            "rejected_requests": self.num_rejected,
+            "max_queue_size": self.config.max_queue_size,
             "steps": sched.num_steps,
             "preemptions": sched.num_preemptions,
             "prefill_waits": sched.num_prefill_waits,

@@ -17,7 +17,9 @@ came are not known, and a gap empties the index until the replica announces page
 
 A replica that cannot be reached (the request failed before its first response: gRPC
 UNAVAILABLE) is marked down for `down_s` seconds and the request goes to the next best one;
-a down replica gets requests again after that, or sooner when no other is up.
+a down replica gets requests again after that, or sooner when no other is up. A replica
+whose request queue is full (`max_queue_size`) hands the request to the next best one too,
+without being marked down.
 """
 
 from __future__ import annotations

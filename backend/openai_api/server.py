@@ -18,8 +18,9 @@ each prompt goes to the replica whose prefix cache holds the longest part of it,
 KV cache events say (`--kv-events`, `router.py`); `GET /router` shows the replicas' counts.
 Errors are OpenAI error bodies: 400 for what the request
 got wrong (the frontend's checks, `protocol.py`, and the server's INVALID_ARG), 404 for an
-unknown model, 503 when Triton is not ready, 500 otherwise. A client that goes away cancels
-its requests in Triton.
+unknown model, 503 when Triton is not ready or its request queue is full (`max_queue_size`:
+with replicas, the next best one gets the request first), 500 otherwise. A client that goes
+away cancels its requests in Triton.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class Run:
                     state.router.done(replica)
                 if error is None or error[1].status != 503:
                     break
-                state.router.failed(replica)
+                if not error[1].busy:  # unreachable; a full queue is no failure
+                    state.router.failed(replica)
                 tried.append(replica)
                 if error[0] or len(tried) == len(state.upstreams):
                     break  # it had answered (no second try), or none is left

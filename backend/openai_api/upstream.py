@@ -39,12 +39,14 @@ _MAX_MESSAGE = 256 << 20
 
 class UpstreamError(Exception):
     """The server answered with an error, or could not be reached; `status` is the HTTP status
-    for the client: 400 (the request's fault), 500 (the server's), 503 (unreachable)."""
+    for the client: 400 (the request's fault), 500 (the server's), 503 (unreachable, or
+    `busy`: up, but its request queue is full, so another replica may take the request)."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, status: int = 500, busy: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.busy = busy
 
 
 @dataclass
@@ -232,6 +234,8 @@ class Upstream:
                 if reply.error_message:
                     done = True
                     message = reply.error_message
+                    if QUEUE_FULL in message:  # hybrid_llm's max_queue_size (UNAVAILABLE)
+                        raise UpstreamError(message, 503, busy=True)
                     raise UpstreamError(message, 400 if _invalid(message) else 500)
                 response = reply.infer_response
                 final = response.parameters["triton_final_response"].bool_param
@@ -300,3 +304,5 @@ def _invalid(message: str) -> bool:
 
 
 _SERVER_FAULTS = ("internal error", "the engine failed", "the model was unloaded")
+# What the engine's refusal says when max_queue_size requests wait (`engine.QueueFull`).
+QUEUE_FULL = "the request queue is full"

@@ -1,7 +1,8 @@
 """The decoupled `hybrid_llm` model: owns the engine thread and streams its outputs.
 
 Life of a request: `execute` validates the tensors (`llm_request.parse_request`; a bad request
-gets one INVALID_ARG response with the final flag) and submits an engine `Request` whose
+gets one INVALID_ARG response with the final flag; one past `max_queue_size` an UNAVAILABLE
+one) and submits an engine `Request` whose
 `on_output` callback, on the engine thread, turns each `RequestOutput` into tensors
 (`llm_response.OutputStream`) and queues them for the responder thread. The engine ends every
 request with a finished output (length, eos, stop, cancelled or error), which sends the final
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from backend.engine.config import EngineConfig
-from backend.engine.engine import Engine
+from backend.engine.engine import Engine, QueueFull
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.triton.errors import ConfigError, RequestError
 from backend.triton.llm_config import ServingSettings, engine_params, serving_settings
@@ -102,6 +103,10 @@ class HybridLlm:
             except RequestError as exc:
                 self.responder.send_now(
                     Outgoing(sender, error=str(exc), error_code="INVALID_ARG", final=True)
+                )
+            except QueueFull as exc:  # max_queue_size: not this request's fault; retry
+                self.responder.send_now(
+                    Outgoing(sender, error=str(exc), error_code="UNAVAILABLE", final=True)
                 )
             except Exception as exc:  # a bug fails this request, not the model
                 log(self.pb_utils, f"hybrid_llm: request failed: {exc!r}", "error")
@@ -214,7 +219,8 @@ class HybridLlm:
                     return
                 self.open[request.request_id] = sibling
             try:
-                self.engine.submit(request)  # the prompt passed sequence 0's checks
+                # the prompt passed sequence 0's checks, and the request the queue's limit
+                self.engine.submit(request, over_queue_limit=True)
             except Exception as exc:  # e.g. the engine is stopping: the request fails whole
                 with self.lock:
                     self.open.pop(request.request_id, None)

@@ -99,6 +99,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "priority could go (the retained pages outgrew the pool)",
         COUNTER,
     ),
+    "suffixreplay_rejected_requests_total": (
+        "Requests refused before queueing: the queue held max_queue_size requests", COUNTER),
     "suffixreplay_preemptions_total": (
         "Requests preempted (recomputed) for lack of pages or for a more urgent request",
         COUNTER,
@@ -181,6 +183,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_requests_total", (), "finished_requests"),
     ("suffixreplay_unfinished_requests_total", (("reason", "cancelled"),), "cancelled_requests"),
     ("suffixreplay_unfinished_requests_total", (("reason", "failed"),), "failed_requests"),
+    ("suffixreplay_rejected_requests_total", (("reason", "queue_full"),), "rejected_requests"),
     ("suffixreplay_preemptions_total", (), "preemptions"),
     ("suffixreplay_prefix_cache_resets_total", (), "prefix_cache_resets"),
     ("suffixreplay_retained_evictions_total", (), "cache.retained_page_evictions"),
