@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 from client.generate import (
+    MODEL,
     Chunk,
     GenerateError,
     GenerateParams,
@@ -104,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
         sub.add_argument("--http", action="store_true", help="use HTTP instead of gRPC")
     for sub in (gen, chat):
+        sub.add_argument("--model", default=MODEL,
+                         help=f"the Triton model (default {MODEL}; hybrid_llm_bls: the same "
+                              "contract in one model, whose streams survive a server stop)")
         sub.add_argument("--max-tokens", type=int, default=64)
         sub.add_argument("--temperature", type=float)
         sub.add_argument("--top-k", type=int)
@@ -205,11 +209,11 @@ def guide_options(args: argparse.Namespace) -> dict:
 def responses(args: argparse.Namespace, params: GenerateParams) -> Iterator[Chunk]:
     if args.http:
         return (
-            iter([generate_http(args.url, params)])
+            iter([generate_http(args.url, params, args.model)])
             if args.no_stream
-            else stream_http(args.url, params)
+            else stream_http(args.url, params, args.model)
         )
-    return stream_grpc(args.url, params, stream=not args.no_stream)
+    return stream_grpc(args.url, params, stream=not args.no_stream, model=args.model)
 
 
 def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str, dict]:

@@ -6,7 +6,8 @@
 
 Every backend first validates the checkpoint (config, tensor names and shapes, a short forward
 with finite logits, a tokenizer) and writes a complete repository: ensemble, preprocessing,
-hybrid_llm, postprocessing, with `model_path` and `tokenizer_dir` pointing at the checkpoint.
+hybrid_llm, postprocessing and hybrid_llm_bls, with `model_path` and `tokenizer_dir` pointing
+at the checkpoint.
 - `--calibrate` runs engine_build/calibrate.py on the checkpoint (4 anchors a page, 16 where 4
   fall short of the target) and serves `k_max: auto` and `anchor_density: auto`.
 - `--lora NAME=PATH` (repeatable) checks a PEFT LoRA adapter against the checkpoint and serves
@@ -34,7 +35,7 @@ from backend.model import load_model, lora
 from backend.model.loader import CheckpointError
 from backend.triton.repo import MODEL_REPO, set_parameters
 
-MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
+MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing", "hybrid_llm_bls")
 TENSORRT_MISSING = 2
 
 
@@ -69,7 +70,7 @@ def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32,
 
 
 def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool) -> Path:
-    """Copies the four models' configurations and code; points them at `model_dir`."""
+    """Copies the models' configurations and code; points them at `model_dir`."""
     if repo.exists() and any(repo.iterdir()):
         if not force:
             raise BuildError(f"{repo} exists and is not empty (use --force to replace it)")
@@ -83,7 +84,7 @@ def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force:
         if (src / "1" / "model.py").exists():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
     model_dir = model_dir.resolve()
-    for name in ("preprocessing", "postprocessing"):
+    for name in ("preprocessing", "postprocessing", "hybrid_llm_bls"):
         set_parameters(repo / name / "config.pbtxt", {"tokenizer_dir": str(model_dir)})
     set_parameters(repo / "hybrid_llm" / "config.pbtxt",
                    {"model_path": str(model_dir), **params})

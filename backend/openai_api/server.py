@@ -770,7 +770,8 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                    tool_call_parser: str = "qwen",
                    kv_events: Sequence[str] = (), max_imbalance: int = 16,
                    down_s: float = 5.0, enable_cache_reset: bool = False,
-                   enable_lora_updates: bool = False) -> web.Application:
+                   enable_lora_updates: bool = False,
+                   triton_model: str = "ensemble") -> web.Application:
     """The app, connected to Triton (its configuration read once, from the first URL);
     several URLs: replicas of one model, routed by their KV cache events (`kv_events`, one
     "PUB[,REPLAY]" a replica, in the same order; fewer: the rest have none)."""
@@ -787,7 +788,7 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
 
     from backend.tokenizer import load_tokenizer
 
-    upstreams = [Upstream(url) for url in urls]
+    upstreams = [Upstream(url, triton_model) for url in urls]
     served = None
     for upstream in upstreams:  # the configuration from the first replica that answers
         try:
@@ -810,7 +811,7 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                     model_repository)
     app = web.Application(middlewares=[observed, json_errors], client_max_size=64 << 20)
     # Served names -> the LoRA adapter each stands for (None: the base model).
-    names: dict[str, str | None] = dict.fromkeys(list(served_names) or ["ensemble"])
+    names: dict[str, str | None] = dict.fromkeys(list(served_names) or [triton_model])
     names.update({adapter: adapter for adapter in served.adapters})
     app[STATE] = State(upstream, served, names, tokenizer,
                        template, reasoning_parser=reasoning_parser,
@@ -859,6 +860,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "tcp://10.0.0.2:5557,tcp://10.0.0.2:5558")
     parser.add_argument("--model-repository", default="model_repo",
                         help="the folder Triton serves (for the tokenizer and chat template)")
+    parser.add_argument("--triton-model", default="ensemble",
+                        help="the Triton model generation requests go to: ensemble, or "
+                             "hybrid_llm_bls (the same contract in one model: its streams "
+                             "finish when Triton is told to stop)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--served-model-name", action="append", default=[],
@@ -898,15 +903,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-async def _wait_ready(urls: Sequence[str], wait_s: float) -> None:
-    """Waits until one of `urls` serves the ensemble (the others may come later: the router
+async def _wait_ready(urls: Sequence[str], wait_s: float, model: str) -> None:
+    """Waits until one of `urls` serves `model` (the others may come later: the router
     passes over them until they do)."""
-    upstreams = [Upstream(url) for url in urls]
+    upstreams = [Upstream(url, model) for url in urls]
     try:
         deadline = time.monotonic() + wait_s
         while not any(await asyncio.gather(*(u.ready() for u in upstreams))):
             if time.monotonic() > deadline:
-                raise SystemExit(f"Triton at {', '.join(urls)} did not serve the ensemble "
+                raise SystemExit(f"Triton at {', '.join(urls)} did not serve {model} "
                                  f"within {wait_s} s")
             await asyncio.sleep(0.5)
     finally:
@@ -919,11 +924,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     async def build() -> web.Application:
-        await _wait_ready(args.triton_url, args.wait_s)
+        await _wait_ready(args.triton_url, args.wait_s, args.triton_model)
         return await make_app(args.triton_url, args.model_repository, args.served_model_name,
                               args.reasoning_parser, args.tool_call_parser, args.kv_events,
                               args.router_max_imbalance, args.router_down_s,
-                              args.enable_cache_reset, args.enable_lora_updates)
+                              args.enable_cache_reset, args.enable_lora_updates,
+                              args.triton_model)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)

@@ -82,7 +82,7 @@ class ServedModel:
     @classmethod
     async def load(cls, upstream: Upstream, model_repository: str | Path) -> ServedModel:
         repo = Path(model_repository)
-        ensemble = await upstream.model_config(ENSEMBLE)
+        ensemble = await upstream.model_config(upstream.model)
         types = {i["name"]: i["data_type"] for i in ensemble.get("input", [])}
         steps = [s.get("model_name") for s in
                  ensemble.get("ensemble_scheduling", {}).get("step", [])]
@@ -90,6 +90,12 @@ class ServedModel:
         limit = DEFAULT_CONTEXT_LEN
         special = True
         adapters: list[str] = []
+        own = _parameters(ensemble)
+        if "ensemble_config" in own:  # hybrid_llm_bls: the ensemble's steps in one model
+            steps = ["hybrid_llm"]
+            if own.get("tokenizer_dir"):
+                tokenizer_dir = repo / own["tokenizer_dir"]
+            special = get_bool_param(ensemble, "add_special_tokens", True)
         if "preprocessing" in steps:
             config = await upstream.model_config("preprocessing")
             params = _parameters(config)
@@ -120,11 +126,12 @@ def _parameters(config: Mapping[str, Any]) -> dict[str, str]:
 
 
 class Upstream:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, model: str = ENSEMBLE) -> None:
         import grpc
         from tritonclient.grpc import service_pb2, service_pb2_grpc
 
         self.url = url
+        self.model = model  # what generation requests go to: the ensemble or hybrid_llm_bls
         self._pb = service_pb2
         self._channel = grpc.aio.insecure_channel(url, options=[
             ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -142,23 +149,24 @@ class Upstream:
         return MessageToDict(reply.config, preserving_proto_field_name=True,
                              use_integers_for_enums=False)
 
-    async def ready(self, model: str = ENSEMBLE) -> bool:
+    async def ready(self) -> bool:
         import grpc
 
         try:
             server = await self._stub.ServerReady(self._pb.ServerReadyRequest(), timeout=5)
-            served = await self._stub.ModelReady(self._pb.ModelReadyRequest(name=model),
+            served = await self._stub.ModelReady(self._pb.ModelReadyRequest(name=self.model),
                                                  timeout=5)
         except grpc.RpcError:
             return False
         return bool(server.ready and served.ready)
 
     def request(self, fields: Mapping[str, Any], request_id: str | None = None,
-                model: str = ENSEMBLE, types: Mapping[str, str] | None = None) -> Any:
-        """A ModelInferRequest for `model` (the ensemble; dtypes from its config, or
+                model: str | None = None, types: Mapping[str, str] | None = None) -> Any:
+        """A ModelInferRequest for `model` (default `self.model`; dtypes from its config, or
         `types`), its id `request_id` (Triton's logs and traces name it) or a new one."""
         from tritonclient.utils import serialize_byte_tensor, triton_to_np_dtype
 
+        model = self.model if model is None else model
         types = self.input_types if types is None else types
         request = self._pb.ModelInferRequest(model_name=model, id=request_id or uuid.uuid4().hex)
         request.parameters["triton_enable_empty_final_response"].bool_param = True

@@ -260,6 +260,8 @@ class HybridLlm:
                 return
             tensors, final = entry.stream.on_output(out, entry.index)
             group.closed = final
+            if tensors is not None:  # the final flag as a tensor too (BLS callers)
+                tensors = {**tensors, "response_final": np.array([[final]], dtype=np.bool_)}
             if tensors is not None or final:
                 self.responder.put(Outgoing(entry.sender, tensors, final=final))
 

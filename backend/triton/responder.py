@@ -71,17 +71,7 @@ class Responder:
 
     def send_now(self, item: Outgoing) -> None:
         """Sends on the calling thread (for requests the engine never saw)."""
-        pb = self.pb_utils
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
-        if item.error is not None:
-            response = error_response(pb, item.error, item.error_code)
-        elif item.tensors is not None:
-            tensors = [pb.Tensor(name, value) for name, value in item.tensors.items()]
-            response = pb.InferenceResponse(output_tensors=tensors)
-        else:
-            item.sender.send(flags=flags)
-            return
-        item.sender.send(response, flags=flags)
+        send(self.pb_utils, item)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -89,6 +79,20 @@ class Responder:
                 self.send_now(item)
             except Exception as exc:  # a client that went away must not stop the others
                 log(self.pb_utils, f"hybrid_llm: sending a response failed: {exc!r}", "warn")
+
+
+def send(pb: ModuleType, item: Outgoing) -> None:
+    """One response (tensors or an error; the final flag alone) through its sender."""
+    flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if item.final else 0
+    if item.error is not None:
+        response = error_response(pb, item.error, item.error_code)
+    elif item.tensors is not None:
+        tensors = [pb.Tensor(name, value) for name, value in item.tensors.items()]
+        response = pb.InferenceResponse(output_tensors=tensors)
+    else:
+        item.sender.send(flags=flags)
+        return
+    item.sender.send(response, flags=flags)
 
 
 def log(pb_utils: ModuleType, message: str, level: str = "info") -> None:

@@ -49,8 +49,9 @@ def wait_for_stopped_servers() -> None:
 
 @contextmanager
 def served_repository(params: Mapping[str, str] | None = None,
-                      stop_in_background: bool = False) -> Iterator[ServerHandle]:
-    """A ready server for a copy of model_repo/ with hybrid_llm `params` set.
+                      stop_in_background: bool = False,
+                      models: Sequence[str] = MODELS) -> Iterator[ServerHandle]:
+    """A ready server for a copy of model_repo/'s `models` with hybrid_llm `params` set.
 
     stop_in_background: on exit the server is signalled and left to finish its shutdown in a
     thread; the next `served_repository` waits for it once its own server is ready (so
@@ -66,12 +67,12 @@ def served_repository(params: Mapping[str, str] | None = None,
             shutil.rmtree(tmp, ignore_errors=True)
 
     try:
-        repo = copy_models(MODELS, Path(tmp) / "model_repo", TOKENIZER_FILES)
+        repo = copy_models(models, Path(tmp) / "model_repo", TOKENIZER_FILES)
         set_parameters(repo / "hybrid_llm" / "config.pbtxt", dict(params or {}))
         if ensure_default_model(repo):
             print("warning: no trained default model; serving random weights", file=sys.stderr)
         http, grpc, metrics = free_ports(3)
-        loads = [f"--load-model={m}" for m in MODELS]
+        loads = [f"--load-model={m}" for m in models]
         server = start_server(
             repo,
             http,
@@ -104,18 +105,21 @@ def in_process_engine(server: ServerHandle) -> Engine:
     return Engine.from_model_dir(model_path, EngineConfig.from_params(engine_params))
 
 
-def stream_at_once(url: str, requests: Sequence[GenerateParams]) -> list[dict[str, float]]:
-    """Streams every request at once over gRPC (one thread each). Per request, in order:
-    seconds to its first token and to its end (since it was sent), and the prompt tokens the
-    engine prefilled for it (`recomputed_tokens`)."""
-    results = [{"first_token_s": 0.0, "done_s": 0.0, "recomputed_tokens": 0} for _ in requests]
+def stream_at_once(url: str, requests: Sequence[GenerateParams],
+                   model: str = "ensemble") -> list[dict[str, float]]:
+    """Streams every request at once over gRPC (one thread each) to `model`. Per request, in
+    order: seconds to its first token and to its end (since it was sent), the prompt tokens
+    the engine prefilled for it (`recomputed_tokens`) and its output tokens."""
+    results = [{"first_token_s": 0.0, "done_s": 0.0, "recomputed_tokens": 0, "tokens": 0}
+               for _ in requests]
     errors: list[BaseException] = []
 
     def client(params: GenerateParams, out: dict[str, float]) -> None:
         try:
-            for c in stream_grpc(url, params):
+            for c in stream_grpc(url, params, model=model):
                 if c.counts.get("num_output_tokens") and not out["first_token_s"]:
                     out["first_token_s"] = c.elapsed_s
+                out["tokens"] += c.counts.get("num_output_tokens", 0)  # each response's own
                 out["recomputed_tokens"] = c.counts.get("recomputed_tokens",
                                                         out["recomputed_tokens"])
                 out["done_s"] = c.elapsed_s

@@ -10,7 +10,7 @@ import pytest
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO, read_parameters
 from engine_build import build
 
-MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing")
+MODELS = ("ensemble", "preprocessing", "hybrid_llm", "postprocessing", "hybrid_llm_bls")
 
 
 def _model_copy(tmp_path):
@@ -24,12 +24,13 @@ def test_eager_build_writes_a_complete_repository(tmp_path, capsys):
     assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 0
     for name in MODELS:
         assert (tmp_path / "repo" / name / "config.pbtxt").is_file()
-    for name in ("preprocessing", "hybrid_llm", "postprocessing"):
+    for name in ("preprocessing", "hybrid_llm", "postprocessing", "hybrid_llm_bls"):
         assert (tmp_path / "repo" / name / "1" / "model.py").is_file()
     params = read_parameters(tmp_path / "repo" / "hybrid_llm" / "config.pbtxt")
     assert params["model_path"] == str(ckpt.resolve()) and params["executor"] == "torch"
-    pre = read_parameters(tmp_path / "repo" / "preprocessing" / "config.pbtxt")
-    assert pre["tokenizer_dir"] == str(ckpt.resolve())
+    for name in ("preprocessing", "postprocessing", "hybrid_llm_bls"):
+        tokenizer = read_parameters(tmp_path / "repo" / name / "config.pbtxt")["tokenizer_dir"]
+        assert tokenizer == str(ckpt.resolve())
     assert "checkpoint ok" in capsys.readouterr().out
     # a second build into the same place needs --force
     assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 1
