@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from backend.triton.errors import RequestError
+from backend.triton.errors import ConfigError, RequestError
 
 Handler = Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]]
 
@@ -58,3 +58,25 @@ def _log_error(pb_utils: ModuleType, message: str) -> None:
         logger.log_error(message)
     else:
         print(message, flush=True)
+
+
+def python_model(pb_utils: ModuleType, impl: Callable[[ModuleType, Mapping[str, str]], Any],
+                 ) -> type:
+    """The `TritonPythonModel` class of a decoupled model whose logic is `impl(pb_utils,
+    args)` (with `execute(requests)` and `finalize()`): a bad configuration (`ConfigError`)
+    fails the model's load with its message."""
+
+    class TritonPythonModel:
+        def initialize(self, args: dict[str, str]) -> None:
+            try:
+                self.model = impl(pb_utils, args)
+            except ConfigError as exc:
+                raise pb_utils.TritonModelException(str(exc)) from exc
+
+        def execute(self, requests: list) -> None:
+            self.model.execute(requests)
+
+        def finalize(self) -> None:
+            self.model.finalize()
+
+    return TritonPythonModel

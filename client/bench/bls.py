@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine, pyplot, save_figure
+from client.bench.common import bench_main, config_of, grouped_bars, machine
 from client.bench.overhead import prompt_of
 from client.bench.serving import MODELS, served_repository, stream_at_once
 from client.generate import GenerateParams
@@ -89,21 +89,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.5))
-    levels = list(results)
-    for ax, key, label in ((axes[0], "ttft_ms", "mean TTFT (ms)"),
-                           (axes[1], "itl_ms", "mean inter-token time (ms)"),
-                           (axes[2], "tokens_per_s", "output tokens / s")):
-        for offset, p in zip((-0.2, 0.2), PATHS):
-            ax.bar([i + offset for i in range(len(levels))],
-                   [results[n][p][key] for n in levels], width=0.4, label=p)
-        ax.set_xticks(range(len(levels)))
-        ax.set_xticklabels([f"{n} at once" for n in levels])
-        ax.set_ylabel(label)
-    axes[0].legend()
-    fig.suptitle("Streaming through the ensemble vs hybrid_llm_bls (one server)")
-    save_figure(fig, path)
+    grouped_bars(results, PATHS, (("ttft_ms", "mean TTFT (ms)"),
+                                  ("itl_ms", "mean inter-token time (ms)"),
+                                  ("tokens_per_s", "output tokens / s")),
+                 lambda n: f"{n} at once",
+                 "Streaming through the ensemble vs hybrid_llm_bls (one server)", path,
+                 (11, 3.5))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

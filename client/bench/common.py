@@ -8,7 +8,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,29 @@ def save_figure(fig, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def grouped_bars(results: Mapping[str, Mapping[str, Mapping[str, float]]],
+                 series: Sequence[str], panels: Sequence[tuple[str, str]],
+                 tick: Callable[[str], str], title: str, path: Path,
+                 figsize: tuple[float, float]) -> Path:
+    """One panel per (key, y label) of `panels`; in each, a group of bars per key of
+    `results` (its x tick `tick(group)`), one bar per `series`: results[group][series][key]."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=figsize)
+    groups = list(results)
+    width = 0.8 / len(series)
+    for ax, (key, label) in zip(axes, panels):
+        for j, name in enumerate(series):
+            offset = (j - (len(series) - 1) / 2) * width
+            ax.bar([i + offset for i in range(len(groups))],
+                   [results[g][name][key] for g in groups], width=width, label=name)
+        ax.set_xticks(range(len(groups)))
+        ax.set_xticklabels([tick(g) for g in groups])
+        ax.set_ylabel(label)
+    axes[0].legend()
+    fig.suptitle(title)
+    return save_figure(fig, path)
 
 
 def config_of(args: argparse.Namespace) -> dict[str, Any]:

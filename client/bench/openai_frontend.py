@@ -28,7 +28,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from client.bench.common import bench_main, config_of, machine, pyplot, save_figure
+from client.bench.common import bench_main, config_of, grouped_bars, machine
 from client.bench.overhead import prompt_of
 from client.bench.serving import served_repository
 from client.generate import GenerateParams, stream_grpc
@@ -163,21 +163,10 @@ def _extra(r: dict[str, dict[str, float]], path: str, base: str) -> dict[str, fl
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
-    plt = pyplot()
-
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-    lengths = list(results)
-    for ax, key, label in ((axes[0], "ttft_mean_ms", "mean time to first token (ms)"),
-                           (axes[1], "itl_mean_ms", "mean inter-token time (ms)")):
-        for offset, p in zip((-0.27, 0, 0.27), PATHS):
-            ax.bar([i + offset for i in range(len(lengths))],
-                   [results[n][p][key] for n in lengths], width=0.27, label=p)
-        ax.set_xticks(range(len(lengths)))
-        ax.set_xticklabels([f"{n}-token prompt" for n in lengths])
-        ax.set_ylabel(label)
-    axes[0].legend()
-    fig.suptitle("Triton gRPC streaming vs the OpenAI frontend (one server)")
-    save_figure(fig, path)
+    grouped_bars(results, PATHS, (("ttft_mean_ms", "mean time to first token (ms)"),
+                                  ("itl_mean_ms", "mean inter-token time (ms)")),
+                 lambda n: f"{n}-token prompt",
+                 "Triton gRPC streaming vs the OpenAI frontend (one server)", path, (9, 3.5))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

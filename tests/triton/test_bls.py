@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from backend.triton.bls import ensemble_steps, read_config
+from backend.triton.errors import ConfigError
 from client.generate import GenerateError, GenerateParams, stream_grpc
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS, MODEL_REPO, launch
 from tests.triton.llm_helpers import (
@@ -43,6 +44,18 @@ def test_its_inputs_and_outputs_are_the_ensembles():
     assert [s.model for s in steps] == ["preprocessing", "hybrid_llm", "postprocessing"]
     hybrid = read_config(MODEL_REPO / "hybrid_llm" / "config.pbtxt")
     assert "response_final" in {o["name"] for o in hybrid["output"]}
+
+
+def test_an_ensemble_it_cannot_follow_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_config(tmp_path / "missing" / "config.pbtxt")
+    (tmp_path / "config.pbtxt").write_text("name: 'x' input [ { name: ")
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_config(tmp_path / "config.pbtxt")
+    steps = read_config(MODEL_REPO / "ensemble" / "config.pbtxt")
+    steps["ensemble_scheduling"]["step"].reverse()
+    with pytest.raises(ConfigError, match="preprocessing -> the LLM -> postprocessing"):
+        ensemble_steps(steps)
 
 
 @pytest.fixture(scope="module")

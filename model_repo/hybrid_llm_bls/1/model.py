@@ -8,18 +8,6 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from backend.triton.bls import HybridLlmBls
-from backend.triton.errors import ConfigError
+from backend.triton.responses import python_model
 
-
-class TritonPythonModel:
-    def initialize(self, args: dict[str, str]) -> None:
-        try:
-            self.model = HybridLlmBls(pb_utils, args)
-        except ConfigError as exc:
-            raise pb_utils.TritonModelException(str(exc)) from exc
-
-    def execute(self, requests: list) -> None:
-        self.model.execute(requests)
-
-    def finalize(self) -> None:
-        self.model.finalize()
+TritonPythonModel = python_model(pb_utils, HybridLlmBls)
