@@ -234,6 +234,8 @@ class Engine:
         `QueueFull` when `max_queue_size` requests wait already (`over_queue_limit`: queued
         anyway, e.g. the later sequences of a request that was admitted)."""
         self._validate(request)
+        with self._lock:  # refused before a guide is compiled; checked again below
+            self._check_queue(over_queue_limit)
         params = request.sampling
         if params.end_id is None and self.eos_token_id is not None:
             request.sampling = replace(params, end_id=self.eos_token_id)
@@ -246,12 +248,7 @@ class Engine:
         with self._lock:  # (unload_lora holds it: the adapter stays while this is live)
             if request.request_id in self._live:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
-            limit = self.config.max_queue_size
-            if limit and not over_queue_limit and self._queued + len(self._inbox) >= limit:
-                self.num_rejected += 1
-                raise QueueFull(f"the request queue is full ({limit} requests wait for the "
-                                f"model's {self.config.max_num_seqs} slots: max_queue_size); "
-                                "retry later")
+            self._check_queue(over_queue_limit)
             if request.lora_name is not None:
                 self._check_adapter(request.lora_name)
                 seq.adapter = self.adapters[request.lora_name]
@@ -259,6 +256,15 @@ class Engine:
             self._live[request.request_id] = seq
             self._inbox.append(seq)
             self._lock.notify()
+
+    def _check_queue(self, over_queue_limit: bool) -> None:
+        """QueueFull when `max_queue_size` requests wait (caller holds `_lock`)."""
+        limit = self.config.max_queue_size
+        if limit and not over_queue_limit and self._queued + len(self._inbox) >= limit:
+            self.num_rejected += 1
+            raise QueueFull(f"the request queue is full ({limit} requests wait for the "
+                            f"model's {self.config.max_num_seqs} slots: max_queue_size); "
+                            "retry later")
 
     def _validate(self, request: Request) -> None:
         ids = request.prompt_ids

@@ -66,7 +66,6 @@ def test_a_refused_request_leaves_the_others_unchanged(model):
     alone = _engine(model, max_queue_size=0)
     for i in (0, 1):
         alone.submit(_request(i, max_tokens=6))
-    outs = {}
     alone_outs = {}
     while alone.has_work:
         for out in alone.step():
@@ -76,6 +75,7 @@ def test_a_refused_request_leaves_the_others_unchanged(model):
         engine.submit(_request(i, max_tokens=6))
     with pytest.raises(QueueFull):
         engine.submit(_request(2, max_tokens=6))
+    outs = {}
     while engine.has_work:
         for out in engine.step():
             outs.setdefault(out.request_id, []).extend(out.new_token_ids)
