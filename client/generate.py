@@ -243,6 +243,8 @@ DTYPES = {
     "presence_penalty": "FP32",
     "frequency_penalty": "FP32",
     "embedding_bias_weights": "FP32",
+    "embedding_bias_token_ids": "INT32",
+    "embedding_bias_token_weights": "FP32",
     "stream": "BOOL",
     "early_stopping": "BOOL",
     "exclude_input_in_output": "BOOL",

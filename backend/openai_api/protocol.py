@@ -3,8 +3,10 @@
 Accepted (`/v1/completions` and `/v1/chat/completions`, as OpenAI's API and vLLM's frontend):
 `model`, `max_tokens` (chat: also `max_completion_tokens`; default 16 for completions, for chat
 up to the context limit), `temperature`, `top_p`, `n` (-> num_return_sequences), `seed`,
-`presence_penalty`, `frequency_penalty`, `stop` (a string or a list: generation ends where the
-text first holds one, which is not returned), `stream`, `stream_options.include_usage`,
+`presence_penalty`, `frequency_penalty`, `logit_bias` (token id -> -100..100, added to the
+logits: the ensemble's `embedding_bias_token_ids` / `_weights`), `stop` (a string or a list:
+generation ends where the text first holds one, which is not returned), `stream`,
+`stream_options.include_usage`,
 `response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
 (the prompt before the text), a list of prompts and prompts as token ids (one list or a list of
 lists: sent as their text, which must encode back to the same ids), `logprobs` (completions:
@@ -19,7 +21,7 @@ message is continued, as a prefilled answer); vLLM's `priority` (lower runs firs
 `session_id` (the ensemble's: a conversation's pages are kept longer); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
-(`logit_bias`, the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
+(the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
 `prompt_logprobs`: use `echo` with `logprobs`) are rejected with a 400 that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
@@ -286,7 +288,10 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 def _common(body: Mapping[str, Any], plan: Plan) -> None:
     """The sampling, stop, guide, cache and streaming fields both endpoints share."""
     fields = plan.fields
-    _refuse(body, "logit_bias", "'logit_bias' is not supported")
+    bias = _logit_bias(body)
+    if bias:
+        fields["embedding_bias_token_ids"] = [token for token, _ in bias]
+        fields["embedding_bias_token_weights"] = [value for _, value in bias]
     _refuse(body, "prompt_logprobs", "'prompt_logprobs' is not supported: use 'echo' with "
             "'logprobs' (completions)")
     if plan.logprobs is not None:
@@ -411,6 +416,50 @@ def _adapter(plan: Plan, models: Container[str]) -> None:
     the base model) runs the request on it."""
     if isinstance(models, Mapping) and models.get(plan.model):
         plan.fields["lora_name"] = models[plan.model]
+
+
+def _logit_bias(body: Mapping[str, Any]) -> list[tuple[int, float]]:
+    """OpenAI's `logit_bias`: {"token id": bias in [-100, 100]} (the ids are checked against
+    the vocabulary by `check_logit_bias` and by preprocessing)."""
+    given = body.get("logit_bias")
+    if given is None:
+        return []
+    if not isinstance(given, dict):
+        raise RequestError("'logit_bias' must be an object mapping token ids to biases",
+                           "logit_bias")
+    out = []
+    for key, value in given.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or str(token) != str(key).strip():
+            raise RequestError(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
+        if token > INT32_MAX:
+            raise RequestError(f"'logit_bias' token id {token} is outside the vocabulary",
+                               "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value) or not -100 <= value <= 100:
+            raise RequestError(f"'logit_bias' value for token {token} must be a number from "
+                               f"-100 to 100, got {value!r}", "logit_bias")
+        if value:
+            out.append((token, float(value)))
+    if len({token for token, _ in out}) != len(out):
+        raise RequestError("'logit_bias' names a token id twice", "logit_bias")
+    return out
+
+
+def check_logit_bias(plan: Plan, tokenizer: Any) -> None:
+    """`logit_bias` ids against the served tokenizer's vocabulary (where the frontend has it;
+    preprocessing checks them too)."""
+    ids = plan.fields.get("embedding_bias_token_ids")
+    if not ids or tokenizer is None:
+        return
+    vocab = tokenizer.vocab_size
+    bad = [t for t in ids if t >= vocab]
+    if bad:
+        raise RequestError(f"'logit_bias' token id {bad[0]} is outside the vocabulary "
+                           f"[0, {vocab})", "logit_bias")
 
 
 def _refuse(body: Mapping[str, Any], name: str, message: str) -> None:

@@ -127,6 +127,7 @@ class Run:
         self.first_at: float | None = None  # the first generated piece (perf_counter)
         self.last_at = 0.0  # the latest one
         protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
+        protocol.check_logit_bias(plan, state.tokenizer)
         if plan.logprobs is not None and state.token_names is None:
             raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
                                "did not find", "logprobs")

@@ -4,7 +4,10 @@
 Inputs (B = batch, every tensor [B, ...]):
   QUERY [B, 1] BYTES, REQUEST_OUTPUT_LEN [B, 1] INT32;
   optional DECODER_QUERY [B, 1] BYTES, BAD_WORDS_DICT / STOP_WORDS_DICT [B, W] BYTES,
-  EMBEDDING_BIAS_WORDS [B, W] BYTES with EMBEDDING_BIAS_WEIGHTS [B, W] FP32,
+  EMBEDDING_BIAS_WORDS [B, W] BYTES with EMBEDDING_BIAS_WEIGHTS [B, W] FP32 (each word's
+  tokens get its weight), EMBEDDING_BIAS_TOKEN_IDS [B, N] INT32 with
+  EMBEDDING_BIAS_TOKEN_WEIGHTS [B, N] FP32 (ours: a bias by token id, as OpenAI's
+  `logit_bias`; ids from 0 to the tokenizer's vocabulary size, unique in a row),
   END_ID / PAD_ID [B, 1] INT32 (default: the tokenizer's eos / pad).
 Outputs:
   INPUT_ID [B, T] INT32 (right-padded with the pad id), REQUEST_INPUT_LEN [B, 1],
@@ -146,21 +149,57 @@ class Preprocessor:
         return np.stack([flat, offsets], axis=1)
 
     def embedding_bias(self, inputs: Tensors, batch_size: int) -> np.ndarray:
+        """[B, V] FP32: the words' weights on each of their tokens plus the weights given by
+        token id; [B, 0] when neither is given."""
         words = word_rows(inputs, "EMBEDDING_BIAS_WORDS", batch_size)
         weights = inputs.get("EMBEDDING_BIAS_WEIGHTS")
-        if words is None or weights is None:
+        by_id = self._bias_by_id(inputs, batch_size)
+        if (words is None or weights is None) and by_id is None:
             return np.zeros((batch_size, 0), dtype=np.float32)
-        if weights.shape != (batch_size, len(words[0])):
-            raise RequestError(
-                f"EMBEDDING_BIAS_WEIGHTS shape {list(weights.shape)} does not match "
-                f"EMBEDDING_BIAS_WORDS shape {[batch_size, len(words[0])]}"
-            )
         bias = np.zeros((batch_size, self.tokenizer.vocab_size), dtype=np.float32)
-        for b, (item_words, item_weights) in enumerate(zip(words, weights)):
-            for word, weight in zip(item_words, item_weights):
-                for token_id in self.tokenizer.encode(word):
-                    bias[b, token_id] += weight
+        if words is not None and weights is not None:
+            if weights.shape != (batch_size, len(words[0])):
+                raise RequestError(
+                    f"EMBEDDING_BIAS_WEIGHTS shape {list(weights.shape)} does not match "
+                    f"EMBEDDING_BIAS_WORDS shape {[batch_size, len(words[0])]}"
+                )
+            for b, (item_words, item_weights) in enumerate(zip(words, weights)):
+                for word, weight in zip(item_words, item_weights):
+                    for token_id in self.tokenizer.encode(word):
+                        bias[b, token_id] += weight
+        if by_id is not None:
+            ids, values = by_id
+            np.add.at(bias, (np.arange(batch_size)[:, None], ids), values)
         return bias
+
+    def _bias_by_id(self, inputs: Tensors, batch_size: int,
+                    ) -> tuple[np.ndarray, np.ndarray] | None:
+        ids = inputs.get("EMBEDDING_BIAS_TOKEN_IDS")
+        weights = inputs.get("EMBEDDING_BIAS_TOKEN_WEIGHTS")
+        if ids is None and weights is None:
+            return None
+        if ids is None or weights is None:
+            missing = "EMBEDDING_BIAS_TOKEN_IDS" if ids is None else "EMBEDDING_BIAS_TOKEN_WEIGHTS"
+            raise RequestError(f"EMBEDDING_BIAS_TOKEN_IDS and EMBEDDING_BIAS_TOKEN_WEIGHTS go "
+                               f"together; {missing} is missing")
+        if ids.ndim != 2 or ids.shape[0] != batch_size or ids.dtype.kind not in "iu":
+            raise RequestError(f"EMBEDDING_BIAS_TOKEN_IDS must be an integer tensor of shape "
+                               f"[{batch_size}, N], got {list(ids.shape)} {ids.dtype}")
+        if weights.shape != ids.shape or weights.dtype.kind != "f":
+            raise RequestError(f"EMBEDDING_BIAS_TOKEN_WEIGHTS must be a float tensor of the "
+                               f"shape of EMBEDDING_BIAS_TOKEN_IDS {list(ids.shape)}, got "
+                               f"{list(weights.shape)} {weights.dtype}")
+        vocab = self.tokenizer.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise RequestError(f"EMBEDDING_BIAS_TOKEN_IDS names token ids outside the "
+                               f"vocabulary (0..{vocab - 1}): {bad[:5].tolist()}")
+        if not np.all(np.isfinite(weights)):
+            raise RequestError("EMBEDDING_BIAS_TOKEN_WEIGHTS holds a value that is not finite")
+        for b, row in enumerate(ids):
+            if len(set(row.tolist())) != len(row):
+                raise RequestError(f"EMBEDDING_BIAS_TOKEN_IDS[{b}] names a token id twice")
+        return ids.astype(np.int64), weights.astype(np.float32)
 
     def _decoder_prompts(self, inputs: Tensors, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
         # Decoder-only models get a single pad token, as TensorRT-LLM's preprocessing does.

@@ -288,11 +288,20 @@ def test_prompt_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
 
 
 def test_embedding_bias_words_steer_the_text(llm_server: ServerHandle):
-    """TensorRT-LLM's embedding_bias_words / _weights: preprocessing turns them into a bias
-    over the vocabulary, which the engine adds to the logits."""
+    """TensorRT-LLM's embedding_bias_words / _weights and our embedding_bias_token_ids /
+    _weights: preprocessing turns them into a bias over the vocabulary, which the engine adds
+    to the logits."""
     params = greedy(PROMPT, extra={"embedding_bias_words": ["Z"],
                                    "embedding_bias_weights": [50.0]})
     assert generate_http(llm_server.urls.http, params).text == "Z" * MAX_TOKENS
     against = greedy(PROMPT, extra={"embedding_bias_words": [" "],
                                     "embedding_bias_weights": [-100.0]})
     assert " " not in joined(list(stream_grpc(llm_server.urls.grpc, against)))
+    by_id = greedy(PROMPT, extra={"embedding_bias_token_ids": [ord("Q")],
+                                  "embedding_bias_token_weights": [50.0]})  # byte id = byte
+    assert generate_http(llm_server.urls.http, by_id).text == "Q" * MAX_TOKENS
+    both = greedy(PROMPT, extra={"embedding_bias_token_ids": [ord("Q")],
+                                 "embedding_bias_token_weights": [-60.0],
+                                 "embedding_bias_words": ["Q"],
+                                 "embedding_bias_weights": [100.0]})  # they add up: +40
+    assert joined(list(stream_grpc(llm_server.urls.grpc, both))) == "Q" * MAX_TOKENS

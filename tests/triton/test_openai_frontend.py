@@ -89,6 +89,23 @@ def test_completion_equals_tritons_generate(sdk: openai.OpenAI, llm_server: Serv
     assert echoed.choices[0].text == PROMPT + triton.text
 
 
+def test_logit_bias_steers_the_tokens(sdk: openai.OpenAI):
+    """OpenAI's logit_bias (token id -> bias) is added to the logits, greedy included."""
+    plain = sdk.completions.create(model="tiny-qwen3.5", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                   extra_body=greedy()).choices[0].text
+    forced = sdk.completions.create(model="tiny-qwen3.5", prompt=PROMPT, max_tokens=MAX_TOKENS,
+                                    logit_bias={str(ord("Z")): 100}, extra_body=greedy())
+    assert forced.choices[0].text == "Z" * MAX_TOKENS != plain
+    common = max((c for c in plain if c.isascii()), key=plain.count)  # banned: the plain
+    # answer's commonest byte
+    banned = sdk.chat.completions.create(
+        model="tiny-qwen3.5", messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS, logit_bias={str(ord(common)): -100}, stream=True,
+        extra_body=greedy())
+    text = "".join(c.choices[0].delta.content or "" for c in banned if c.choices)
+    assert text and common not in text
+
+
 def test_streamed_chat_equals_the_whole_answer(sdk: openai.OpenAI):
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "What is machine learning?"}]
@@ -332,6 +349,8 @@ BAD = [
     ("/v1/embeddings", {"model": "ensemble", "input": "x"}, 404, "Not Found"),
     ("/v1/completions", {"model": "ensemble", "prompt": [72, 999]}, 400,
      "token id 999 is outside the vocabulary"),
+    ("/v1/completions", {"model": "ensemble", "prompt": "x", "logit_bias": {"260": 1}}, 400,
+     "'logit_bias' token id 260 is outside the vocabulary"),
 ]  # fmt: skip
 
 

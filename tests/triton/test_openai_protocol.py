@@ -12,6 +12,7 @@ from backend.openai_api.protocol import (
     RequestError,
     StopFilter,
     TokenNames,
+    check_logit_bias,
     detokenize_body,
     finish_reason,
     logprobs_body,
@@ -37,7 +38,8 @@ def test_completion_fields_map_to_ensemble_inputs():
         "stop": ["\n\n", "END", "END"], "top_k": -1, "min_p": 0.1, "repetition_penalty": 1.2,
         "min_tokens": 2, "ignore_eos": True, "cache_salt": "tenant", "session_id": "s1",
         "priority": -2, "stream": True, "stream_options": {"include_usage": True}, "echo": True,
-        "user": "ignored", "logprobs": None, "logit_bias": {}, "best_of": 3}, MODELS)
+        "user": "ignored", "logprobs": None, "logit_bias": {"5": 1, "70": -100.0, "9": 0},
+        "best_of": 3}, MODELS)
     assert plan.kind == "completion" and plan.model == "tiny" and plan.prompts == ["a", "b"]
     assert plan.max_tokens == 7 and plan.n == 3 and plan.stream and plan.include_usage
     assert plan.echo and plan.stop == ["\n\n", "END"]
@@ -46,8 +48,11 @@ def test_completion_fields_map_to_ensemble_inputs():
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "top_k": 0, "seed": 11,
         "min_tokens": 2, "end_id": -1, "num_return_sequences": 3,
         "stop_words": ["\n\n", "END"], "cache_salt": "tenant", "session_id": "s1",
-        "priority": -2}
+        "priority": -2, "embedding_bias_token_ids": [5, 70],  # a zero bias is left out
+        "embedding_bias_token_weights": [1.0, -100.0]}
     assert plan.id.startswith("cmpl-")
+    assert "embedding_bias_token_ids" not in parse_completion(
+        {"model": "tiny", "prompt": "x", "logit_bias": {}}, MODELS).fields
     defaults = parse_completion({"model": "ensemble", "prompt": "x"}, MODELS)
     assert defaults.max_tokens == 16 and defaults.fields == {} and defaults.n == 1
     assert not defaults.stream and not defaults.echo
@@ -82,7 +87,13 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "logprobs": True}, "'logprobs' must be an integer", 400),
     ({"model": "tiny", "prompt": "x", "prompt_logprobs": 1}, "'prompt_logprobs'", 400),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "'suffix'", 400),
-    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1}}, "'logit_bias'", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": [5]}, "'logit_bias' must be an object", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}}, "key 'a' is not a token id", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"-3": 1}}, "key '-3' is not a token", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}, "from -100 to 100", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": "up"}}, "from -100 to 100", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {"5": 1, "05": 2}}, "key '05'", 400),
+    ({"model": "tiny", "prompt": "x", "logit_bias": {str(2**40): 1}}, "outside the vocab", 400),
     ({"model": "tiny", "prompt": "x", "stop": [""]}, "'stop' must be a non-empty string", 400),
     ({"model": "tiny", "prompt": "x", "stop": 5}, "'stop'", 400),
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}},
@@ -180,6 +191,15 @@ def test_token_id_prompts_are_sent_as_their_text_when_it_encodes_back():
         assert message in info.value.message and info.value.status == 400
     with pytest.raises(RequestError, match="need the model's tokenizer"):
         prompt_texts(parse_completion({"model": "tiny", "prompt": [72]}, MODELS), None, True)
+
+
+def test_logit_bias_ids_are_checked_against_the_vocabulary():
+    tok = byte_tokenizer()
+    body = {"model": "tiny", "prompt": "x", "logit_bias": {"259": 5, "260": -5}}
+    with pytest.raises(RequestError, match=r"token id 260 is outside the vocabulary \[0, 260\)"):
+        check_logit_bias(parse_completion(body, MODELS), tok)
+    check_logit_bias(parse_completion({**body, "logit_bias": {"259": 5}}, MODELS), tok)
+    check_logit_bias(parse_completion(body, MODELS), None)  # no tokenizer: preprocessing checks
 
 
 def test_continue_final_message_leaves_the_last_message_open():

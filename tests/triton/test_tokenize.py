@@ -70,6 +70,21 @@ def test_embedding_bias_adds_weights_per_token(pre):
     assert bias.shape == (1, 260) and bias[0, 97] == 0.5 and bias[0, 98] == -1.0
 
 
+def test_embedding_bias_by_token_id_adds_to_the_words(pre):
+    ids = np.array([[97, 259], [3, 4]], dtype=np.int32)
+    weights = np.array([[2.0, -100.0], [1.0, 0.5]], dtype=np.float32)
+    out = pre(request("q", "r", EMBEDDING_BIAS_TOKEN_IDS=ids, EMBEDDING_BIAS_TOKEN_WEIGHTS=weights,
+                      EMBEDDING_BIAS_WORDS=strings(["a"], ["b"]),
+                      EMBEDDING_BIAS_WEIGHTS=np.array([[1.5], [1.0]], dtype=np.float32)))
+    expected = np.zeros((2, 260), dtype=np.float32)
+    expected[0, 97], expected[0, 259], expected[1, 98], expected[1, 3], expected[1, 4] = (
+        3.5, -100.0, 1.0, 1.0, 0.5)
+    np.testing.assert_array_equal(out["EMBEDDING_BIAS"], expected)
+    alone = pre(request("q", EMBEDDING_BIAS_TOKEN_IDS=ids[:1],
+                        EMBEDDING_BIAS_TOKEN_WEIGHTS=weights[:1]))["EMBEDDING_BIAS"]
+    np.testing.assert_array_equal(alone, expected[:1] - np.eye(1, 260, 97) * 1.5)
+
+
 @pytest.mark.parametrize(
     ("inputs", "message"),
     [
@@ -83,6 +98,20 @@ def test_embedding_bias_adds_weights_per_token(pre):
             request("a", END_ID=np.array([[1], [2]], np.int32)),
             r"END_ID must have shape \[1, 1\], got \[2, 1\]",
         ),
+        (request("a", EMBEDDING_BIAS_TOKEN_IDS=np.array([[3]], np.int32)),
+         "EMBEDDING_BIAS_TOKEN_WEIGHTS is missing"),
+        (request("a", EMBEDDING_BIAS_TOKEN_IDS=np.array([[3, 260]], np.int32),
+                 EMBEDDING_BIAS_TOKEN_WEIGHTS=np.ones((1, 2), np.float32)),
+         r"outside the vocabulary \(0..259\): \[260\]"),
+        (request("a", EMBEDDING_BIAS_TOKEN_IDS=np.array([[3, 3]], np.int32),
+                 EMBEDDING_BIAS_TOKEN_WEIGHTS=np.ones((1, 2), np.float32)),
+         r"EMBEDDING_BIAS_TOKEN_IDS\[0\] names a token id twice"),
+        (request("a", EMBEDDING_BIAS_TOKEN_IDS=np.array([[3, 4]], np.int32),
+                 EMBEDDING_BIAS_TOKEN_WEIGHTS=np.ones((1, 3), np.float32)),
+         r"must be a float tensor of the shape of EMBEDDING_BIAS_TOKEN_IDS \[1, 2\]"),
+        (request("a", EMBEDDING_BIAS_TOKEN_IDS=np.array([[3]], np.int32),
+                 EMBEDDING_BIAS_TOKEN_WEIGHTS=np.array([[np.inf]], np.float32)),
+         "not finite"),
     ],
     ids=[
         "invalid-utf8",
@@ -92,6 +121,11 @@ def test_embedding_bias_adds_weights_per_token(pre):
         "no-output-len",
         "stop-utf8",
         "end-id-shape",
+        "bias-ids-alone",
+        "bias-id-range",
+        "bias-id-twice",
+        "bias-shape",
+        "bias-inf",
     ],
 )
 def test_bad_requests_raise_request_error(pre, inputs, message):
