@@ -118,6 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--repetition-penalty", type=float)
         sub.add_argument("--presence-penalty", type=float)
         sub.add_argument("--frequency-penalty", type=float)
+        sub.add_argument("--no-repeat-ngram-size", type=int, metavar="N",
+                         help="never generate an N-gram the text already holds (0: off)")
         sub.add_argument("--log-probs", action="store_true",
                          help="report the generated tokens' summed log probability (each "
                               "sequence's or beam's with -n or --beam-width)")
@@ -155,6 +157,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "repetition_penalty": args.repetition_penalty,
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
+        "no_repeat_ngram_size": args.no_repeat_ngram_size,
         "return_log_probs": args.log_probs or None,
         "return_perf_metrics": args.perf_metrics or None,
         "cache_salt": args.cache_salt,

@@ -69,6 +69,7 @@ class GenerateParams:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    no_repeat_ngram_size: int | None = None  # no n-gram of the text so far comes again
     return_log_probs: bool | None = None
     num_top_log_probs: int | None = None  # the N likeliest tokens at each position (0..20)
     return_prompt_log_probs: bool | None = None  # each prompt token's, and its alternatives
@@ -113,6 +114,7 @@ class GenerateParams:
             "repetition_penalty": self.repetition_penalty,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
+            "no_repeat_ngram_size": self.no_repeat_ngram_size,
             "return_log_probs": self.return_log_probs,
             "num_top_log_probs": self.num_top_log_probs,
             "return_prompt_log_probs": self.return_prompt_log_probs,
@@ -229,6 +231,7 @@ DTYPES = {
     "max_tokens": "INT32",
     "top_k": "INT32",
     "min_tokens": "INT32",
+    "no_repeat_ngram_size": "INT32",
     "priority": "INT32",
     "end_id": "INT32",
     "pad_id": "INT32",

@@ -21,6 +21,8 @@ class SamplingParams:
 
     Penalties (neutral: 1 / 0 / 0) and `logit_bias` (token id, added value) change the logits
     before anything else, greedy included (`backend/engine/sampling.py` states the order);
+    `no_repeat_ngram_size` n > 0 never draws a token that would repeat an n-gram of the
+    sequence so far, prompt included (transformers' and TensorRT-LLM's parameter);
     `return_log_probs` asks for each generated token's log probability under the model;
     `top_log_probs` = N > 0 also asks for the N likeliest tokens at each generated position
     with theirs (the same raw distribution; it implies return_log_probs);
@@ -46,6 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    no_repeat_ngram_size: int = 0  # 0: off; n: no n-gram of the tokens so far is repeated
     return_log_probs: bool = False
     top_log_probs: int = 0
     guide: Guide | None = None
@@ -79,6 +82,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0, got "
+                             f"{self.no_repeat_ngram_size}")
         ids = [token for token, _ in self.logit_bias]
         if len(set(ids)) != len(ids):
             raise ValueError("logit_bias names a token id twice")

@@ -21,9 +21,12 @@ Rules (TensorRT-LLM semantics where it has them):
   and stop words do not end the request (`finish_reason` ignores them).
 - Bad words are never produced: a one-token bad word is always masked; a longer one has its
   last token masked whenever the generated tokens end with all its other tokens.
+- `no_repeat_ngram_size` n: a token is masked where it would complete an n-gram the sequence
+  (prompt and generated tokens, as transformers' NoRepeatNGramLogitsProcessor reads it)
+  already holds (`RepeatedNgrams`, kept per sequence and updated with its new tokens).
 - A guided request (`backend/engine/guided.py`) can only draw the tokens its grammar allows
-  next; min_tokens and bad words then remove tokens only where the grammar leaves another
-  choice (where they would leave none, the grammar's choices stand).
+  next; min_tokens, bad words and repeated n-grams then remove tokens only where the grammar
+  leaves another choice (where they would leave none, the grammar's choices stand).
 - Stop words are matched against the generated tokens only (never the prompt); the matched
   tokens stay in the output, as TensorRT-LLM returns them.
 - Log probabilities (`scored_log_probs`: the chosen token's and the likeliest alternatives) are
@@ -34,7 +37,7 @@ Rules (TensorRT-LLM semantics where it has them):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 import torch
@@ -86,6 +89,37 @@ class TokenCounts:
         return self
 
 
+class RepeatedNgrams:
+    """One sequence's n-grams (no_repeat_ngram_size n), to ban the tokens that would repeat
+    one: for each (n - 1)-gram of its tokens, the tokens that followed it. `update` indexes
+    the n-grams its growing token list added since the last call (a shorter list starts
+    over); `banned` the tokens that would complete one after its current last n - 1."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError(f"no_repeat_ngram_size must be >= 1, got {n}")
+        self.n = n
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+        self.num_indexed = 0
+
+    def update(self, tokens: Sequence[int]) -> RepeatedNgrams:
+        if len(tokens) < self.num_indexed:
+            self.followers.clear()
+            self.num_indexed = 0
+        n = self.n
+        for end in range(max(self.num_indexed, n - 1), len(tokens)):
+            key = tuple(tokens[end - n + 1:end])
+            self.followers.setdefault(key, set()).add(tokens[end])
+        self.num_indexed = len(tokens)
+        return self
+
+    def banned(self, tokens: Sequence[int]) -> set[int]:
+        if len(tokens) < self.n - 1:
+            return set()
+        key = tuple(tokens[len(tokens) - self.n + 1:]) if self.n > 1 else ()
+        return self.followers.get(key, set())
+
+
 def adjust_logits(row: torch.Tensor, params: SamplingParams, counts: TokenCounts | None) -> None:
     """In place on one row of logits [V] (float32): the logit bias, then the penalties (which
     need `counts` when any is not neutral)."""
@@ -126,6 +160,7 @@ def sample(
     histories: Sequence[Sequence[int]] | None = None,
     counts: Sequence[TokenCounts | None] | None = None,
     masks: Sequence[TokenMask | None] | None = None,
+    repeats: Sequence[Collection[int]] | None = None,
 ) -> torch.Tensor:
     """Next token per row.
 
@@ -133,7 +168,8 @@ def sample(
     counting the tokens generated so far; histories: the generated ids per row (needed only for
     multi-token bad words); counts: each row's `TokenCounts`, up to date (needed only for rows
     with penalties); masks: per row, None or what a guide allows next (at least one token):
-    an object whose `apply(row)` sets the other tokens' logits to -inf (`GuideState`).
+    an object whose `apply(row)` sets the other tokens' logits to -inf (`GuideState`);
+    repeats: per row, the tokens that would repeat one of its n-grams (`RepeatedNgrams`).
     Returns LongTensor [B] on the logits' device.
     """
     B, V = logits.shape
@@ -148,19 +184,22 @@ def sample(
         raise ValueError(f"sample got {B} rows of logits but {len(counts)} token counts")
     if masks is not None and len(masks) != B:
         raise ValueError(f"sample got {B} rows of logits but {len(masks)} masks")
+    if repeats is not None and len(repeats) != B:
+        raise ValueError(f"sample got {B} rows of logits but {len(repeats)} repeat bans")
     logits = logits.float().clone()
     for i, p in enumerate(params):
         row = logits[i]
         adjust_logits(row, p, counts[i] if counts is not None else None)
         history = histories[i] if histories is not None else ()
+        banned = repeats[i] if repeats is not None else ()
         mask = masks[i] if masks is not None else None
         if mask is None:
-            mask_banned(row, p, output_lens[i], history)
+            mask_banned(row, p, output_lens[i], history, banned)
             continue
         mask.apply(row)
-        if p.bad_words or (p.end_id is not None and output_lens[i] < p.min_tokens):
+        if p.bad_words or banned or (p.end_id is not None and output_lens[i] < p.min_tokens):
             guided = row.clone()
-            mask_banned(row, p, output_lens[i], history)
+            mask_banned(row, p, output_lens[i], history, banned)
             if not bool(torch.isfinite(row).any()):  # the grammar's choices stand
                 row.copy_(guided)
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
@@ -182,22 +221,29 @@ def adjusted_log_probs(
     output_lens: Sequence[int],
     histories: Sequence[Sequence[int]],
     counts: Sequence[TokenCounts | None] | None = None,
+    repeats: Sequence[Collection[int]] | None = None,
 ) -> torch.Tensor:
     """Beam search's scores: the log-softmax [B, V] (fp32) of logits [B, V] after the logit
-    bias, the penalties, min_tokens and bad words (as `sample` changes them; no temperature,
-    top-k or top-p)."""
+    bias, the penalties, min_tokens, bad words and repeated n-grams (as `sample` changes
+    them; no temperature, top-k or top-p)."""
     logits = logits.float().clone()
     for i, p in enumerate(params):
         adjust_logits(logits[i], p, counts[i] if counts is not None else None)
-        mask_banned(logits[i], p, output_lens[i], histories[i])
+        mask_banned(logits[i], p, output_lens[i], histories[i],
+                    repeats[i] if repeats is not None else ())
     return torch.log_softmax(logits, dim=-1)
 
 
 def mask_banned(
-    row: torch.Tensor, params: SamplingParams, output_len: int, history: Sequence[int]
+    row: torch.Tensor, params: SamplingParams, output_len: int, history: Sequence[int],
+    repeats: Collection[int] = (),
 ) -> None:
-    """In place on one row of logits [V]: -inf for the end id before min_tokens and bad words."""
+    """In place on one row of logits [V]: -inf for the end id before min_tokens, bad words
+    and the tokens that would repeat an n-gram (`repeats`)."""
     V = row.shape[0]
+    if repeats:
+        ids = [t for t in repeats if 0 <= t < V]
+        row[torch.tensor(ids, dtype=torch.long)] = float("-inf")
     if params.end_id is not None and output_len < params.min_tokens and 0 <= params.end_id < V:
         row[params.end_id] = float("-inf")
     for word in params.bad_words:

@@ -581,9 +581,12 @@ class Scheduler:
         masks = None
         if any(s.guide is not None for s in seqs):
             masks = [s.guide for s in seqs]
+        repeats = None
+        if any(p.no_repeat_ngram_size for p in params):
+            repeats = [s.repeat_bans() for s in seqs]
         tokens = sample(logits, params, [s.generator for s in seqs],
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
-                        counts, masks)
+                        counts, masks, repeats)
         lps: list[float | None] = [None] * len(seqs)
         tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
         wanted = [row for row, p in enumerate(params) if p.return_log_probs]
@@ -673,8 +676,10 @@ class Scheduler:
         params = leader.request.sampling
         n, V = logits.shape
         counts = [s.counts(V) for s in group.beams] if params.penalized else None
+        repeats = [s.repeat_bans() for s in group.beams] if params.no_repeat_ngram_size \
+            else None
         scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
-                                    search.histories, counts)
+                                    search.histories, counts, repeats)
         raw = torch.log_softmax(logits.float(), -1) if params.return_log_probs else None
         kept = logits.float() if leader.request.return_generation_logits else None
         leader.last_token_time = time.perf_counter()
@@ -791,7 +796,7 @@ class Scheduler:
         target.tokens = list(parent.tokens)
         target.num_computed = parent.num_computed
         target.capture_positions = set()
-        target.token_counts = None
+        target.token_counts = target.repeated_ngrams = None
         target.prefix_inserted = True
         return True
 
@@ -823,7 +828,7 @@ class Scheduler:
         leader = group.leader
         del leader.tokens[leader.num_prompt_tokens:]
         leader.num_computed, leader.status = 0, SeqStatus.WAITING
-        leader.token_counts, leader.prefix_inserted = None, False
+        leader.token_counts, leader.repeated_ngrams, leader.prefix_inserted = None, None, False
         leader.capture_positions = set()
         group.search.reset()
         self.waiting.appendleft(leader)

@@ -12,7 +12,7 @@ from backend.cache.radix import encode_tokens, lora_namespace
 from backend.engine.beam import BeamGroup
 from backend.engine.guided import GuideState
 from backend.engine.request import Request, RequestMetrics, RequestOutput
-from backend.engine.sampling import TokenCounts
+from backend.engine.sampling import RepeatedNgrams, TokenCounts
 from backend.engine.speculative import NgramIndex
 
 
@@ -75,6 +75,8 @@ class Sequence:
     # Whole pages its prompt shares with running prefills' prompts, by sequence (while queued).
     shared_pages: dict = field(default_factory=dict, repr=False)
     token_counts: TokenCounts | None = None  # for penalties, built on first use
+    repeated_ngrams: RepeatedNgrams | None = field(default=None, repr=False)  # likewise, for
+    # no_repeat_ngram_size
     cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
     guide: GuideState | None = None  # where a guided request is in its grammar
     ngram_index: NgramIndex | None = field(default=None, repr=False)  # speculative drafts
@@ -122,6 +124,16 @@ class Sequence:
         if self.token_counts is None:
             self.token_counts = TokenCounts(vocab_size, self.num_prompt_tokens)
         return self.token_counts.update(self.tokens)
+
+    def repeat_bans(self) -> set[int]:
+        """The tokens that would repeat one of its n-grams next (no_repeat_ngram_size; an
+        empty set when off)."""
+        n = self.request.sampling.no_repeat_ngram_size
+        if not n:
+            return set()
+        if self.repeated_ngrams is None:
+            self.repeated_ngrams = RepeatedNgrams(n)
+        return self.repeated_ngrams.update(self.tokens).banned(self.tokens)
 
     def output(self, new_ids: list[int], finished: bool = False, reason: str | None = None,
                error: str | None = None) -> RequestOutput:

@@ -18,7 +18,8 @@ tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
 e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last
 message is continued, as a prefilled answer); vLLM's `priority` (lower runs first); ours
-`session_id` (the ensemble's: a conversation's pages are kept longer); chat's `tools`,
+`session_id` (the ensemble's: a conversation's pages are kept longer); TensorRT-LLM's
+`no_repeat_ngram_size` (no n-gram of the text so far is generated again); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
 (the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
@@ -318,6 +319,9 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     min_tokens = _int(body, "min_tokens", None, 0)
     if min_tokens:
         fields["min_tokens"] = min_tokens
+    no_repeat = _int(body, "no_repeat_ngram_size", None, 0)
+    if no_repeat:
+        fields["no_repeat_ngram_size"] = no_repeat
     if _bool(body, "ignore_eos", False):
         fields["end_id"] = -1
     if plan.n > 1:

@@ -3,7 +3,8 @@
 
 Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on reshape):
   input_ids [1, T] INT32, input_lengths [1] INT32, request_output_len [1] INT32;
-  optional end_id, pad_id, runtime_top_k, min_tokens, beam_width, num_return_sequences,
+  optional end_id, pad_id, runtime_top_k, min_tokens, no_repeat_ngram_size (as TensorRT-LLM's;
+  0: off), beam_width, num_return_sequences,
   num_top_log_probs (ours: 0..20, the likeliest tokens to return at each generated position
   with their log probabilities, as vLLM's `logprobs`; implies return_log_probs) [1] INT32;
   temperature, runtime_top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty,
@@ -216,6 +217,7 @@ def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1
             presence_penalty=finite(inputs, "presence_penalty", 0.0),
             frequency_penalty=finite(inputs, "frequency_penalty", 0.0),
             logit_bias=bias_of(inputs),
+            no_repeat_ngram_size=int(scalar(inputs, "no_repeat_ngram_size", "iu", 0)),
             return_log_probs=bool(scalar(inputs, "return_log_probs", "b", False)),
             top_log_probs=int(scalar(inputs, "num_top_log_probs", "iu", 0)),
             guide=guide_of(inputs),

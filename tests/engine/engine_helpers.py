@@ -78,6 +78,16 @@ def reference_adjust(logits: torch.Tensor, prompt: list[int], generated: list[in
     return torch.tensor(out)
 
 
+def reference_bans(tokens: list[int], n: int) -> set[int]:
+    """no_repeat_ngram_size n by a full scan (transformers' rule): the tokens that followed
+    every earlier occurrence of the last n - 1 tokens."""
+    if len(tokens) + 1 < n:
+        return set()
+    last = tokens[len(tokens) - n + 1:] if n > 1 else []
+    return {tokens[i + n - 1] for i in range(len(tokens) - n + 1)
+            if tokens[i:i + n - 1] == last}
+
+
 def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 20):
     """The beams of a search whose every step prefills each beam from scratch (no cache)."""
     search = BeamSearch(params, len(prompt), max_context_len)
@@ -90,8 +100,10 @@ def reference_beams(model, prompt, params: SamplingParams, max_context_len=1 << 
         logits = torch.stack(rows)
         n = logits.shape[0]
         counts = [TokenCounts(V, len(prompt)).update(prompt + h) for h in search.histories]
+        repeats = [reference_bans(prompt + h, params.no_repeat_ngram_size)
+                   for h in search.histories] if params.no_repeat_ngram_size else None
         scores = adjusted_log_probs(logits, [params] * n, [search.num_generated] * n,
-                                    search.histories, counts)
+                                    search.histories, counts, repeats)
         search.step(scores)
         if search.done:
             return [b.token_ids for b in search.outputs()]

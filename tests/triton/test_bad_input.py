@@ -51,6 +51,13 @@ HTTP_CASES = [
      "end_id=-2 is outside the vocabulary"),
     ("top_log_probs_21", {"text_input": "hi", "max_tokens": 4, "num_top_log_probs": 21},
      "top_log_probs must be in [0, 20], got 21"),
+    ("no_repeat_ngram_negative", {"text_input": "hi", "max_tokens": 4,
+                                  "no_repeat_ngram_size": -1},
+     "no_repeat_ngram_size must be >= 0, got -1"),
+    ("bias_token_id_outside_vocab", {"text_input": "hi", "max_tokens": 4,
+                                     "embedding_bias_token_ids": [3, 260],
+                                     "embedding_bias_token_weights": [1.0, 1.0]},
+     "outside the vocabulary (0..259): [260]"),
 ]  # fmt: skip
 
 

@@ -287,6 +287,27 @@ def test_prompt_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
     assert whole.counts["cached_tokens"] == 0  # scored: computed whole, though cached
 
 
+def test_no_repeat_ngram_size_is_the_engines(llm_server: ServerHandle):
+    """TensorRT-LLM's no_repeat_ngram_size through the ensemble: the tokens the engine gives
+    in process (its own tests hold them to transformers'), and no bigram comes again."""
+    prompt = "The cat sat on the mat. The cat sat on the mat. The cat sat on the"
+    engine = Engine.from_model_dir(Path(llm_server.model_repository) / DEFAULT_MODEL,
+                                   EngineConfig())
+    want = engine.generate(list(prompt.encode()), SamplingParams(
+        max_tokens=MAX_TOKENS * 2, min_tokens=MAX_TOKENS * 2, top_k=1, no_repeat_ngram_size=2,
+        end_id=engine.eos_token_id))
+    params = GenerateParams(prompt, max_tokens=MAX_TOKENS * 2, min_tokens=MAX_TOKENS * 2,
+                            top_k=1, no_repeat_ngram_size=2, cache_salt=uuid.uuid4().hex)
+    text = joined(list(stream_grpc(llm_server.urls.grpc, params)))
+    assert text.encode() == bytes(want.new_token_ids)
+    tokens = list((prompt + text).encode())
+    bigrams = [tuple(tokens[i:i + 2]) for i in range(len(tokens) - 1)]
+    assert all(bigrams[j] not in bigrams[:j] for j in range(len(prompt) - 1, len(bigrams)))
+    plain = generate_http(llm_server.urls.http, GenerateParams(
+        prompt, max_tokens=MAX_TOKENS * 2, min_tokens=MAX_TOKENS * 2, top_k=1))
+    assert plain.text != text
+
+
 def test_embedding_bias_words_steer_the_text(llm_server: ServerHandle):
     """TensorRT-LLM's embedding_bias_words / _weights and our embedding_bias_token_ids /
     _weights: preprocessing turns them into a bias over the vocabulary, which the engine adds

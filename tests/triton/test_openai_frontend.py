@@ -106,6 +106,18 @@ def test_logit_bias_steers_the_tokens(sdk: openai.OpenAI):
     assert text and common not in text
 
 
+def test_no_repeat_ngram_size_is_passed_on(sdk: openai.OpenAI, llm_server: ServerHandle):
+    extra = greedy(no_repeat_ngram_size=2)
+    reply = sdk.completions.create(model="tiny-qwen3.5", prompt=PROMPT * 2,
+                                   max_tokens=MAX_TOKENS, extra_body=extra)
+    triton = generate_http(llm_server.urls.http, GenerateParams(
+        PROMPT * 2, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1,
+        no_repeat_ngram_size=2, cache_salt=extra["cache_salt"]))
+    plain = generate_http(llm_server.urls.http, GenerateParams(
+        PROMPT * 2, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1))
+    assert reply.choices[0].text == triton.text != plain.text
+
+
 def test_streamed_chat_equals_the_whole_answer(sdk: openai.OpenAI):
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "What is machine learning?"}]

@@ -39,14 +39,14 @@ def test_completion_fields_map_to_ensemble_inputs():
         "min_tokens": 2, "ignore_eos": True, "cache_salt": "tenant", "session_id": "s1",
         "priority": -2, "stream": True, "stream_options": {"include_usage": True}, "echo": True,
         "user": "ignored", "logprobs": None, "logit_bias": {"5": 1, "70": -100.0, "9": 0},
-        "best_of": 3}, MODELS)
+        "best_of": 3, "no_repeat_ngram_size": 3}, MODELS)
     assert plan.kind == "completion" and plan.model == "tiny" and plan.prompts == ["a", "b"]
     assert plan.max_tokens == 7 and plan.n == 3 and plan.stream and plan.include_usage
     assert plan.echo and plan.stop == ["\n\n", "END"]
     assert plan.fields == {
         "temperature": 0.5, "top_p": 0.9, "min_p": 0.1, "presence_penalty": 0.5,
         "frequency_penalty": -0.5, "repetition_penalty": 1.2, "top_k": 0, "seed": 11,
-        "min_tokens": 2, "end_id": -1, "num_return_sequences": 3,
+        "min_tokens": 2, "no_repeat_ngram_size": 3, "end_id": -1, "num_return_sequences": 3,
         "stop_words": ["\n\n", "END"], "cache_salt": "tenant", "session_id": "s1",
         "priority": -2, "embedding_bias_token_ids": [5, 70],  # a zero bias is left out
         "embedding_bias_token_weights": [1.0, -100.0]}
@@ -87,6 +87,8 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "logprobs": True}, "'logprobs' must be an integer", 400),
     ({"model": "tiny", "prompt": "x", "prompt_logprobs": 1}, "'prompt_logprobs'", 400),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "'suffix'", 400),
+    ({"model": "tiny", "prompt": "x", "no_repeat_ngram_size": -1},
+     "'no_repeat_ngram_size' must be from 0", 400),
     ({"model": "tiny", "prompt": "x", "logit_bias": [5]}, "'logit_bias' must be an object", 400),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"a": 1}}, "key 'a' is not a token id", 400),
     ({"model": "tiny", "prompt": "x", "logit_bias": {"-3": 1}}, "key '-3' is not a token", 400),
