@@ -67,11 +67,14 @@ class EngineConfig:
     # Speculative decoding: "ngram" drafts up to `num_speculative_tokens` tokens a step by
     # prompt lookup (`backend/engine/speculative.py`: the tokens that followed the longest
     # earlier match, `prompt_lookup_min`..`prompt_lookup_max` tokens, of the sequence's
-    # last ones) and verifies them in one forward; "none": a token a step.
+    # last ones) and verifies them in one forward; "suffix" also looks in what earlier
+    # requests of the same cache namespace generated (the last `suffix_cache_tokens`
+    # tokens of them); "none": a token a step.
     speculative_method: str = "none"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 3
     prompt_lookup_max: int = 8
+    suffix_cache_tokens: int = 65536
     # On: a step's drafts are cut to the length worth its measured cost (`DraftPolicy`);
     # off: every proposal goes out whole (up to num_speculative_tokens).
     speculative_adaptive: bool = True
@@ -131,6 +134,9 @@ class EngineConfig:
                 raise ValueError("prompt_lookup_min / prompt_lookup_max must satisfy 1 <= min "
                                  f"<= max, got {self.prompt_lookup_min} / "
                                  f"{self.prompt_lookup_max}")
+            if self.suffix_cache_tokens < 1:
+                raise ValueError(f"suffix_cache_tokens must be >= 1, got "
+                                 f"{self.suffix_cache_tokens}")
             if self.executor == "compiled":
                 raise ValueError("speculative decoding runs on executor 'torch' (the AOT step "
                                  "graphs return one position's logits a sequence)")

@@ -610,6 +610,7 @@ class Engine:
             "guided_forced_tokens": sched.num_forced_tokens,
             "spec_draft_tokens": sched.num_draft_tokens,
             "spec_accepted_tokens": sched.num_accepted_tokens,
+            "spec_corpus_drafts": sched.drafter.corpus_drafts if sched.drafter else 0,
             "beam_forks": sched.num_beam_forks,
             "beam_pages_copied": sched.num_beam_pages_copied,
             "replayed_anchors": self.cache.num_replayed_anchors,

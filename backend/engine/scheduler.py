@@ -34,7 +34,7 @@ from backend.engine.sampling import (
     scored_log_probs,
 )
 from backend.engine.sequence import SeqStatus, Sequence
-from backend.engine.speculative import DraftPolicy, NgramDrafter
+from backend.engine.speculative import DraftPolicy, NgramDrafter, SuffixCorpus
 from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
 from backend.model.batch import SNAPSHOT_ALIGN
@@ -91,9 +91,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_forced_tokens = 0  # tokens a guide forced, appended without a step each
         self.drafter = None
-        if config.speculative_method == "ngram":
+        if config.speculative_method in ("ngram", "suffix"):
+            corpus = SuffixCorpus(config.prompt_lookup_min, config.prompt_lookup_max,
+                                  config.suffix_cache_tokens) \
+                if config.speculative_method == "suffix" else None
             self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
-                                        config.prompt_lookup_max)
+                                        config.prompt_lookup_max, corpus)
             self.draft_policy = DraftPolicy(config.num_speculative_tokens)
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # ... and kept (each a token without a step of its own)
@@ -628,6 +631,8 @@ class Scheduler:
         return reason
 
     def _finish(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.learn(seq)
         self.cache.release(seq, cache=True)
         self.running.remove(seq)
         self.free_slots.append(seq.run_slot)

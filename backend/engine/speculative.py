@@ -1,11 +1,21 @@
 """Speculative decoding's draft side: n-gram prompt lookup (vLLM's `ngram`, TensorRT-LLM's
-prompt lookup, SGLang's n-gram drafts), no draft model.
+prompt lookup, SGLang's n-gram drafts) and suffix decoding (vLLM's `suffix`, after
+SuffixDecoding / Arctic Inference), no draft model.
 
-The last tokens of a sequence (at least `min_n`) are looked up among its earlier tokens,
-prompt and output alike; the tokens that followed the longest such match (up to `max_n`
-tokens long; the most recent among equals) are the draft. Outputs that quote their context
-(RAG answers, code edits, summaries, JSON fields copied from a document) or repeat
+`ngram`: the last tokens of a sequence (at least `min_n`) are looked up among its earlier
+tokens, prompt and output alike; the tokens that followed the longest such match (up to
+`max_n` tokens long; the most recent among equals) are the draft. Outputs that quote their
+context (RAG answers, code edits, summaries, JSON fields copied from a document) or repeat
 themselves get drafts the model then accepts.
+
+`suffix`: the same look-up, and also one in what earlier requests generated (`SuffixCorpus`:
+each finished request's output, after its prompt's last tokens, counted per context of
+`min_n`..`max_n` tokens; a bounded number of tokens, the oldest requests forgotten first;
+separate per cache namespace, so one tenant's outputs never draft, or time, another's). From
+the longest context that matches, the draft follows the most frequent continuation token by
+token while it keeps at least MIN_SUFFIX_SHARE of the counts. The deeper of the two matches
+drafts (the sequence's own on a tie). Agent loops, where tool calls and their JSON recur from
+request to request, and repeated chat answers get drafts their prompts alone do not hold.
 
 The engine verifies a draft of k tokens in one step of k + 1 tokens (`scheduler.py`): the
 token sampled at each position is kept while it equals the draft's, so the output is the
@@ -26,10 +36,13 @@ import math
 import statistics
 from collections import deque
 
-SPECULATIVE_METHODS = ("none", "ngram")
+SPECULATIVE_METHODS = ("none", "ngram", "suffix")
 # Candidate positions of the `min_n`-token key examined per draft (the most recent first):
 # bounds a draft's cost on long repetitive contexts.
 MAX_CANDIDATES = 32
+# suffix: a draft goes on while its next token took at least this share of the counts after
+# its context (SuffixDecoding's minimum token probability).
+MIN_SUFFIX_SHARE = 0.1
 
 
 class NgramIndex:
@@ -52,13 +65,17 @@ class NgramIndex:
     def propose(self, tokens: list[int], max_n: int, k: int) -> list[int]:
         """Up to k tokens that followed the longest earlier match (>= n tokens, at most
         max_n) of the sequence's last tokens; [] without one."""
+        return self.lookup(tokens, max_n, k)[0]
+
+    def lookup(self, tokens: list[int], max_n: int, k: int) -> tuple[list[int], int]:
+        """`propose`'s draft and the length of the match it follows (0: none)."""
         n, L = self.n, len(tokens)
         if k <= 0 or L <= n:
-            return []
+            return [], 0
         self.update(tokens)
         found = self.positions.get(tuple(tokens[L - n:]))
         if not found:
-            return []
+            return [], 0
         best, best_len = -1, 0
         for i in reversed(found[-MAX_CANDIDATES:]):  # i < L: a token follows the match
             m = n
@@ -73,14 +90,86 @@ class NgramIndex:
         draft: list[int] = []
         for p in range(best, best + k):
             draft.append(tokens[p] if p < L else draft[p - L])
-        return draft
+        return draft, best_len
+
+
+class SuffixCorpus:
+    """What earlier requests generated, for `suffix` drafts: for each context of
+    `min_n`..`max_n` tokens (within a cache namespace), how often each token followed it.
+    `add` counts a finished request's tokens in; past `max_tokens` tokens held, the oldest
+    requests' counts are taken out again."""
+
+    def __init__(self, min_n: int, max_n: int, max_tokens: int) -> None:
+        if not 1 <= min_n <= max_n or max_tokens < 1:
+            raise ValueError(f"SuffixCorpus needs 1 <= min_n <= max_n and max_tokens >= 1, got "
+                             f"{min_n} / {max_n} / {max_tokens}")
+        self.min_n, self.max_n, self.max_tokens = min_n, max_n, max_tokens
+        self.counts: dict[tuple[str, tuple[int, ...]], dict[int, int]] = {}
+        self.requests: deque[tuple[str, list[int]]] = deque()
+        self.num_tokens = 0
+
+    def add(self, namespace: str, tokens: list[int]) -> None:
+        tokens = list(tokens[-self.max_tokens:])
+        if len(tokens) <= self.min_n:
+            return
+        self._count(namespace, tokens, 1)
+        self.requests.append((namespace, tokens))
+        self.num_tokens += len(tokens)
+        while self.num_tokens > self.max_tokens:
+            old_namespace, old = self.requests.popleft()
+            self._count(old_namespace, old, -1)
+            self.num_tokens -= len(old)
+
+    def _count(self, namespace: str, tokens: list[int], delta: int) -> None:
+        counts = self.counts
+        for m in range(self.min_n, self.max_n + 1):
+            for i in range(m, len(tokens)):
+                key = (namespace, tuple(tokens[i - m:i]))
+                followers = counts.get(key)
+                if followers is None:
+                    followers = counts[key] = {}
+                left = followers.get(tokens[i], 0) + delta
+                if left > 0:
+                    followers[tokens[i]] = left
+                else:
+                    followers.pop(tokens[i], None)
+                    if not followers:
+                        del counts[key]
+
+    def lookup(self, namespace: str, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing `tokens`: from the longest context (max_n down to min_n
+        tokens) the corpus holds, its most frequent follower (the first counted among
+        equals), while that follower holds MIN_SUFFIX_SHARE of the counts; and the length of
+        the first context matched (0: none)."""
+        context = list(tokens[-self.max_n:])
+        draft: list[int] = []
+        matched = 0
+        for _ in range(k):
+            followers = None
+            for m in range(min(self.max_n, len(context)), self.min_n - 1, -1):
+                followers = self.counts.get((namespace, tuple(context[-m:])))
+                if followers:
+                    break
+            if not followers:
+                break
+            matched = matched or m
+            token, count = max(followers.items(), key=lambda item: item[1])
+            if count < MIN_SUFFIX_SHARE * sum(followers.values()):
+                break
+            draft.append(token)
+            context.append(token)
+        return draft, (matched if draft else 0)
 
 
 class NgramDrafter:
-    """Drafts for the engine's sequences (one `NgramIndex` each, kept on the sequence)."""
+    """Drafts for the engine's sequences (one `NgramIndex` each, kept on the sequence); with a
+    `corpus` (`suffix`), also from earlier requests' outputs, which `learn` adds."""
 
-    def __init__(self, num_tokens: int, min_n: int, max_n: int) -> None:
+    def __init__(self, num_tokens: int, min_n: int, max_n: int,
+                 corpus: SuffixCorpus | None = None) -> None:
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
+        self.corpus = corpus
+        self.corpus_drafts = 0  # drafts that came from the corpus
 
     def propose(self, seq, limit: int) -> list[int]:
         """A draft of at most min(num_tokens, limit) tokens to follow `seq.tokens`."""
@@ -89,7 +178,20 @@ class NgramDrafter:
             return []
         if seq.ngram_index is None:
             seq.ngram_index = NgramIndex(self.min_n)
-        return seq.ngram_index.propose(seq.tokens, self.max_n, k)
+        draft, matched = seq.ngram_index.lookup(seq.tokens, self.max_n, k)
+        if self.corpus is not None:
+            shared, deeper = self.corpus.lookup(seq.salt, seq.tokens, k)
+            if deeper > matched:
+                self.corpus_drafts += 1
+                return shared
+        return draft
+
+    def learn(self, seq) -> None:
+        """A finished sequence's output (after its prompt's last max_n tokens) joins the
+        corpus of its namespace."""
+        if self.corpus is not None and seq.num_output_tokens > 0:
+            start = max(0, seq.num_prompt_tokens - self.max_n)
+            self.corpus.add(seq.salt, seq.tokens[start:])
 
 
 # A step time's estimate: the median of its last COST_WINDOW measurements (interference from

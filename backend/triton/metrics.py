@@ -68,6 +68,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "each kept token is one output token without a step of its own",
         COUNTER,
     ),
+    "suffixreplay_spec_corpus_drafts_total": (
+        "Speculative decoding (suffix): drafts taken from earlier requests' outputs rather "
+        "than the sequence's own tokens",
+        COUNTER,
+    ),
     "suffixreplay_beam_forks_total": (
         "Beam search: beams that took another beam's history (its run states and the pages "
         "the prefix store does not share copied)",
@@ -159,6 +164,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_guided_forced_tokens_total", (), "guided_forced_tokens"),
     ("suffixreplay_spec_decode_tokens_total", (("kind", "draft"),), "spec_draft_tokens"),
     ("suffixreplay_spec_decode_tokens_total", (("kind", "accepted"),), "spec_accepted_tokens"),
+    ("suffixreplay_spec_corpus_drafts_total", (), "spec_corpus_drafts"),
     ("suffixreplay_beam_forks_total", (), "beam_forks"),
     ("suffixreplay_beam_copied_pages_total", (), "beam_pages_copied"),
     ("suffixreplay_ssd_bytes_total", (("direction", "read"),), "tier:ssd_bytes_read"),

@@ -1,4 +1,5 @@
-"""Speculative decoding (n-gram prompt lookup) against a token a step, on the same prompts.
+"""Speculative decoding (n-gram prompt lookup, suffix decoding) against a token a step, on the
+same prompts.
 
 Engine runs (in-process, the default model, trained on Python source): B requests at once,
 each generating exactly N tokens after a 400-token prompt, on three workloads:
@@ -6,12 +7,17 @@ each generating exactly N tokens after a 400-token prompt, on three workloads:
   and the file's identifiers are what drafts find);
 - `quote`: the same source, then a comment asking for it again and its first line: the
   output copies the prompt, as RAG answers that quote their documents and code edits do;
-- `sampled`: `code` at temperature 0.8 (a draft token is kept with its probability only).
+- `sampled`: `code` at temperature 0.8 (a draft token is kept with its probability only);
+- `repeat`: `code` asked again in one cache namespace (each run's prompts start with a new
+  first line, so the prefix cache serves none of them): what an agent loop, a retry or a
+  recurring question does; earlier runs' outputs are what suffix decoding drafts from.
 Systems: `off` (speculative_method none), `adaptive` (ngram, the default policy: a step's
-drafts cut to the length its measured step times make worth it) and `whole` (ngram, every
-proposal verified whole: speculative_adaptive off). Each (workload, batch) runs its systems
-`--repeats` times in rotating order; medians are reported, with decode-phase output tokens
-per second (after each request's first token), steps, drafts proposed and kept.
+drafts cut to the length its measured step times make worth it), `whole` (ngram, every
+proposal verified whole: speculative_adaptive off) and `suffix` (suffix decoding, the
+default policy: the sequence's own tokens and its namespace's earlier outputs). Each
+(workload, batch) runs its systems `--repeats` times in rotating order; medians are
+reported, with decode-phase output tokens per second (after each request's first token),
+steps, drafts proposed and kept.
 
     python -m client.bench.speculative [--batches 1 8] [--max-tokens 128] [--repeats 5]
 Writes client/bench/results/speculative/summary.json and speculative.png.
@@ -44,8 +50,9 @@ SYSTEMS = {
     "off": dict(speculative_method="none"),
     "adaptive": dict(speculative_method="ngram"),
     "whole": dict(speculative_method="ngram", speculative_adaptive=False),
+    "suffix": dict(speculative_method="suffix"),
 }
-WORKLOADS = ("code", "quote", "sampled")
+WORKLOADS = ("code", "quote", "sampled", "repeat")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,11 +85,14 @@ def engine_run(engine: Engine, batch: list[list[int]], workload: str,
     """The batch at once from a cold prefix: decode-phase output tokens per second, the
     engine steps and the drafts proposed and kept."""
     salt = uuid.uuid4().hex
+    if workload == "repeat":  # one namespace, prompts that miss the prefix cache
+        batch = [list(f"# run {salt}\n".encode()) + prompt for prompt in batch]
+        salt = "repeat"
     times = OutputTimes()
     greedy = workload != "sampled"
     before = engine.stats()
     for i, prompt in enumerate(batch):
-        engine.submit(Request(f"{salt}-{i}", prompt, SamplingParams(
+        engine.submit(Request(f"{salt}-{uuid.uuid4().hex}", prompt, SamplingParams(
             max_tokens=args.max_tokens, min_tokens=args.max_tokens, top_k=1 if greedy else 0,
             temperature=1.0 if greedy else 0.8, seed=i), cache_salt=salt,
             on_output=times.on_output))
@@ -93,6 +103,7 @@ def engine_run(engine: Engine, batch: list[list[int]], workload: str,
             "steps": after["steps"] - before["steps"],
             "drafted": after["spec_draft_tokens"] - before["spec_draft_tokens"],
             "kept": after["spec_accepted_tokens"] - before["spec_accepted_tokens"],
+            "corpus_drafts": after["spec_corpus_drafts"] - before["spec_corpus_drafts"],
             "output_tokens": sum(times.counts.values())}
 
 
@@ -145,11 +156,11 @@ def plot(speedup: dict[str, dict[str, float]], path: Path) -> None:
     width = 0.8 / len(systems)
     for i, name in enumerate(systems):
         ax.bar([c + i * width for c in range(len(cases))], [speedup[c][name] for c in cases],
-               width, label=f"ngram, {name}")
+               width, label=name if name == "suffix" else f"ngram, {name}")
     ax.axhline(1.0, color="gray", lw=1, ls="--")
     ax.set_xticks([c + width * (len(systems) - 1) / 2 for c in range(len(cases))], cases)
     ax.set_ylabel("decode tokens/s vs a token a step")
-    ax.set_title("Speculative decoding (n-gram prompt lookup), default model, CPU")
+    ax.set_title("Speculative decoding (prompt lookup, suffix), default model, CPU")
     ax.legend()
     save_figure(fig, path)
 

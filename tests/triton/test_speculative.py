@@ -1,7 +1,8 @@
-"""Speculative decoding served (`speculative_method: ngram` in hybrid_llm's parameters): the
-ensemble's outputs are the server's without it (greedy, seeded sampling, streamed or not,
-several sequences of one prompt), a streamed response may carry several tokens, and the draft
-counters reach Prometheus and `python -m client stats`."""
+"""Speculative decoding served (`speculative_method: ngram` / `suffix` in hybrid_llm's
+parameters): the ensemble's outputs are the server's without it (greedy, seeded sampling,
+streamed or not, several sequences of one prompt), a streamed response may carry several
+tokens, the draft counters reach Prometheus and `python -m client stats`, and suffix decoding
+drafts a repeated answer from the earlier one within a cache namespace only."""
 
 from __future__ import annotations
 
@@ -76,3 +77,26 @@ def test_a_streamed_response_carries_the_tokens_kept(spec_server: ServerHandle):
     chunks = [c for c in stream_grpc(spec_server.urls.grpc, params) if c.text]
     assert len(chunks) < 40
     assert max(c.counts.get("num_output_tokens", 0) for c in chunks) > 1
+
+
+def test_suffix_decoding_drafts_a_repeated_answer_from_the_earlier_one(
+        llm_server: ServerHandle, triton_server):
+    """`speculative_method: suffix`: a question asked again in the same cache namespace is
+    drafted from the first answer (suffixreplay_spec_corpus_drafts_total grows), asked under
+    another cache_salt it is not; the texts are the plain server's."""
+    server = triton_server(LLM_MODELS, {"hybrid_llm": {
+        **LLM_PARAMS["hybrid_llm"], **SPEC, "speculative_method": "suffix"}})
+    prompt = "Q: What is the capital of Spain?\nA:"
+
+    def corpus_drafts() -> float:
+        time.sleep(0.5)  # the metrics thread refreshes every 100 ms
+        return value(scrape(server), "suffixreplay_spec_corpus_drafts_total", **MODEL)
+
+    want = generate_http(llm_server.urls.http, GenerateParams(prompt, max_tokens=48,
+                                                              top_k=1)).texts
+    for salt, grows in (("tenant-a", False), ("tenant-a", True), ("tenant-b", False)):
+        before = corpus_drafts()
+        params = GenerateParams(prompt, max_tokens=48, top_k=1, cache_salt=salt)
+        assert generate_http(server.urls.http, params).texts == want
+        assert (corpus_drafts() > before) == grows, salt
+    idle_pool(server)
