@@ -348,8 +348,9 @@ class Engine:
     def reset_prefix_cache(self, cache_salt: str | None = None,
                            every_salt: bool = True) -> dict[str, int]:
         """Forgets the cached prefixes (namespace `cache_salt`, or all of them with
-        `every_salt`) on the device, in DRAM and on SSD, between two steps (thread-safe).
-        Pages running requests hold stay cached; the requests go on unchanged. Returns
+        `every_salt`) on the device, in DRAM and on SSD, between two steps (thread-safe), and
+        the outputs suffix decoding drafts from in those namespaces. Pages running requests
+        hold stay cached; the requests go on unchanged. Returns
         `{"dropped_pages", "kept_pages"}`; the KV cache events announce the removals."""
         with self._step_lock:
             removed, kept = self.store.reset(cache_salt, every_salt)
@@ -357,6 +358,11 @@ class Engine:
                 for name in self.adapters:
                     r, k = self.store.reset(lora_namespace(cache_salt or "", name), False)
                     removed, kept = removed + r, kept + k
+            corpus = self.scheduler.drafter.corpus if self.scheduler.drafter else None
+            if corpus is not None:  # suffix decoding's earlier outputs go with the prefixes
+                corpus.forget(None if every_salt else
+                              {lora_namespace(cache_salt or "", name)
+                               for name in (None, *self.adapters)})
             self.num_cache_resets += 1
             if self.kv_events is not None:
                 self.kv_events.flush()

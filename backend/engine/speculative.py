@@ -120,6 +120,17 @@ class SuffixCorpus:
             self._count(old_namespace, old, -1)
             self.num_tokens -= len(old)
 
+    def forget(self, namespaces: set[str] | None = None) -> None:
+        """Takes out the requests of `namespaces` (None: every request)."""
+        kept: deque[tuple[str, list[int]]] = deque()
+        for namespace, tokens in self.requests:
+            if namespaces is None or namespace in namespaces:
+                self._count(namespace, tokens, -1)
+                self.num_tokens -= len(tokens)
+            else:
+                kept.append((namespace, tokens))
+        self.requests = kept
+
     def _count(self, namespace: str, tokens: list[int], delta: int) -> None:
         counts = self.counts
         for m in range(self.min_n, self.max_n + 1):

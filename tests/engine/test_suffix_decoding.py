@@ -39,6 +39,12 @@ def test_counts_are_a_recount_of_the_requests_held():
         assert corpus.num_tokens == sum(len(t) for _, t in corpus.requests)
         assert corpus.counts == recount(list(corpus.requests), 2, 4), step
     assert len(corpus.requests) < 60  # the oldest went
+    corpus.forget({"tenant-a"})
+    assert {n for n, _ in corpus.requests} <= {""}
+    assert corpus.counts == recount(list(corpus.requests), 2, 4)
+    assert corpus.num_tokens == sum(len(t) for _, t in corpus.requests)
+    corpus.forget()
+    assert corpus.counts == {} and corpus.num_tokens == 0 and not corpus.requests
     with pytest.raises(ValueError, match="min_n <= max_n"):
         SuffixCorpus(3, 2, 10)
 
@@ -137,6 +143,25 @@ def test_outputs_equal_a_token_a_step_beside_other_requests(plain):
         assert _run(engine, prompts, params) == want
     assert engine.stats()["spec_corpus_drafts"] > 0
     assert engine.stats()["spec_accepted_tokens"] > 0
+    assert_no_leak(engine)
+
+
+def test_a_prefix_cache_reset_forgets_the_namespaces_outputs():
+    engine = Engine.from_model_dir(TINY_MODEL_DIR, EngineConfig(speculative_method="suffix",
+                                                                **SPEC))
+    prompt = list(b"Q: What is the capital of Spain?\nA:")
+    params = SamplingParams(max_tokens=30, top_k=1)
+    for salt in ("a", "b"):
+        engine.submit(Request(salt, prompt, params, cache_salt=salt))
+    while engine.has_work:
+        engine.step()
+    engine.scheduler.after_outputs()
+    corpus = engine.scheduler.drafter.corpus
+    assert {n for n, _ in corpus.requests} == {"a", "b"}
+    engine.reset_prefix_cache("a", every_salt=False)
+    assert {n for n, _ in corpus.requests} == {"b"}
+    engine.reset_prefix_cache()
+    assert not corpus.requests and not corpus.counts
     assert_no_leak(engine)
 
 
