@@ -304,7 +304,8 @@ def test_no_repeat_ngram_size_is_the_engines(llm_server: ServerHandle):
     bigrams = [tuple(tokens[i:i + 2]) for i in range(len(tokens) - 1)]
     assert all(bigrams[j] not in bigrams[:j] for j in range(len(prompt) - 1, len(bigrams)))
     plain = generate_http(llm_server.urls.http, GenerateParams(
-        prompt, max_tokens=MAX_TOKENS * 2, min_tokens=MAX_TOKENS * 2, top_k=1))
+        prompt, max_tokens=MAX_TOKENS * 2, min_tokens=MAX_TOKENS * 2, top_k=1,
+        cache_salt=uuid.uuid4().hex))  # nothing cached for other tests' prompts
     assert plain.text != text
 
 

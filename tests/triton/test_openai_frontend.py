@@ -114,7 +114,8 @@ def test_no_repeat_ngram_size_is_passed_on(sdk: openai.OpenAI, llm_server: Serve
         PROMPT * 2, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1,
         no_repeat_ngram_size=2, cache_salt=extra["cache_salt"]))
     plain = generate_http(llm_server.urls.http, GenerateParams(
-        PROMPT * 2, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1))
+        PROMPT * 2, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS, top_k=1,
+        cache_salt=uuid.uuid4().hex))
     assert reply.choices[0].text == triton.text != plain.text
 
 
