@@ -11,10 +11,11 @@ says what the answer may hold:
   `<parameter=KEY>value</parameter>` per argument (Qwen3.5, Qwen3-Coder, Nemotron 3: each
   value converted to its schema's type); "nemotron", `<TOOLCALL>[{"name", "arguments"},
   ...]</TOOLCALL>` (Nemotron Nano 2). The text before the first call is the message's
-  content, each well-formed call of a known function a tool call (the first only with
+  content, each call of a known function a tool call (the first only with
   `parallel_tool_calls: false`), finish_reason "tool_calls". A text whose first block is not
   such a call is returned as it is, as content; a later block that is not one is dropped
-  (its calls before it may have been streamed already);
+  (its calls before it may have been streamed already); a call that has begun stays one
+  (its arguments as written, also where max_tokens cut them);
 - "required": at least one call (one with `parallel_tool_calls: false`), and
   {"type": "function", "function": {"name": ...}}: a call of that function. Both are guided
   decoding (vLLM's way): the output is a JSON array of {"name", "parameters"} objects whose
@@ -24,9 +25,10 @@ says what the answer may hold:
 
 Streamed, a named call's arguments stream as they come (the first delta carries its id and
 name); "auto" streams the content until the text reaches the layout's start tag (a possible
-start of it and the whitespace before it are held back), then each call as its block closes;
-"required" each call as its object in the array closes. Streamed or not, the answer is the
-same: the whole text is read by the same reader (`CallReader`, `ArrayReader`).
+start of it and the whitespace before it are held back), then each call once its function is
+known and its arguments piece by piece (`call_scan`); "required" the same for each object in
+the array. Streamed or not, the answer is the same: the whole text is read by the same
+reader (`CallReader`, `ArrayReader`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.openai_api.call_scan import PARAMETER, CallArray, CallBlock, Event
 from backend.openai_api.errors import RequestError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -61,7 +64,6 @@ LAYOUTS = {"qwen": QWEN, "nemotron": NEMOTRON,
            # vLLM's names for the same layouts
            "hermes": QWEN, "qwen3_coder": QWEN, "qwen3_xml": QWEN, "nemotron_json": NEMOTRON}
 _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
 @dataclass
@@ -210,20 +212,32 @@ def read_calls(text: str, known: Mapping[str, Any], layout: Layout = QWEN,
                ) -> tuple[str, list[dict[str, Any]]] | None:
     """`text` in `layout` -> (the content before the first call, the calls as (name,
     arguments JSON)); None where it holds no call, or its first block is not a call of one of
-    the `known` functions (name -> parameters schema) with an object of arguments (then the
-    text is all content)."""
+    the `known` functions (name -> parameters schema) (then the text is all content)."""
     reader = CallReader(known, layout)
-    content, calls = reader.feed(text)
+    content, events = reader.feed(text)
     rest, more = reader.finish()
-    return (content + rest, calls + more) if calls or more else None
+    calls = whole_calls(events + more)
+    return (content + rest, calls) if calls else None
+
+
+def whole_calls(events: list[Event]) -> list[dict[str, Any]]:
+    """Readers' events -> the calls they make."""
+    calls: list[dict[str, Any]] = []
+    for kind, value in events:
+        if kind == "call":
+            calls.append(_call(value, ""))
+        else:
+            calls[-1]["function"]["arguments"] += value
+    return calls
 
 
 @dataclass
 class CallReader:
     """Text in a layout read as it streams: content until the first block's start tag (a
-    possible start of the tag and the whitespace before it held back), then calls as their
-    blocks close (the last one also when the text ends without its end tag). Where the first
-    block is not a call the whole text is content; a later such block is dropped."""
+    possible start of the tag and the whitespace before it held back), then each block's
+    calls as they come (`call_scan`: a call once its function is known, then its arguments
+    piece by piece). Where the first block is not a call the whole text is content; a later
+    such block is dropped, and so is text between blocks."""
 
     known: Mapping[str, Any]  # function name -> its parameters' schema
     layout: Layout = QWEN
@@ -231,15 +245,16 @@ class CallReader:
     held: str = ""
     gap: str = ""  # the whitespace before the first tag
     raw: str = ""  # the text from the first tag on
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    block: CallBlock | CallArray | None = None  # the open block
+    begun: int = 0  # calls begun
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        """(content that can go now, calls read now)."""
+    def feed(self, text: str) -> tuple[str, list[Event]]:
+        """(content that can go now, events read now)."""
         if self.mode == "text":
             return text, []
         self.held += text
         out = ""
-        start = self.layout.start
+        start, end_tag = self.layout.start, self.layout.end
         if self.mode == "content":
             at = self.held.find(start)
             if at < 0:
@@ -252,74 +267,89 @@ class CallReader:
             self.raw, self.mode = self.held, "calls"
         else:
             self.raw += text
-        new = []
-        while (at := self.held.find(start)) >= 0:
-            end = self.held.find(self.layout.end, at + len(start))
-            if end < 0:
-                break
-            body, self.held = self.held[at + len(start):end], self.held[end + len(self.layout.end):]
-            read = self._read(body)
-            if read is None:
+        events: list[Event] = []
+        while True:
+            if self.block is None:
+                at = self.held.find(start)
+                if at < 0:  # text between blocks: dropped
+                    self.held = self.held[len(self.held) - tag_prefix_len(self.held, start):]
+                    return out, events
+                self.held = self.held[at + len(start):]
+                self.block = self._new_block()
+            end = self.held.find(end_tag)
+            body = self.held[:end] if end >= 0 else \
+                self.held[:len(self.held) - tag_prefix_len(self.held, end_tag)]
+            self.held = self.held[len(body):]
+            events += self._count(self.block.feed(body))
+            if self.block.rejected and not self.begun:
                 return out + self._all_text(), []
-            new += read
-        return out, new
+            if end < 0:
+                return out, events
+            self.held = self.held[len(end_tag):]
+            done, self.block = self.block.close(), None
+            if done is None and not self.begun:
+                return out + self._all_text(), []
+            events += self._count(done or [])
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
+    def finish(self) -> tuple[str, list[Event]]:
         """What was held: content where no call came (or the first block was not one), or
-        the calls of a last block that lacks its end tag."""
+        the last events of a block that lacks its end tag."""
         held, self.held = self.held, ""
         if self.mode == "content":
             return held, []
-        at = held.find(self.layout.start) if self.mode == "calls" else -1
-        if at < 0:
+        if self.block is None:
             return "", []
-        read = self._read(held[at + len(self.layout.start):])
-        return (self._all_text(), []) if read is None else ("", read)
+        events = self._count(self.block.feed(held))
+        done, self.block = self.block.close(), None
+        if done is None and not self.begun:
+            return self._all_text(), []
+        return "", events + self._count(done or [])
 
-    def _read(self, body: str) -> list[dict[str, Any]] | None:
-        """One block's calls; None where it is the first and not a call ([] where a later
-        block is not one: dropped)."""
-        calls = _block_calls(body.strip(), self.known, self.layout.array)
-        if not calls:
-            return [] if self.calls else None
-        self.calls += calls
-        return calls
+    def _new_block(self) -> CallBlock | CallArray:
+        if self.layout.array:
+            return CallArray(self.known, ("arguments", "parameters"), self._item)
+        return CallBlock(self.known, _xml_value, self._whole)
 
-    def _all_text(self) -> str:
-        self.mode, self.held = "text", ""
-        return self.gap + self.raw
-
-
-def _block_calls(body: str, known: Mapping[str, Any], array: bool,
-                 ) -> list[dict[str, Any]] | None:
-    if body.startswith("<function="):  # Qwen3-Coder's XML
-        match = _FUNCTION.fullmatch(body)
-        if match is None or match.group(1).strip() not in known:
+    def _whole(self, body: str) -> list[tuple[str, str]] | None:
+        """A Qwen block written in neither streamed form, read whole."""
+        if body.startswith("<function="):  # Qwen3-Coder's XML
+            match = _FUNCTION.fullmatch(body)
+            if match is None or match.group(1).strip() not in self.known:
+                return None
+            name = match.group(1).strip()
+            properties = (self.known[name] or {}).get("properties") or {}
+            arguments = {key.strip(): _xml_value(value, properties.get(key.strip()))
+                         for key, value in PARAMETER.findall(match.group(2))}
+            return [(name, json.dumps(arguments, ensure_ascii=False))]
+        try:
+            found = json.loads(body)
+        except ValueError:
             return None
-        name = match.group(1).strip()
-        properties = (known[name] or {}).get("properties") or {}
-        arguments = {key.strip(): _xml_value(value, properties.get(key.strip()))
-                     for key, value in _PARAMETER.findall(match.group(2))}
-        return [_call(name, json.dumps(arguments, ensure_ascii=False))]
-    try:
-        found = json.loads(body)
-    except ValueError:
-        return None
-    items = found if array and isinstance(found, list) else [found]
-    calls = []  # none (an empty array) is no call
-    for call in items:
-        if not isinstance(call, dict) or call.get("name") not in known:
+        call = self._item(found)
+        return None if call is None else [call]
+
+    def _item(self, call: Any) -> tuple[str, str] | None:
+        """A call object read whole: {"name", "arguments" (or "parameters")}; the arguments
+        an object, or a JSON string of one (some models write them so)."""
+        if not isinstance(call, dict) or call.get("name") not in self.known:
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except ValueError:
                 return None
         if not isinstance(arguments, dict):
             return None
-        calls.append(_call(call["name"], json.dumps(arguments, ensure_ascii=False)))
-    return calls
+        return call["name"], json.dumps(arguments, ensure_ascii=False)
+
+    def _count(self, events: list[Event]) -> list[Event]:
+        self.begun += sum(kind == "call" for kind, _ in events)
+        return events
+
+    def _all_text(self) -> str:
+        self.mode, self.held, self.block = "text", "", None
+        return self.gap + self.raw
 
 
 def _xml_value(text: str, schema: Any) -> Any:
@@ -386,8 +416,9 @@ def _call(name: str, arguments: str) -> dict[str, Any]:
 @dataclass
 class ToolStream:
     """One choice's text read as the plan's tool calls while it streams: `feed` gives the
-    content to send now and the tool-call deltas; `finish` the rest once the choice ended;
-    `calls` holds the whole calls, `content` the whole content (None with calls and none)."""
+    content to send now and the tool-call deltas (a call's first carries its id and name,
+    the next ones pieces of its arguments); `finish` the rest once the choice ended; `calls`
+    holds the whole calls, `content` the whole content (None with calls and none)."""
 
     plan: ToolPlan
     layout: Layout = QWEN
@@ -395,6 +426,7 @@ class ToolStream:
     calls: list[dict[str, Any]] = field(default_factory=list)
     _named: dict[str, Any] | None = None
     _reader: CallReader | ArrayReader | None = None
+    _skip: bool = False  # the calls after the first without parallel calls
 
     def __post_init__(self) -> None:
         if self.plan.choice == "auto":
@@ -421,15 +453,27 @@ class ToolStream:
             return "", self.feed("")[1] if self._named is None else []
         return self._passed(*self._reader.finish())
 
-    def _passed(self, content: str, calls: list[dict[str, Any]],
-                ) -> tuple[str, list[dict[str, Any]]]:
-        """The content and the calls' deltas (numbered; one call at most without parallel
-        calls: the first)."""
+    def _passed(self, content: str, events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
+        """The content and the events as deltas (numbered; one call at most without parallel
+        calls: the first); a call's pieces read at once go in one delta."""
         self.content_parts.append(content)
-        if not self.plan.parallel:
-            calls = [] if self.calls else calls[:1]
-        deltas = [{"index": len(self.calls) + i, **c} for i, c in enumerate(calls)]
-        self.calls += calls
+        deltas: list[dict[str, Any]] = []
+        for kind, value in events:
+            if kind == "call":
+                self._skip = bool(self.calls) and not self.plan.parallel
+                if self._skip:
+                    continue
+                call = _call(value, "")
+                self.calls.append(call)
+                deltas.append({"index": len(self.calls) - 1, **call,
+                               "function": dict(call["function"])})
+            elif not self._skip:
+                self.calls[-1]["function"]["arguments"] += value
+                if deltas and deltas[-1]["index"] == len(self.calls) - 1:
+                    deltas[-1]["function"]["arguments"] += value
+                else:
+                    deltas.append({"index": len(self.calls) - 1,
+                                   "function": {"arguments": value}})
         return content, deltas
 
     @property
@@ -444,56 +488,27 @@ class ToolStream:
         return reason
 
 
-@dataclass
 class ArrayReader:
     """The guided "required" output, a JSON array of {"name", "parameters"}, read as it
-    streams: each call as its object closes. The text is content only where no object closed
-    (cut by max_tokens before the first one ended)."""
+    streams (`CallArray`): each call as its object begins, then its arguments piece by piece.
+    The text is content only where no call began (cut by max_tokens before one did)."""
 
-    known: Mapping[str, Any]
-    text: str = ""
-    depth: int = 0
-    quoted: bool = False
-    escaped: bool = False
-    item: int = -1  # where the open item starts
-    calls: list[dict[str, Any]] = field(default_factory=list)
+    def __init__(self, known: Mapping[str, Any]) -> None:
+        self.known = known
+        self.array = CallArray(known, ("parameters",), self._item)
 
-    def feed(self, text: str) -> tuple[str, list[dict[str, Any]]]:
-        new = []
-        whole = self.text + text
-        for i, char in enumerate(text, len(self.text)):
-            if self.escaped:
-                self.escaped = False
-            elif self.quoted:
-                self.escaped = char == "\\"
-                self.quoted = char != '"'
-            elif char == '"':
-                self.quoted = True
-            elif char in "[{":
-                self.depth += 1
-                if self.depth == 2:
-                    self.item = i
-            elif char in "]}":
-                self.depth -= 1
-                if self.depth == 1 and self.item >= 0:
-                    new += self._item(whole[self.item:i + 1])
-                    self.item = -1
-        self.text = whole
-        self.calls += new
-        return "", new
+    def feed(self, text: str) -> tuple[str, list[Event]]:
+        return "", self.array.feed(text)
 
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        return ("", []) if self.calls else (self.text, [])
+    def finish(self) -> tuple[str, list[Event]]:
+        events = self.array.close()
+        return (self.array.text, []) if events is None else ("", events)
 
-    def _item(self, text: str) -> list[dict[str, Any]]:
-        try:
-            item = json.loads(text)
-        except ValueError:
-            return []
+    def _item(self, item: Any) -> tuple[str, str] | None:
         if not isinstance(item, dict) or item.get("name") not in self.known or \
                 not isinstance(item.get("parameters"), dict):
-            return []
-        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))]
+            return None
+        return item["name"], json.dumps(item["parameters"], ensure_ascii=False)
 
 
 def tag_prefix_len(text: str, tag: str) -> int:

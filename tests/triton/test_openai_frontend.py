@@ -581,6 +581,30 @@ def test_auto_reads_the_calls_the_model_writes(sdk: openai.OpenAI, call: str):
     assert none.finish_reason == "stop"
 
 
+def test_auto_streams_a_calls_arguments_as_they_are_generated(sdk: openai.OpenAI):
+    """The call's id and name go out before its arguments are written, the arguments in
+    several deltas (one a generated token, where the guide leaves the model a choice) that
+    join to the non-streamed answer's."""
+    regex = ('<tool_call>\n\\{"name": "get_weather", "arguments": '
+             '\\{"city": "[A-Z][a-z]{3,6}"\\}\\}\n</tool_call>')
+    ask = dict(model="ensemble", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+               tools=[WEATHER, CLOCK], max_tokens=96,
+               extra_body={"top_k": 1, "cache_salt": uuid.uuid4().hex, "guided_regex": regex})
+    [whole] = sdk.chat.completions.create(**ask).choices[0].message.tool_calls
+    pieces = []  # (the event's position, the delta)
+    events = list(sdk.chat.completions.create(**ask, stream=True))
+    for i, event in enumerate(events):
+        for choice in event.choices:
+            pieces += [(i, d) for d in choice.delta.tool_calls or []]
+    first, *rest = pieces
+    assert (first[1].function.name, first[1].id) == ("get_weather", first[1].id) and first[1].id
+    assert all(d.id is None and d.function.name is None and d.index == 0 for _, d in rest)
+    assert len([d for _, d in pieces if d.function.arguments]) >= 3
+    assert first[0] < pieces[-1][0] < len(events)
+    joined = "".join(d.function.arguments or "" for _, d in pieces)
+    assert joined == whole.function.arguments and json.loads(joined)["city"].isalpha()
+
+
 def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: ServerHandle,
                                                                 tmp_path):
     """`--reasoning-parser qwen3`: a regex guide makes the tiny model think before its answer

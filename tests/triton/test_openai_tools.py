@@ -6,6 +6,7 @@ wrong; a thinking model's reasoning split from its answer."""
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import xgrammar
@@ -14,7 +15,7 @@ from backend.engine.guided import GrammarBackend, Guide
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import RequestError, parse_chat, response_body, tokenize_body
 from backend.openai_api.reasoning import ReasoningReader
-from backend.openai_api.tools import NEMOTRON, ToolPlan, parse_tools, read_calls
+from backend.openai_api.tools import NEMOTRON, QWEN, ToolPlan, parse_tools, read_calls
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
 
 MODELS = ("tiny",)
@@ -177,19 +178,31 @@ def _streamed_in(plan: ToolPlan, layout, text: str, pieces: int):
     return "".join(sent) + out, deltas + calls, reader
 
 
+def _merged(deltas: list[dict]) -> list[tuple[str, str]]:
+    """Streamed deltas -> each call's (name, arguments), as a client joins them."""
+    calls: dict[int, list[str]] = {}
+    for d in deltas:
+        if "id" in d:
+            assert d["index"] not in calls and d["type"] == "function"
+            calls[d["index"]] = [d["function"]["name"], ""]
+        calls[d["index"]][1] += d["function"].get("arguments", "")
+    assert list(calls) == list(range(len(calls)))
+    return [tuple(c) for c in calls.values()]
+
+
 @pytest.mark.parametrize("pieces", [1, 3, 200])
 @pytest.mark.parametrize("call", [
     '{"name": "get_weather", "arguments": {"city": "Rome"}}',  # Hermes JSON
     "<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>",  # XML
 ])
-def test_auto_streams_content_then_each_call_whole(pieces, call):
+def test_auto_streams_content_then_each_call(pieces, call):
     plan = parse_tools(chat())
     text = f"Sure.\n\n<tool_call>\n{call}\n</tool_call>"
     content, deltas, reader = _streamed(plan, text, pieces)
     assert content == "Sure." and reader.content == "Sure."
-    assert [(d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] \
-        == [("get_weather", {"city": "Rome"})]
+    assert _merged(deltas) == [("get_weather", '{"city": "Rome"}')]
     assert deltas[0]["index"] == 0 and deltas[0]["id"] == reader.calls[0]["id"]
+    assert reader.calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
     assert reader.finish_reason("stop") == "tool_calls" and reader.finish_reason("length") \
         == "length"
     # text that only looks like the start of a call is content, sent once it is not one
@@ -240,9 +253,11 @@ def test_qwen3_coder_xml_calls_read_back_what_the_template_wrote():
                            known)
     assert json.loads(call["function"]["arguments"]) == {"days": "three", "extra": '{"a": 1}',
                                                          "metric": "yes"}
-    # an unknown function, or a call cut before </function>: the text is content
+    # an unknown function: the text is content; a call cut before </function> (max_tokens)
+    # is a call with the arguments read so far
     assert read_calls("<tool_call>\n<function=rm>\n</function>\n</tool_call>", known) is None
-    assert read_calls("<tool_call>\n<function=get_time>\n<parameter=zone>\nUT", known) is None
+    _, [cut] = read_calls("<tool_call>\n<function=get_time>\n<parameter=zone>\nUT", known)
+    assert cut["function"] == {"name": "get_time", "arguments": '{"zone": "UT"}'}
     # Hermes JSON and XML blocks may both come in one answer
     _, calls = read_calls('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
                           "<tool_call>\n<function=get_time>\n</function>\n</tool_call>", known)
@@ -255,34 +270,56 @@ def test_nemotron_calls_are_one_array_in_toolcall_tags(pieces):
     text = ('Two lookups. <TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Oslo"}}, '
             '{"name": "get_time", "arguments": {}}]</TOOLCALL>')
     content, deltas, reader = _streamed_in(plan, NEMOTRON, text, pieces)
-    assert content == "Two lookups." and [json.loads(d["function"]["arguments"])
-                                          for d in deltas] == [{"city": "Oslo"}, {}]
+    assert content == "Two lookups." and _merged(deltas) == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
     assert reader.finish_reason("stop") == "tool_calls"
-    # without parallel calls the first; a bad item or an unknown name: all content
-    _, deltas, _ = _streamed_in(parse_tools(chat(parallel_tool_calls=False)), NEMOTRON, text, 1)
-    assert [d["function"]["name"] for d in deltas] == ["get_weather"]
+    # without parallel calls the first; a first item not a call: all content; a later item
+    # not one: dropped (the calls before it went out)
+    one = parse_tools(chat(parallel_tool_calls=False))
+    assert _merged(_streamed_in(one, NEMOTRON, text, pieces)[1]) == [
+        ("get_weather", '{"city": "Oslo"}')]
     for bad in ('<TOOLCALL>[{"name": "rm", "arguments": {}}]</TOOLCALL>',
-                '<TOOLCALL>[{"name": "get_time", "arguments": {}}, 3]</TOOLCALL>',
+                '<TOOLCALL>[3, {"name": "get_time", "arguments": {}}]</TOOLCALL>',
+                '<TOOLCALL>[{"arguments": {}, "name": "get_time"}, 3]</TOOLCALL>',
                 '<TOOLCALL>[{"name": "get_time", "argu'):
         content, deltas, _ = _streamed_in(plan, NEMOTRON, bad, pieces)
         assert content == bad and deltas == []
+    later = '<TOOLCALL>[{"name": "get_time", "arguments": {}}, 3, {"name": "get_time"}]'
+    content, deltas, _ = _streamed_in(plan, NEMOTRON, later, pieces)
+    assert (content, _merged(deltas)) == ("", [("get_time", "{}")])
+    # written another way (arguments first, or as a JSON string): read whole as it closes
+    other = ('<TOOLCALL>[{"arguments": {"city": "Oslo"}, "name": "get_weather"}, '
+             '{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}]</TOOLCALL>')
+    assert _merged(_streamed_in(plan, NEMOTRON, other, pieces)[1]) == [
+        ("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "UTC"}')]
     # Qwen's tags mean nothing in Nemotron's layout, and the other way round
     qwen = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     assert _streamed_in(plan, NEMOTRON, qwen, pieces)[:2] == (qwen, [])
     assert _streamed(plan, text, pieces)[:2] == (text, [])
 
 
-def test_each_call_goes_as_soon_as_its_block_closes():
-    """Streamed, a call is sent when its end tag arrives, before the next block; a later
-    block that is not a call is dropped (whole or streamed), a first one makes all text."""
+def test_a_call_goes_as_soon_as_its_function_is_known_then_its_arguments():
+    """Streamed, a call's id and name go when its arguments' object opens, its arguments as
+    they come, before its end tag; a later block that is not a call is dropped (whole or
+    streamed), a first one makes all text."""
     first = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
     second = '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     bad = '\n<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>'
     reader = parse_tools(chat()).stream()
-    assert reader.feed("Ok. " + first[:-1]) == ("Ok.", [])
-    _, [delta] = reader.feed(first[-1] + second[:30])
-    assert (delta["index"], delta["function"]["name"]) == (0, "get_time")
-    assert reader.feed(second[30:] + bad)[1][0]["index"] == 1
+    head = first.index("{}") + 1
+    assert reader.feed("Ok. " + first[:head - 1]) == ("Ok.", [])
+    _, [delta] = reader.feed(first[head - 1])
+    assert delta == {"index": 0, "id": reader.calls[0]["id"], "type": "function",
+                     "function": {"name": "get_time", "arguments": "{"}}
+    opened = second.index('{"city') + 1
+    assert reader.feed(first[head:] + second[:opened])[1] == [
+        {"index": 0, "function": {"arguments": "}"}},
+        {"index": 1, "id": reader.calls[1]["id"], "type": "function",
+         "function": {"name": "get_weather", "arguments": "{"}}]
+    assert reader.feed(second[opened:opened + 5])[1] == [
+        {"index": 1, "function": {"arguments": '"city'}}]
+    assert reader.feed(second[opened + 5:] + bad)[1] == [
+        {"index": 1, "function": {"arguments": '": "Oslo"}'}}]
     assert reader.finish() == ("", []) and len(reader.calls) == 2
     assert [c["function"]["name"] for c in read_calls(first + bad + second, KNOWN)[1]] == [
         "get_time", "get_weather"]
@@ -291,25 +328,44 @@ def test_each_call_goes_as_soon_as_its_block_closes():
     assert _streamed(parse_tools(chat()), text, 4)[:2] == (text, [])
 
 
-def test_required_sends_each_call_as_its_object_closes():
+def test_a_call_begun_stays_a_call():
+    """Once its function is known a call has gone out: cut by max_tokens it keeps the
+    arguments read so far; with arguments that are not JSON, those (OpenAI: arguments may be
+    invalid JSON); read whole, the same."""
+    for text, arguments in (
+            ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Ro', '{"city": "Ro'),
+            ('<tool_call>\n{"name": "get_weather", "arguments": {"days": 1', '{"days": 1'),
+            ('<tool_call>{"name": "get_weather", "arguments": {"city": Rome}}</tool_call>',
+             '{"city": Rome}')):
+        for pieces in (1, 4, 100):
+            content, deltas, reader = _streamed(parse_tools(chat()), text, pieces)
+            assert (content, _merged(deltas)) == ("", [("get_weather", arguments)])
+        assert read_calls(text, KNOWN)[1][0]["function"]["arguments"] == arguments
+
+
+def test_required_streams_each_calls_arguments():
     required = parse_tools(chat(tool_choice="required"))
     tricky = {"city": 'a "quoted" } ] { [ \\ city'}  # brackets and escapes inside strings
     text = json.dumps([{"name": "get_weather", "parameters": tricky},
                        {"name": "get_time", "parameters": {}}])
     reader = required.stream()
-    cut = text.index("}, {") + 1
-    assert reader.feed(text[:cut - 1]) == ("", [])
-    _, [delta] = reader.feed(text[cut - 1:cut])
-    assert json.loads(delta["function"]["arguments"]) == tricky and delta["index"] == 0
+    opened = text.index('"parameters": {') + len('"parameters": ')
+    assert reader.feed(text[:opened]) == ("", [])
+    _, [delta] = reader.feed(text[opened:opened + 5])
+    assert delta["function"] == {"name": "get_weather", "arguments": '{"cit'}
     for pieces in (1, 3, 500):
         content, deltas, reader = _streamed(required, text, pieces)
-        assert content == "" and [json.loads(d["function"]["arguments"]) for d in deltas] == [
-            tricky, {}] and [d["index"] for d in deltas] == [0, 1]
-    # cut by max_tokens after the first object: that call; without parallel calls one
-    content, deltas, reader = _streamed(required, text[:cut + 10], 3)
-    assert content == "" and len(deltas) == 1 and reader.finish_reason("length") == "length"
+        assert content == "" and _merged(deltas) == [
+            ("get_weather", json.dumps(tricky)), ("get_time", "{}")]
+    # cut by max_tokens inside the second call: both, the second as far as it came; without
+    # parallel calls one
+    cut = text.index("get_time") + len('get_time", "parameters": {')
+    content, deltas, reader = _streamed(required, text[:cut], 3)
+    assert content == "" and _merged(deltas) == [
+        ("get_weather", json.dumps(tricky)), ("get_time", "{")]
+    assert reader.finish_reason("length") == "length"
     one = parse_tools(chat(tool_choice="required", parallel_tool_calls=False))
-    assert len(_streamed(one, text, 2)[1]) == 1
+    assert len(_merged(_streamed(one, text, 2)[1])) == 1
 
 
 def test_named_calls_stream_their_arguments_and_required_reads_the_array():
@@ -326,8 +382,8 @@ def test_named_calls_stream_their_arguments_and_required_reads_the_array():
     text = json.dumps([{"name": "get_weather", "parameters": {"city": "Oslo"}},
                        {"name": "get_time", "parameters": {}}])
     content, deltas, reader = _streamed(required, text, 4)
-    assert content == "" and [json.loads(d["function"]["arguments"]) for d in deltas] == [
-        {"city": "Oslo"}, {}]
+    assert content == "" and _merged(deltas) == [("get_weather", '{"city": "Oslo"}'),
+                                                 ("get_time", "{}")]
     assert reader.finish_reason("stop") == "tool_calls"
     # cut by max_tokens: no call, the text is the content
     content, deltas, reader = _streamed(required, text[:20], 2)
@@ -407,7 +463,7 @@ def test_auto_keeps_one_call_without_parallel_calls():
     for parallel, names in ((True, ["get_time", "get_weather"]), (False, ["get_time"])):
         _, deltas, reader = _streamed(parse_tools(chat(parallel_tool_calls=parallel)), text, 7)
         assert [c["function"]["name"] for c in reader.calls] == names
-        assert [d["function"]["name"] for d in deltas] == names
+        assert [name for name, _ in _merged(deltas)] == names
 
 
 def test_an_earlier_steps_reasoning_reaches_the_template():
@@ -449,3 +505,113 @@ def test_xml_values_take_the_types_of_unions_enums_and_consts():
     _, [call] = read_calls("<tool_call>\n<function=f>\n<parameter=n>\nnull\n</parameter>\n"
                            "</function>\n</tool_call>", {"f": schema})
     assert json.loads(call["function"]["arguments"]) == {"n": None}
+
+
+def _value(rng: random.Random, depth: int = 0):
+    """A random JSON value: nested objects and arrays, strings with quotes, escapes, control
+    characters, non-ASCII and astral characters, numbers in several spellings' values."""
+    kind = rng.choice(["str", "int", "float", "lit", "obj", "arr"] if depth < 3 else
+                      ["str", "int", "float", "lit"])
+    if kind == "str":
+        return "".join(rng.choice(['a', ' ', '"', '\\', '/', '\n', '\t', '\x01', 'é', '€',
+                                   '😀', '}', ']', ',', ':']) for _ in range(rng.randint(0, 8)))
+    if kind == "int":
+        return rng.choice([0, -1, 7, 10 ** 20])
+    if kind == "float":
+        return rng.choice([0.5, -2.25, 1e-7, 3.0, 1e300])
+    if kind == "lit":
+        return rng.choice([True, False, None])
+    if kind == "obj":
+        return {"k" + str(i) + rng.choice(["", '"', "é"]): _value(rng, depth + 1)
+                for i in range(rng.randint(0, 3))}
+    return [_value(rng, depth + 1) for _ in range(rng.randint(0, 3))]
+
+
+def _pieces(rng: random.Random, text: str) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(0, 12)))) \
+        if len(text) > 1 else []
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def test_arguments_are_rewritten_as_json_dumps_writes_them_however_they_stream():
+    """JsonCanon: any JSON object, written compact, indented, ASCII-escaped (surrogate pairs)
+    or with odd spacing, cut anywhere, comes out as json.dumps(json.loads(text))."""
+    from backend.openai_api.call_scan import JsonCanon
+    rng = random.Random(7)
+    for _ in range(400):
+        value = {"a": _value(rng)}
+        text = rng.choice([
+            json.dumps(value), json.dumps(value, separators=(",", ":")),
+            json.dumps(value, indent=2), json.dumps(value, ensure_ascii=False),
+            json.dumps(value, separators=(" ,\t", " :\n "))])
+        canon, out, end = JsonCanon(), "", None
+        pieces = _pieces(rng, text + " tail")
+        rest = None  # the text after the value
+        for i, piece in enumerate(pieces):
+            got, end = canon.feed(piece)
+            out += got
+            if end is not None:
+                rest = piece[end:] + "".join(pieces[i + 1:])
+                break
+        assert out == json.dumps(value, ensure_ascii=False) and rest == " tail"
+    # literals and numbers as Python writes them; an escape split anywhere
+    text = '{"x":1.50E1,"y":-0,"z":"\\u00e9\\ud83d\\ude00\\/\\ud83d"}'
+    expected = '{"x": 15.0, "y": 0, "z": "é😀/\\ud83d"}'  # a lone surrogate stays escaped
+    assert JsonCanon().feed(text) == (expected, len(text))
+    canon = JsonCanon()
+    assert "".join(canon.feed(ch)[0] for ch in text) == expected and canon.done
+
+
+def _answer(rng: random.Random, layout) -> str:
+    """Random text in a layout: content, calls of known and unknown functions in each
+    form, text between blocks, and junk that only looks like calls."""
+    def call() -> str:
+        name = rng.choice(["get_weather", "get_time", "rm"])
+        arguments = {"city": _value(rng)} if rng.random() < 0.8 else _value(rng)
+        form = rng.choice(["hermes", "hermes", "swapped", "string", "xml"])
+        if form == "xml" and not layout.array:
+            params = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in (
+                arguments.items() if isinstance(arguments, dict) else []))
+            return f"<function={name}>\n{params}</function>"
+        if form == "swapped":
+            return json.dumps({"arguments": arguments, "name": name})
+        if form == "string":
+            return json.dumps({"name": name, "arguments": json.dumps(arguments)})
+        return json.dumps({"name": name, "arguments": arguments},
+                          indent=rng.choice([None, 1]))
+    parts = [rng.choice(["", "Let me check. ", "a <tool_ b ", "x"])]
+    for _ in range(rng.randint(0, 3)):
+        body = (("[" + ", ".join(call() for _ in range(rng.randint(0, 3))) + "]")
+                if layout.array else rng.choice([call(), call(), "not a call"]))
+        after = rng.choice(["", "\n", " x "])
+        parts.append(f"{layout.start}\n{body}\n{layout.end}{after}")
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("layout", [QWEN, NEMOTRON], ids=["qwen", "nemotron"])
+def test_streamed_calls_are_the_whole_texts_calls_at_every_cut(layout):
+    """Whatever the pieces, and wherever max_tokens cuts the text, the streamed content and
+    calls (joined from their deltas) are what reading the whole text gives."""
+    rng = random.Random(11)
+    plan = parse_tools(chat())
+    known = plan.schemas
+    for _ in range(120):
+        text = _answer(rng, layout)
+        for cut in sorted({len(text), *rng.sample(range(len(text) + 1), min(6, len(text)))}):
+            prefix = text[:cut]
+            whole = read_calls(prefix, known, layout)
+            reader = plan.stream(layout)
+            content, deltas = "", []
+            for piece in _pieces(rng, prefix):
+                out, more = reader.feed(piece)
+                content, deltas = content + out, deltas + more
+            out, more = reader.finish()
+            content, deltas = content + out, deltas + more
+            if whole is None:
+                assert (content, deltas) == (prefix, [])
+            else:
+                assert content == whole[0]
+                assert _merged(deltas) == [(c["function"]["name"], c["function"]["arguments"])
+                                           for c in whole[1]]
+                assert [(c["function"]["name"], c["function"]["arguments"])
+                        for c in reader.calls] == _merged(deltas)
