@@ -45,6 +45,11 @@ class EngineConfig:
     # Under "lpm", a request that has waited this long goes ahead of every cached prefix (in
     # arrival order), so a stream of hits cannot starve a request without one; 0: plain FCFS.
     lpm_max_wait_s: float = 5.0
+    # Priority aging: a request counts one priority level more urgent for each this many
+    # seconds since it arrived (queue order and preemption: `Scheduler.urgency`), so a steady
+    # stream of urgent requests cannot hold a less urgent one back forever; 0: off (vLLM's
+    # priority policy, the default).
+    priority_aging_s: float = 0.0
     # A queued request whose prompt shares pages not cached yet with a prompt that a running
     # request is prefilling waits for them to join the store rather than computing them a
     # second time beside it (suffix replay: pages join with their anchors after every chunk).
@@ -112,6 +117,9 @@ class EngineConfig:
                              f"{self.schedule_policy!r}")
         if not self.lpm_max_wait_s >= 0:
             raise ValueError(f"lpm_max_wait_s must be >= 0 seconds, got {self.lpm_max_wait_s}")
+        if not (math.isfinite(self.priority_aging_s) and self.priority_aging_s >= 0):
+            raise ValueError(f"priority_aging_s must be >= 0 seconds (0: off), got "
+                             f"{self.priority_aging_s}")
         if isinstance(self.session_priority, bool) or not isinstance(self.session_priority, int) \
                 or not MIN_PRIORITY <= self.session_priority <= MAX_PRIORITY:
             raise ValueError(f"session_priority must be an integer in [{MIN_PRIORITY}, "

@@ -195,18 +195,34 @@ class Scheduler:
         self.waiting = deque(aged + sorted(rest, key=lambda s: -cached[id(s)]))
 
     def _by_priority(self) -> None:
-        """Orders the waiting requests by priority, lower first (stable: equal ones keep the
-        policy's order); nothing to do where they are all equal."""
+        """Orders the waiting requests by urgency, lower first (stable: equal ones keep the
+        policy's order); nothing to do where their priorities are all equal."""
         if len(self.waiting) > 1 and len({s.request.priority for s in self.waiting}) > 1:
-            self.waiting = deque(sorted(self.waiting, key=lambda s: s.request.priority))
+            now = time.perf_counter()
+            self.waiting = deque(sorted(self.waiting, key=lambda s: self.urgency(s, now)))
+
+    def urgency(self, seq: Sequence, now: float) -> int:
+        """A request's priority (lower: more urgent), one level lower for each
+        `priority_aging_s` since it arrived (a preempted one keeps its arrival): it orders
+        the queue and decides who gives up a slot or pages to whom."""
+        aging = self.config.priority_aging_s
+        if aging <= 0:
+            return seq.request.priority
+        return seq.request.priority - int((now - seq.arrival) // aging)
+
+    def _preemption_order(self, now: float) -> Callable[[Sequence], tuple[int, float]]:
+        """The key whose maximum is preempted: the least urgent, then the youngest."""
+        return lambda seq: (self.urgency(seq, now), seq.arrival)
 
     def _less_urgent(self, seq: Sequence, spare: Container[Sequence] = ()) -> list[Sequence]:
-        """The running requests `seq` may take a slot from: those with a higher priority
-        value, but `spare` (beam searches neither take nor give up slots this way)."""
+        """The running requests `seq` may take a slot from: the less urgent ones, but `spare`
+        (beam searches neither take nor give up slots this way)."""
         if seq.beam is not None:
             return []
+        now = time.perf_counter()
+        level = self.urgency(seq, now)
         return [s for s in self.running if s.beam is None and s not in spare
-                and s.request.priority > seq.request.priority]
+                and self.urgency(s, now) > level]
 
     def _look_ahead(self) -> None:
         """Protects (and, with tiers, prefetches) the pages of the first W waiting requests."""
@@ -241,7 +257,8 @@ class Scheduler:
                 # No free slot, but a running request is less urgent: the least urgent (the
                 # youngest among equals) gives its slot up and queues again behind the more
                 # urgent ones (it recomputes from its cached pages when it comes back).
-                self._preempt(max(self._less_urgent(seq, admitted), key=_preemption_order))
+                self._preempt(max(self._less_urgent(seq, admitted),
+                                  key=self._preemption_order(time.perf_counter())))
                 self._by_priority()
             if seq.beam is not None:
                 if len(self.free_slots) < seq.beam.search.width:
@@ -412,13 +429,14 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, end: int) -> int | None:
         """Pages for a decode step; preempts another sequence when none are free: the least
-        urgent (highest priority value), the youngest among equals; `seq` itself where every
-        other is more urgent."""
+        urgent (`urgency`: the highest priority value, aged), the youngest among equals;
+        `seq` itself where every other is more urgent."""
         while self.cache.ensure_pages(seq, end) < end:
             victims = [s for s in self.running
                        if s is not seq and (seq.beam is None or s.beam is not seq.beam)]
-            victim = max(victims, key=_preemption_order) if victims else None
-            if victim is None or victim.request.priority < seq.request.priority:
+            now = time.perf_counter()
+            victim = max(victims, key=self._preemption_order(now)) if victims else None
+            if victim is None or self.urgency(victim, now) < self.urgency(seq, now):
                 self._preempt(seq)
                 return None
             self._preempt(victim)
@@ -838,11 +856,6 @@ class Scheduler:
         group.search.reset()
         self.waiting.appendleft(leader)
         self.num_preemptions += 1
-
-
-def _preemption_order(seq: Sequence) -> tuple[int, float]:
-    """The preempted one is the maximum: the highest priority value, then the youngest."""
-    return seq.request.priority, seq.arrival
 
 
 def _prompt_scores(seq: Sequence, start: int, rows: torch.Tensor

@@ -186,6 +186,54 @@ def test_out_of_pages_the_least_urgent_is_preempted_even_if_older(model):
     assert orders == {"by_age": ["old", "young"], "by_priority": ["young", "old"]}
 
 
+def _aging_run(model, aging: float, prompts: list[list[int]]) -> list[str]:
+    """A request running, a batch request (priority 3), 0.5 s later two urgent ones (0), one
+    slot: the order of first tokens (checks the queue's order, and that nothing is
+    preempted)."""
+    base = make_engine(model, max_num_seqs=1)
+    engine = Engine(model, replace(base.config, priority_aging_s=aging))
+    first: list[str] = []
+
+    def submit(rid, prompt, priority):
+        def collect(out):
+            if out.new_token_ids and rid not in first:
+                first.append(rid)
+        engine.submit(Request(rid, prompt, SamplingParams(max_tokens=3, top_k=1, end_id=-1),
+                              on_output=collect, priority=priority))
+
+    submit("running", prompts[0], 0)
+    engine.step()
+    submit("batch", prompts[1], 3)
+    time.sleep(0.5)
+    submit("chat1", prompts[2], 0)
+    submit("chat2", prompts[3], 0)
+    engine.step()
+    waiting = {s.request.request_id: s for s in engine.scheduler.waiting}
+    assert list(waiting) == (["batch", "chat1", "chat2"] if aging else
+                             ["chat1", "chat2", "batch"])
+    level = engine.scheduler.urgency(waiting["batch"], time.perf_counter())
+    assert level <= -2 if aging else level == 3
+    while engine.has_work:
+        engine.step()
+    assert engine.scheduler.num_preemptions == 0
+    assert_no_leak(engine)
+    return first
+
+
+def test_priority_aging_lets_a_long_waiting_request_go_before_newer_urgent_ones(model):
+    """With `priority_aging_s`, a request that waited climbs a level each period: a batch
+    request queued 0.5 s before two urgent ones goes first at 0.1 s a level (5 levels past
+    its 3), last without aging; and once running, the younger urgent ones (less urgent by
+    then) do not take its slot."""
+    vocab = model.config.vocab_size
+    prompts = [random_prompt(30, vocab, seed=50 + i) for i in range(4)]
+    assert _aging_run(model, 0.0, prompts) == ["running", "chat1", "chat2", "batch"]
+    assert _aging_run(model, 0.1, prompts) == ["running", "batch", "chat1", "chat2"]
+    assert EngineConfig.from_params({"priority_aging_s": "2"}).priority_aging_s == 2.0
+    with pytest.raises(ValueError, match=r"priority_aging_s must be >= 0 seconds"):
+        EngineConfig(priority_aging_s=-1.0)
+
+
 def test_priority_must_be_an_integer(model):
     engine = make_engine(model)
     for bad in (1.5, "1", True):
