@@ -135,6 +135,11 @@ class TierBackend(ABC):
     def on_promote(self, node: PageNode, kv_page: int, anchor_block: int | None) -> None:
         raise NotImplementedError(f"{type(self).__name__} holds no lower tier to promote from")
 
+    def on_retain(self, node: PageNode, priority: int,  # noqa: B027 - optional hook
+                  duration_s: float | None) -> None:
+        """A request set `node`'s retention priority (for `duration_s` more seconds; None:
+        for good): a tier that outlives the process keeps it too."""
+
     def on_insert(self, nodes: list[PageNode]) -> None:  # noqa: B027 - optional hook
         """New pages admitted to the device: no write-back in a single-tier store."""
 

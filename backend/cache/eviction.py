@@ -51,10 +51,12 @@ class Evictor:
         until = node.priority_until
         return node.priority if until is None or self.clock() < until else DEFAULT_PRIORITY
 
-    def retain(self, nodes: Sequence[PageNode], priorities: Sequence[PagePriority]) -> int:
+    def retain(self, nodes: Sequence[PageNode], priorities: Sequence[PagePriority],
+               log: bool = True) -> int:
         """Gives each node the given priority where no request gave it one yet, else raises
         it (`retention.py`: a higher priority, or the same one expiring later); returns how
-        many changed."""
+        many changed. Each change goes to the tier (`on_retain`) unless `log` is false (a
+        priority the tier itself restored)."""
         self.expire()
         now = self.clock()
         changed = 0
@@ -66,6 +68,8 @@ class Evictor:
             node.priority, node.priority_until, node.priority_set = priority, until, True
             if until is not None:
                 heapq.heappush(self._expiries, (until, next(self._expiry_seq), node))
+            if log:
+                self.tier.on_retain(node, priority, duration)
             self.push_leaf(node)
             self.push_state(node)
             changed += 1

@@ -23,6 +23,8 @@ How the store uses them (`backend/cache/eviction.py`, `policy.py`, `tier_space.p
 - DRAM and SSD (pages and checkpoints): those above the default priority go only when no
   other can, like the look-ahead window's; below the default they are ordered as default
   ones there.
+- Across a warm restart (SSD tier): every priority set is logged beside the chunks and a
+  restored page takes it back for the rest of its duration (`retention_log.py`).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ request first names it (`TierBackend.on_lookup`, called by match, protect and in
 A chunk's header carries its page's token ids (the node key), its prefix hash and its
 parent's, so pages are linked top-down: a first page hangs under the salt's root, a deeper
 page under the restored or live node whose prefix hash is its parent hash. A chunk whose
-parent is gone is an orphan (unreachable): deleted and counted.
+parent is gone is an orphan (unreachable): deleted and counted. A restored page takes the
+retention priority `retention.log` holds for it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def restore_namespace(tiers, salt: str, items: list[tuple[SsdChunk, ChunkHeader]
         restored.append(e)
         tiers.stats.restored_pages += 1
         _adopt_state(tiers, node, e.prefix_hash)
+        _adopt_priority(tiers, node, e.prefix_hash)
     for e in sorted(restored, key=lambda e: e.chunk.seq):  # oldest write = least recent
         tiers.ssd_lru[e] = None
     return len(restored)
@@ -58,6 +60,15 @@ def _adopt_state(tiers, node, prefix_hash: bytes) -> None:
     """The checkpoint policy's saved state at this page, if an earlier run left its file."""
     if tiers.states is not None and tiers.states.adopt(node, prefix_hash):
         tiers.stats.restored_states += 1
+
+
+def _adopt_priority(tiers, node, prefix_hash: bytes) -> None:
+    """The retention priority a request gave this page in an earlier run, for the rest of
+    its duration (`retention_log.py`)."""
+    found = None if tiers.retention_log is None else tiers.retention_log.lookup(prefix_hash)
+    if found is not None:
+        tiers.store.evictor.retain([node], [found], log=False)
+        tiers.stats.restored_priorities += 1
 
 
 def _parent(tiers, tree, salt: str, salt_hash: bytes, h: ChunkHeader):

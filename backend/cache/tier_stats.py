@@ -48,6 +48,7 @@ class TierStats:
     # start-up
     restored_chunks: int = 0  # valid chunks found at start-up
     restored_pages: int = 0  # re-inserted into the tree as SSD-resident nodes
+    restored_priorities: int = 0  # ... of them given back a logged retention priority
     stray_temp_files: int = 0
     orphan_chunks: int = 0  # valid chunks whose parent page is gone
     # prefetch (counted per page in `wait_for`)

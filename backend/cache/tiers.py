@@ -38,6 +38,7 @@ tier. Budget eviction on SSD deletes copies of pages held elsewhere, or drops SS
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from backend.cache.base import EvictAction, EvictDecision, Tier, TierBackend
@@ -48,6 +49,8 @@ from backend.cache.io_pool import IOPool, Priority
 from backend.cache.overlap import LayerwiseLoad, LayerwiseOffload, TransferThread
 from backend.cache.page_io import CopyStream, DeviceBuffers
 from backend.cache.prefetch import Prefetcher
+from backend.cache.retention import DEFAULT_PRIORITY
+from backend.cache.retention_log import RetentionLog
 from backend.cache.ssd import SsdStore
 from backend.cache.state_tier import StateTier
 from backend.cache.tier_config import TierConfig
@@ -87,6 +90,7 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         self.backlog: deque[TierEntry] = deque()  # new pages waiting for a DRAM staging slot
         self.pending_restore: dict[bytes, list] = {}  # salt hash -> [(chunk, header)]
         self.ssd: SsdStore | None = None
+        self.retention_log: RetentionLog | None = None  # priorities across restarts (SSD)
         self.io = None
         if config.uses_ssd:
             self.io = io_pool or IOPool(config.io_threads)
@@ -96,6 +100,8 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
                                 self.io, self.stats, chunk_io, config.o_direct)  # fmt: skip
             for chunk, header in self.ssd.scan():
                 self.pending_restore.setdefault(header.salt_hash, []).append((chunk, header))
+            self.retention_log = RetentionLog(config.ssd_path, {
+                h.prefix_hash for items in self.pending_restore.values() for _, h in items})
         self.states: StateTier | None = None  # checkpoint states (set up in attach)
         threads = config.enable_overlap and not self.copies.is_cuda
         self._load_worker = TransferThread("kv-load") if threads else None
@@ -165,12 +171,19 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
             return EvictDecision(EvictAction.DEMOTE, Tier.SSD, ssd_tier)
         return EvictDecision(EvictAction.DROP)
 
+    def on_retain(self, node, priority: int, duration_s: float | None) -> None:
+        if self.retention_log is not None:
+            expires = None if duration_s is None else time.time() + duration_s
+            self.retention_log.record(self.entry(node).prefix_hash, priority, expires)
+
     def on_remove(self, node) -> None:
         if self.states is not None:
             self.states.remove(node)
         e = node.tier_data
         if e is None or e.dead:
             return
+        if self.retention_log is not None:  # a later page of the same prefix starts afresh
+            self.retention_log.record(e.prefix_hash, DEFAULT_PRIORITY, None)
         e.dead = True
         if self.by_hash.get(e.prefix_hash) is e:
             del self.by_hash[e.prefix_hash]

@@ -25,6 +25,7 @@ from tier_helpers import make_tiered, pages, run_request
 
 from backend.cache.file_io import PosixChunkIO
 from backend.cache.io_pool import IOPool
+from backend.cache.retention_log import FILE_NAME as LOG_NAME
 from backend.cache.ssd import ChunkState
 
 
@@ -214,7 +215,7 @@ def _forget(tiers, index: int) -> None:
 
 
 def _check_files(tiers) -> None:
-    on_disk = {str(p) for p in tiers.ssd.dir.glob("*")}
+    on_disk = {str(p) for p in tiers.ssd.dir.glob("*") if p.name != LOG_NAME}
     indexed = {e.chunk.path for e in tiers.ssd_lru}
     indexed |= {c.path for items in tiers.pending_restore.values() for c, _ in items}
     assert all(e.chunk.state == ChunkState.READY for e in tiers.ssd_lru)

@@ -9,6 +9,7 @@ from dataclasses import replace
 import pytest
 from engine_helpers import GREEDY, assert_no_leak, make_engine, random_prompt
 
+from backend.cache.retention_log import FILE_NAME as LOG_NAME
 from backend.cache.tier_config import TierConfig
 from backend.engine import Engine, SamplingParams
 from backend.engine.request import Request
@@ -105,7 +106,8 @@ def _tiered(model, tmp_path, policy="suffixreplay") -> Engine:
 
 
 def _ssd_files(tmp_path) -> list:
-    return [p for p in (tmp_path / "ssd").rglob("*") if p.is_file()]
+    """The pages' and states' files (not the retention log beside them)."""
+    return [p for p in (tmp_path / "ssd").rglob("*") if p.is_file() and p.name != LOG_NAME]
 
 
 @pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
@@ -149,6 +151,29 @@ def test_reset_deletes_what_an_earlier_run_left_on_ssd(model, tmp_path):
     assert got.cached_tokens == 0 and got.new_token_ids == _greedy(model, prompts[0])
     restarted.tiers.drain()
     assert restarted.stats()["tiers"]["restored_pages"] == 0
+    assert_no_leak(restarted)
+    restarted.tiers.assert_invariants()
+    restarted.stop()
+
+
+def test_a_restarted_engine_keeps_the_retention_priorities_of_its_ssd_pages(model, tmp_path):
+    """A system prompt sent at retention priority 100 comes back from SSD at 100 after a
+    restart (pages it did not cover at the default), so a flood does not push it out."""
+    from backend.cache.retention import DEFAULT_PRIORITY, RetentionConfig, RetentionRange
+
+    engine = _tiered(model, tmp_path)
+    system = random_prompt(64, 97, seed=40)
+    keep = RetentionConfig(ranges=(RetentionRange(0, 64, 100),))
+    engine.generate(system + random_prompt(40, 97, seed=41), GREEDY, retention=keep)
+    engine.tiers.drain()
+    engine.stop()
+    restarted = _tiered(model, tmp_path)
+    nodes = restarted.store.match_prefix(system + random_prompt(40, 97, seed=41)).nodes
+    assert [n.priority for n in nodes] == [100] * 4 + [DEFAULT_PRIORITY] * (len(nodes) - 4)
+    assert restarted.stats()["tiers"]["restored_priorities"] == 4
+    got = restarted.generate(system + random_prompt(30, 97, seed=42), GREEDY)
+    assert got.cached_tokens == 64
+    restarted.tiers.drain()
     assert_no_leak(restarted)
     restarted.tiers.assert_invariants()
     restarted.stop()

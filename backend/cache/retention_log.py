@@ -1,0 +1,121 @@
+"""Retention priorities that outlive a restart, beside the SSD tier's chunks.
+
+A page's retention priority (`retention.py`) lives on its tree node, and a warm restart
+rebuilds nodes from the SSD chunks' headers, which are written once, often before a request
+gives the page its priority. So each priority a request sets on a page is also appended to
+`retention.log` in the SSD directory, one line per change:
+
+    <prefix hash, 32 hex digits> <priority> <expiry: wall-clock seconds, or "-": never>
+
+The last line of a prefix hash wins. At start-up the file is read (lines that do not parse,
+and priorities already expired, are skipped: a cache may forget, never mistake one page for
+another, since the prefix hash names the page and its whole prefix in its namespace) and
+rewritten with what is left; when it grows to several times its live entries it is rewritten
+again. A restored page takes its logged priority for the rest of its duration.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Container
+from pathlib import Path
+
+from backend.cache.retention import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+
+FILE_NAME = "retention.log"
+COMPACT_MIN_LINES = 4096  # rewrite once the file holds this many lines and ...
+COMPACT_FACTOR = 4  # ... this many times its live entries
+
+
+class RetentionLog:
+    def __init__(self, directory: str | Path, on_disk: Container[bytes] | None = None,
+                 clock=time.time) -> None:
+        """`on_disk`: the prefix hashes of the chunks found at start-up (lines of other
+        pages are dropped; None: all kept)."""
+        self.path = Path(directory) / FILE_NAME
+        self.clock = clock
+        self.entries: dict[bytes, tuple[int, float | None]] = {}
+        self.skipped = 0  # lines that did not parse (a torn last line, a foreign file)
+        self._read()
+        if on_disk is not None:
+            self.entries = {k: v for k, v in self.entries.items() if k in on_disk}
+        self._rewrite()
+
+    def record(self, prefix_hash: bytes, priority: int, expires: float | None) -> None:
+        """A page's priority as a request set it (`expires`: wall-clock seconds); the default
+        for good forgets the page's line (a page that left every tier)."""
+        if priority == DEFAULT_PRIORITY and expires is None:
+            if self.entries.pop(prefix_hash, None) is None:
+                return
+        else:
+            self.entries[prefix_hash] = (priority, expires)
+        with open(self.path, "a") as f:
+            f.write(_line(prefix_hash, priority, expires))
+        self.lines += 1
+        if self.lines >= COMPACT_MIN_LINES and self.lines >= COMPACT_FACTOR * len(self.entries):
+            self._rewrite()
+
+    def lookup(self, prefix_hash: bytes) -> tuple[int, float | None] | None:
+        """(priority, seconds left: None = never expires) of a page, None where none is
+        logged or it expired."""
+        found = self.entries.get(prefix_hash)
+        if found is None:
+            return None
+        priority, expires = found
+        if expires is None:
+            return priority, None
+        left = expires - self.clock()
+        return (priority, left) if left > 0 else None
+
+    def _read(self) -> None:
+        self.lines = 0
+        try:
+            text = self.path.read_text(encoding="ascii", errors="replace")
+        except FileNotFoundError:
+            return
+        now = self.clock()
+        for line in text.split("\n"):
+            if not line:
+                continue
+            parsed = _parse(line)
+            if parsed is None:
+                self.skipped += 1
+                continue
+            key, priority, expires = parsed
+            if (priority == DEFAULT_PRIORITY and expires is None) or \
+                    (expires is not None and expires <= now):
+                self.entries.pop(key, None)
+            else:
+                self.entries[key] = (priority, expires)
+
+    def _rewrite(self) -> None:
+        """The live entries only, written to a new file that replaces the old one whole."""
+        now = self.clock()
+        live = {k: v for k, v in self.entries.items() if v[1] is None or v[1] > now}
+        self.entries = live
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(_line(k, p, e) for k, (p, e) in live.items())
+        os.replace(tmp, self.path)
+        self.lines = len(live)
+
+
+def _line(prefix_hash: bytes, priority: int, expires: float | None) -> str:
+    return f"{prefix_hash.hex()} {priority} {'-' if expires is None else repr(expires)}\n"
+
+
+def _parse(line: str) -> tuple[bytes, int, float | None] | None:
+    parts = line.split(" ")
+    if len(parts) != 3 or len(parts[0]) != 32:
+        return None
+    try:
+        key = bytes.fromhex(parts[0])
+        priority = int(parts[1])
+        expires = None if parts[2] == "-" else float(parts[2])
+    except ValueError:
+        return None
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY or \
+            (expires is not None and not expires == expires):  # NaN
+        return None
+    return key, priority, expires
