@@ -7,8 +7,9 @@ arguments as they come:
   (or `"parameters"`), its arguments are re-written token by token by `JsonCanon` in
   `json.dumps`' layout; an object written another way (keys in another order, arguments as a
   JSON string) is read whole when its block closes;
-- Qwen3-Coder's XML: once `<function=NAME>` names a known function, each `<parameter=KEY>` as
-  it closes (its value converted to its schema's type needs all of it).
+- Qwen3-Coder's XML: once `<function=NAME>` names a known function, each `<parameter=KEY>`:
+  a text-typed value character by character as it is written, any other as it closes (its
+  conversion to its schema's type needs all of it).
 The same readers read a whole text, so an answer is the same streamed or not. A call that has
 begun stays a call: its arguments are what the model wrote even where they are cut short
 (max_tokens) or are not valid JSON, as OpenAI's API says arguments may be.
@@ -30,10 +31,9 @@ _HEX = re.compile(r"[0-9a-fA-F]{4}")
 _ESCAPES = {"b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
 _FUNCTION_HEAD = re.compile(r"<function=([^>\n]+)>")
 _FUNCTION_END = "</function>"
-# a parameter closed by its end tag or by the next parameter (streamed as it closes); at the
-# block's end the last one may also run to the end of the text
-_CLOSED_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=))",
-                               re.S)
+_PARAMETER_HEAD = re.compile(r"<parameter=([^>\n]+)>")
+_VALUE_ENDS = ("</parameter>", "<parameter=", _FUNCTION_END)
+# Qwen3-Coder parameters read whole (a block that did not stream)
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
 
 
@@ -168,6 +168,14 @@ class JsonCanon:
             self._string(c, out)
 
 
+def tag_prefix_len(text: str, tag: str) -> int:
+    """The longest end of `text` that begins `tag` (held back: it may become the tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
 def _literal(rest: str, words: tuple[str, ...]) -> int | None:
     """The length of the word `rest` starts with; 0: it may still become one; None: not."""
     for word in words:
@@ -269,16 +277,24 @@ class JsonCall:
 
 class XmlCall:
     """Qwen3-Coder's `<function=NAME>` with `<parameter=KEY>value</parameter>`s read as it
-    streams: the call once NAME is known, then each parameter as it closes, its value
-    converted by `value(text, schema)`."""
+    streams: the call once NAME is known, then each parameter: a text-typed one (`textual`
+    of its schema: a string, or a schema that says nothing) character by character as it
+    is written (the newline the template writes after the tag and before the end left out,
+    as `value` does), any other as it closes, converted by `value(text, schema)`. A value
+    ends at `</parameter>`, at the next `<parameter=` or at `</function>` (then, as at the
+    end of the text, one more newline before it goes too)."""
 
-    def __init__(self, known: Mapping[str, Any], value: Callable[[str, Any], Any]) -> None:
-        self.known, self.value = known, value
+    def __init__(self, known: Mapping[str, Any], value: Callable[[str, Any], Any],
+                 textual: Callable[[Any], bool]) -> None:
+        self.known, self.value, self.textual = known, value, textual
         self.name: str | None = None
         self.text = ""
         self.state = "head"
-        self.body = 0  # where the function's body starts
-        self.sent = 0  # parameters sent
+        self.pos = 0  # where reading goes on
+        self.ended = False  # </function> seen
+        self.sent = 0  # parameters begun
+        self.key: str | None = None  # the parameter being read
+        self.streamed = 0  # characters of its value sent (text-typed ones)
 
     def feed(self, text: str) -> list[Event]:
         self.text += text
@@ -296,28 +312,87 @@ class XmlCall:
                 self.state = "reject"
                 return []
             self.name, self.state = name, "args"
-            self.body = len(self.text) - len(rest) + match.end()
-            return [("call", name)] + self._parameters(_CLOSED_PARAMETER)
-        return self._parameters(_CLOSED_PARAMETER) if self.state == "args" else []
+            self.pos = len(self.text) - len(rest) + match.end()
+            return [("call", name)] + self._read(final=False)
+        return self._read(final=False) if self.state == "args" else []
 
     def close(self) -> list[Event] | None:
         if self.state != "args":
             return None
-        events = self._parameters(PARAMETER)
+        events = self._read(final=True)
         return events + [("args", "}" if self.sent else "{}")]
 
-    def _parameters(self, pattern: re.Pattern) -> list[Event]:
-        body = self.text[self.body:]
-        end = body.find(_FUNCTION_END)
-        found = pattern.findall(body if end < 0 else body[:end])
-        properties = (self.known[self.name] or {}).get("properties") or {}
-        events = []
-        for key, text in found[self.sent:]:
-            key = key.strip()
-            value = self.value(text, properties.get(key))
-            pair = f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}"
-            events.append(("args", ("{" if self.sent == 0 else ", ") + pair))
-            self.sent += 1
+    def _schema(self, key: str) -> Any:
+        return ((self.known[self.name] or {}).get("properties") or {}).get(key)
+
+    def _read(self, final: bool) -> list[Event]:
+        events: list[Event] = []
+        while not self.ended:
+            rest = self.text[self.pos:]
+            if self.key is None:  # between parameters
+                at, end = rest.find("<parameter="), rest.find(_FUNCTION_END)
+                if end >= 0 and (at < 0 or end < at):
+                    self.ended = True
+                    break
+                if at < 0:
+                    break
+                match = _PARAMETER_HEAD.match(rest, at)
+                if match is None:
+                    tail = rest[at + len("<parameter="):]
+                    if "\n" in tail or ">" in tail:  # not a parameter tag: read past it
+                        self.pos += at + 1
+                        continue
+                    break
+                self.key, self.streamed = match.group(1).strip(), 0
+                self.pos += match.end()
+                if self.textual(self._schema(self.key)):
+                    events.append(("args", self._opening() + '"'))
+                continue
+            ends = [i for i in (rest.find("</parameter>"), rest.find("<parameter="),
+                                rest.find(_FUNCTION_END)) if i >= 0]
+            if ends:
+                cut = min(ends)
+                closed = rest.startswith("</parameter>", cut)
+                events += self._finish(rest[:cut], last=not closed and
+                                       rest.startswith(_FUNCTION_END, cut))
+                self.pos += cut + (len("</parameter>") if closed else 0)
+                continue
+            if final:
+                events += self._finish(rest, last=True)
+                self.pos = len(self.text)
+            elif self.textual(self._schema(self.key)):
+                held = max(tag_prefix_len(rest, tag) for tag in _VALUE_ENDS)
+                events += self._stream(rest[:len(rest) - held].rstrip("\n"))
+            break
+        return events
+
+    def _opening(self) -> str:
+        """A parameter's start in the arguments: `{"key": ` or `, "key": `."""
+        self.sent += 1
+        return ("{" if self.sent == 1 else ", ") + json.dumps(self.key, ensure_ascii=False) + ": "
+
+    def _stream(self, text: str) -> list[Event]:
+        """What of a text-typed value's text so far is sure to stay (not a newline that may
+        be its last, nor what may become a tag), past what was sent."""
+        return self._send(text[1:] if text.startswith("\n") else text)
+
+    def _send(self, value: str) -> list[Event]:
+        piece = "".join(_char(c) for c in value[self.streamed:])
+        self.streamed = max(self.streamed, len(value))
+        return [("args", piece)] if piece else []
+
+    def _finish(self, text: str, last: bool) -> list[Event]:
+        """A parameter's value read whole (`last`: ended by </function> or the text's end,
+        where the pattern's `$` also leaves out a last newline)."""
+        if last and text.endswith("\n"):
+            text = text[:-1]
+        schema = self._schema(self.key)
+        if self.textual(schema):
+            events = self._send(self.value(text, schema)) + [("args", '"')]
+        else:
+            pair = self._opening() + json.dumps(self.value(text, schema), ensure_ascii=False)
+            events = [("args", pair)]
+        self.key = None
         return events
 
 
@@ -408,8 +483,9 @@ class CallBlock:
     `whole(body)` -> [(name, arguments)] (None or []: not a call)."""
 
     def __init__(self, known: Mapping[str, Any], value: Callable[[str, Any], Any],
+                 textual: Callable[[Any], bool],
                  whole: Callable[[str], list[tuple[str, str]] | None]) -> None:
-        self.known, self.value, self.whole = known, value, whole
+        self.known, self.value, self.textual, self.whole = known, value, textual, whole
         self.text = ""
         self.call: JsonCall | XmlCall | None = None
         self.state = "open"  # open, whole, reject (a function not known: no call)
@@ -429,7 +505,7 @@ class CallBlock:
             if rest[0] == "{":
                 self.call = JsonCall(self.known, ("arguments", "parameters"))
             elif rest[0] == "<":
-                self.call = XmlCall(self.known, self.value)
+                self.call = XmlCall(self.known, self.value, self.textual)
             else:
                 self.state = "whole"
                 return []

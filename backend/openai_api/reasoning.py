@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backend.openai_api.tools import tag_prefix_len
+from backend.openai_api.call_scan import tag_prefix_len
 
 START = "<think>"
 END = "</think>"

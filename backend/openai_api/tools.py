@@ -40,7 +40,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.openai_api.call_scan import PARAMETER, CallArray, CallBlock, Event
+from backend.openai_api.call_scan import (
+    PARAMETER,
+    CallArray,
+    CallBlock,
+    Event,
+    tag_prefix_len,
+)
 from backend.openai_api.errors import RequestError
 
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -308,7 +314,7 @@ class CallReader:
     def _new_block(self) -> CallBlock | CallArray:
         if self.layout.array:
             return CallArray(self.known, ("arguments", "parameters"), self._item)
-        return CallBlock(self.known, _xml_value, self._whole)
+        return CallBlock(self.known, _xml_value, _textual, self._whole)
 
     def _whole(self, body: str) -> list[tuple[str, str]] | None:
         """A Qwen block written in neither streamed form, read whole."""
@@ -361,7 +367,7 @@ def _xml_value(text: str, schema: Any) -> Any:
         text = text[:-1]
     kinds = _types(schema)
     word = text.strip()
-    if "string" in kinds or kinds == {None}:
+    if _textual(schema):
         return text
     if word.lower() == "null":
         return None
@@ -385,6 +391,12 @@ def _xml_value(text: str, schema: Any) -> Any:
         except ValueError:
             continue
     return text
+
+
+def _textual(schema: Any) -> bool:
+    """Whether `_xml_value` keeps a value of this schema as its text."""
+    kinds = _types(schema)
+    return "string" in kinds or kinds == {None}
 
 
 def _types(schema: Any) -> set[str | None]:
@@ -511,9 +523,3 @@ class ArrayReader:
         return item["name"], json.dumps(item["parameters"], ensure_ascii=False)
 
 
-def tag_prefix_len(text: str, tag: str) -> int:
-    """The longest end of `text` that begins `tag` (held back: it may become the tag)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

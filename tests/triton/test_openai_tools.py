@@ -15,7 +15,14 @@ from backend.engine.guided import GrammarBackend, Guide
 from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.protocol import RequestError, parse_chat, response_body, tokenize_body
 from backend.openai_api.reasoning import ReasoningReader
-from backend.openai_api.tools import NEMOTRON, QWEN, ToolPlan, parse_tools, read_calls
+from backend.openai_api.tools import (
+    NEMOTRON,
+    QWEN,
+    CallReader,
+    ToolPlan,
+    parse_tools,
+    read_calls,
+)
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
 
 MODELS = ("tiny",)
@@ -615,3 +622,58 @@ def test_streamed_calls_are_the_whole_texts_calls_at_every_cut(layout):
                                            for c in whole[1]]
                 assert [(c["function"]["name"], c["function"]["arguments"])
                         for c in reader.calls] == _merged(deltas)
+
+
+def _xml_parameter(rng: random.Random, key: str) -> str:
+    """One parameter as a Qwen3-Coder template might write it: a value of its schema's type
+    (or text that does not convert), newlines around it or not, its end tag or not."""
+    value = rng.choice([
+        "".join(rng.choice(["a", " ", "\n", "<", ">", '"', "é", "/", "param", "</para"])
+                for _ in range(rng.randint(0, 12))),
+        str(rng.choice([0, -3, 17])), rng.choice(["true", "False", "null"]), "2.5",
+        json.dumps(_value(rng)), "not a number"])
+    before, after = rng.choice(["\n", "", "\n\n"]), rng.choice(["\n", "", "\n\n"])
+    end = rng.choice(["</parameter>", "</parameter>\n", ""])
+    return f"<parameter={key}>{before}{value}{after}{end}"
+
+
+def test_xml_calls_stream_to_what_the_pattern_reads_whole():
+    """Qwen3-Coder XML streamed (text-typed values character by character, the others as they
+    close) joins to what the regular expressions read from the whole block (the reader of a
+    block that did not stream), values converted by their schema's types, for any pieces."""
+    rng = random.Random(3)
+    known = {"get_weather": SCHEMA, "get_time": {}}
+    plan = ToolPlan([{"type": "function", "function": {"name": n, "parameters": s}}
+                     for n, s in known.items()], "auto")
+    for _ in range(300):
+        keys = rng.sample([*SCHEMA["properties"], "extra"], rng.randint(0, 4))
+        body = "<function=get_weather>\n" + "".join(_xml_parameter(rng, k) for k in keys)
+        body += rng.choice(["</function>", "\n</function>", ""])
+        text = f"<tool_call>\n{body}\n</tool_call>"
+        expected = CallReader(known)._whole(body.strip())
+        if expected is None:  # the pattern wants </function>; the streamed read does not
+            continue
+        for pieces in (1, 3, rng.randint(4, 40)):
+            reader = plan.stream()
+            deltas = []
+            size = max(1, len(text) // pieces)
+            for i in range(0, len(text), size):
+                deltas += reader.feed(text[i:i + size])[1]
+            deltas += reader.finish()[1]
+            assert _merged(deltas) == expected, (text, pieces)
+
+
+def test_a_text_parameter_streams_as_it_is_written():
+    reader = parse_tools(chat()).stream()
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    assert [d["function"] for d in reader.feed(head)[1]] == [
+        {"name": "get_weather", "arguments": '{"city": "'}]
+    sent = []
+    for ch in "New\nYork\n":
+        sent += [d["function"]["arguments"] for d in reader.feed(ch)[1]]
+    # a newline waits for what follows it (it is left out where the value ends there)
+    assert sent == ["N", "e", "w", "\\nY", "o", "r", "k"]
+    tail = [d["function"]["arguments"] for d in reader.feed("</parameter>\n</function>\n"
+                                                            "</tool_call>")[1]]
+    assert "".join(tail) == '"}' and reader.calls[0]["function"]["arguments"] == \
+        '{"city": "New\\nYork"}'
