@@ -70,7 +70,8 @@ def test_random_ensemble_requests_get_an_answer_or_a_clear_error(llm_server: Ser
     for _ in range(120):
         body = {"text_input": rng.choice(["hi", "Hello world, " * rng.choice([1, 5, 40]), "",
                                           "é😀 ok"]),
-                "max_tokens": rng.choice([1, 2, 4, 8])}
+                "max_tokens": rng.choice([1, 2, 4, 8]),
+                "cache_salt": "fuzz"}  # the shared server's default namespace left alone
         for name in rng.sample(sorted(ENSEMBLE), rng.randint(0, 8)):
             body[name] = _value(rng, ENSEMBLE[name])
         endpoint = rng.choice(["generate", "generate", "generate_stream"])
@@ -115,7 +116,8 @@ def _chat(rng: random.Random) -> dict:
             {"id": "c1", "type": "function", "function": {
                 "name": "get_time", "arguments": rng.choice(["{}", "{bad", "[1]"])}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "12:00"}]
-    body = {"model": "ensemble", "messages": messages, "max_tokens": rng.choice([1, 4, 16])}
+    body = {"model": "ensemble", "messages": messages, "max_tokens": rng.choice([1, 4, 16]),
+            "cache_salt": "fuzz"}
     for name in rng.sample(sorted(OPTIONS), rng.randint(0, 6)):
         good, odd = OPTIONS[name]
         body[name] = rng.choice(odd if odd and rng.random() < 0.25 else good)
