@@ -293,7 +293,9 @@ class XmlCall:
         self.pos = 0  # where reading goes on
         self.ended = False  # </function> seen
         self.sent = 0  # parameters begun
-        self.key: str | None = None  # the parameter being read
+        self.key: str | None = None  # the parameter being read ...
+        self.schema: Any = None  # ... its schema
+        self.is_text = False  # ... whether its value is its text (streamed as it comes)
         self.streamed = 0  # characters of its value sent (text-typed ones)
 
     def feed(self, text: str) -> list[Event]:
@@ -344,8 +346,10 @@ class XmlCall:
                         continue
                     break
                 self.key, self.streamed = match.group(1).strip(), 0
+                self.schema = self._schema(self.key)
+                self.is_text = self.textual(self.schema)
                 self.pos += match.end()
-                if self.textual(self._schema(self.key)):
+                if self.is_text:
                     events.append(("args", self._opening() + '"'))
                 continue
             ends = [i for i in (rest.find("</parameter>"), rest.find("<parameter="),
@@ -360,7 +364,7 @@ class XmlCall:
             if final:
                 events += self._finish(rest, last=True)
                 self.pos = len(self.text)
-            elif self.textual(self._schema(self.key)):
+            elif self.is_text:
                 held = max(tag_prefix_len(rest, tag) for tag in _VALUE_ENDS)
                 events += self._stream(rest[:len(rest) - held].rstrip("\n"))
             break
@@ -386,8 +390,8 @@ class XmlCall:
         where the pattern's `$` also leaves out a last newline)."""
         if last and text.endswith("\n"):
             text = text[:-1]
-        schema = self._schema(self.key)
-        if self.textual(schema):
+        schema = self.schema
+        if self.is_text:
             events = self._send(self.value(text, schema)) + [("args", '"')]
         else:
             pair = self._opening() + json.dumps(self.value(text, schema), ensure_ascii=False)
