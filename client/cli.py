@@ -272,16 +272,18 @@ def write_perf(perfs: list[dict], err: TextIO) -> None:
 
 def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
                     label: str = "sequence", log_probs: bool = False) -> list[str]:
-    """Collects the `num` sequences (each response names its own, or carries all; a beam
-    search's one response carries its beams), then writes them one after another, each
-    under `--- <label> k ---`; TTFT and the output token count go to `err`, and with
-    `log_probs` each row's summed log probability."""
+    """Collects the `num` sequences (a streamed response adds to the sequence it names; one
+    that carries every row, sequence_index -1, holds them whole: the non-streamed response,
+    and each of a beam search's responses, whose rows are its beams so far), then writes them
+    one after another, each under `--- <label> k ---`; TTFT and the output token count go to
+    `err`, and with `log_probs` each row's summed log probability."""
     texts, ttft, num_output, cum, perf = [""] * num, None, 0, [], {}
     for chunk in chunks:
         ttft = chunk.elapsed_s if ttft is None else ttft
-        num_output += chunk.counts.get("num_output_tokens", 0)
+        whole = chunk.sequence_index == -1
+        num_output = (0 if whole else num_output) + chunk.counts.get("num_output_tokens", 0)
         for k, text in enumerate(chunk.texts):
-            texts[k] += text
+            texts[k] = text if whole else texts[k] + text
         cum = chunk.cum_log_probs or cum  # running sums: the last response's are the totals
         if chunk.perf:  # per sequence when streamed; -1: a response carrying every row
             perf[chunk.sequence_index] = chunk.perf

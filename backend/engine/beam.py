@@ -116,6 +116,14 @@ class BeamSearch:
                      or (len(self.finished) == W and self.params.early_stopping))
         return [(p, t) for p, t, _ in nxt]
 
+    def running(self) -> list[BeamOutput]:
+        """The running beams so far, best first (what a streamed beam search sends at each
+        step): their ids, log probabilities (where recorded), scores at their current length
+        and finish_reason "". Their logits are not copied (the final outputs carry them)."""
+        penalty = max(1, self.num_generated) ** self.params.length_penalty
+        return [BeamOutput(list(h), list(lp), float(sum(lp)), s / penalty, "")
+                for h, lp, s in zip(self.histories, self.log_probs, self.scores)]
+
     def outputs(self) -> list[BeamOutput]:
         """The finished beams, best first (the running ones, as `length`, where none
         finished)."""

@@ -159,6 +159,10 @@ class Request:
     # The LoRA adapter it runs on (a name the engine loaded, `Engine.load_lora`); None: the
     # base model. Its prefixes are cached apart from the base model's and other adapters'.
     lora_name: str | None = None
+    # Beam search (beam_width > 1): an output at every step, before the final one, whose
+    # `beams` are the running beams so far, best first (TensorRT-LLM streams beams so);
+    # without it the final output is the only one.
+    stream_beams: bool = False
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -198,7 +202,9 @@ class RequestOutput:
     prompt_log_probs: list[float] | None = None
     prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
     # Beam search (beam_width > 1): the finished beams, best first, in the request's final
-    # output only (new_token_ids / log_probs / cum_log_prob are the best beam's).
+    # output (new_token_ids / log_probs / cum_log_prob are the best beam's); with
+    # Request.stream_beams, the running beams so far in each output before it (no
+    # new_token_ids, finish_reason "" on each beam).
     beams: list[BeamOutput] | None = None
     # With Request.return_perf_metrics: the request's metrics so far.
     metrics: RequestMetrics | None = None

@@ -692,9 +692,11 @@ class Scheduler:
         return outputs
 
     def _beam_step(self, group: BeamGroup, logits: torch.Tensor) -> RequestOutput | None:
-        """Scores the beams' continuations (`BeamSearch.step`). The request's only output
-        is its last: the finished beams, best first. Otherwise the next beams are set up
-        after the outputs (`_beam_advance`)."""
+        """Scores the beams' continuations (`BeamSearch.step`). The request's last output
+        carries the finished beams, best first; before it, a request that streams its beams
+        (`Request.stream_beams`) gets an output at each step carrying the running beams so
+        far, the others none. The next beams are set up after the outputs
+        (`_beam_advance`)."""
         search, leader = group.search, group.leader
         params = leader.request.sampling
         n, V = logits.shape
@@ -711,7 +713,12 @@ class Scheduler:
         selection = search.step(scores, raw, kept)
         if not search.done:
             self._beam_pending.append((group, selection))
-            return None
+            if not leader.request.stream_beams:
+                return None
+            out = leader.output([], False)
+            out.beams = search.running()
+            out.num_output_tokens = search.num_generated
+            return out
         self._after.append(partial(self._finish_beams, group))
         beams = search.outputs()
         if not beams:

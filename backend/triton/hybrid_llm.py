@@ -49,7 +49,8 @@ class OpenRequest:
     Sequence 0 is submitted at once, its siblings (num_return_sequences > 1) when its first
     output arrives: by then its prompt's pages and the state at their end are in the prefix
     store, so the siblings start from the cache instead of prefilling the prompt again. A beam
-    search is one engine request (no siblings) whose final output carries every beam."""
+    search is one engine request (no siblings) whose final output carries every beam (streamed,
+each step's output carries the running beams so far)."""
 
     sender: Any
     stream: OutputStream
@@ -179,6 +180,7 @@ class HybridLlm:
                 return_context_logits=parsed.return_context_logits and k == 0,
                 return_prompt_log_probs=parsed.return_prompt_log_probs and k == 0,
                 retention=parsed.retention,
+                stream_beams=parsed.streaming and parsed.beam_search,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:

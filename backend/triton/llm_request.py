@@ -39,7 +39,8 @@ states; num_return_sequences K (1..64) asks for K sequences from the one prompt,
 requests (`backend/triton/llm_response.py` lays them out).
 
 beam_width W (1..64) > 1 is beam search (`backend/engine/beam.py`): one engine request whose
-final output carries its beams, ranked by summed log probability over generated length **
+final output carries its beams (streaming: each step's output, the running beams so far),
+ranked by summed log probability over generated length **
 len_penalty (`SamplingParams.length_penalty`, default 1.0); early_stopping ends the search once
 W beams finished. As in TensorRT-LLM, num_return_sequences then counts beams: absent, all W
 are returned; given, it must be in 1..W and the best K are. Beam search is deterministic

@@ -45,14 +45,19 @@ finished, each row all of its generated ids (after the prompt unless
 exclude_input_in_output); num_output_tokens and the cache counts are summed over the rows.
 The final flag goes with the response that ends the last sequence.
 
-Beam search (beam_width W > 1): one engine request, whose only output is its final one
-carrying the beams (`RequestOutput.beams`, best first); K = num_return_sequences (1..W) rows
-hold the best K beams: the ids as above (after the prompt unless exclude_input_in_output),
-each beam's own log probabilities and cum_log_prob, num_output_tokens summed over the rows,
-the cache counts the one engine request's, sequence_index -1, flush true. Streaming or not,
-that is the request's one response: beams are sent once, at the end (TensorRT-LLM streams
-every beam's tokens so far instead). Rows beyond the beams the search finished (fewer than W
-only in corner cases) are empty.
+Beam search (beam_width W > 1): one engine request, whose final output carries the finished
+beams (`RequestOutput.beams`, best first); K = num_return_sequences (1..W) rows hold the best
+K beams, each row a whole beam: its ids (not streaming: after the prompt unless
+exclude_input_in_output), its own log probabilities and cum_log_prob, num_output_tokens
+summed over the rows, the cache counts the one engine request's, sequence_index -1, prefix
+empty. Not streaming, that is the request's one response. Streaming (as TensorRT-LLM streams
+beams: every beam's tokens so far, since a step can reorder or replace beams), the engine
+request streams its beams (`Request.stream_beams`) and every step's output becomes a
+response laid out the same way, holding the best K running beams so far, never the prompt,
+finish_reason "" and flush false (postprocessing decodes each row whole, holding back an
+unfinished character); the final response holds the finished beams, flush true. A client
+keeps the latest response's rows (they replace, not extend, the earlier ones). Rows beyond
+the beams the search has (fewer than W only in corner cases) are empty.
 """
 
 from __future__ import annotations
@@ -143,11 +148,12 @@ class OutputStream:
                              context=self.context, tops=self.tops, scores=self.prompt_scores), True
 
     def _beams(self, out: RequestOutput) -> tuple[Tensors | None, bool]:
-        """A beam search's output: nothing before its final one, which holds the best K
-        beams."""
-        if not out.finished:
+        """A beam search's output: the best K beams, whole. Streaming, each output before the
+        final one carries the best K running beams so far (flush false); otherwise nothing
+        is sent before the final output. Streamed rows never hold the prompt."""
+        if not out.finished and (not self.streaming or not out.beams):
             return None, False
-        self.unfinished = 0
+        self.unfinished -= out.finished
         beams = out.beams
         if beams is None:  # not expected from the engine: the output as the one beam
             beams = [BeamOutput(list(out.new_token_ids), list(out.log_probs), out.cum_log_prob,
@@ -157,15 +163,16 @@ class OutputStream:
         log_probs = [b.log_probs for b in beams] + [[]] * (self.num_sequences - len(beams))
         cum = [b.cum_log_prob for b in beams] + [0.0] * (self.num_sequences - len(beams))
         reasons = [b.finish_reason for b in beams] + [""] * (self.num_sequences - len(beams))
-        ids = [g if self.exclude_input else self.prompt_ids + g for g in generated]
+        bare = self.exclude_input or self.streaming
+        ids = [g if bare else self.prompt_ids + g for g in generated]
         logits = [None if b.logits is None else _numpy(b.logits) for b in beams]
         logits += [None] * (self.num_sequences - len(beams))
         context = None if out.context_logits is None else _numpy(out.context_logits)
         scores = None if out.prompt_log_probs is None else (out.prompt_log_probs,
                                                             out.prompt_top_log_probs or [])
-        return self._tensors(ids, [[]] * self.num_sequences, log_probs, True, [out], -1, reasons,
-                             num_output=sum(map(len, generated)), cum=cum, logits=logits,
-                             context=context, scores=scores), True
+        return self._tensors(ids, [[]] * self.num_sequences, log_probs, out.finished, [out], -1,
+                             reasons, num_output=sum(map(len, generated)), cum=cum,
+                             logits=logits, context=context, scores=scores), out.finished
 
     def _rows(self, index: int, values, empty=None) -> list:
         """`values` in row `index`, `empty` (default: a new empty list) in the others."""

@@ -90,6 +90,46 @@ def test_beams_are_transformers_beams(hf, engine, prompt, case):
     assert_no_leak(engine)
 
 
+def test_a_streamed_search_sends_its_running_beams_every_step(hf, engine):
+    """stream_beams: an output at every step before the final one, carrying the running
+    beams so far (best first, one token longer each step, their log probabilities the
+    model's); every finished beam was one of them the step before it ended; the final
+    output is the unstreamed search's."""
+    params = SamplingParams(max_tokens=40, beam_width=4, end_id=10, return_log_probs=True)
+    plain = engine.generate(PROMPTS[0], params)
+    outs = []
+    engine.submit(Request("streamed", PROMPTS[0], params, on_output=outs.append,
+                          stream_beams=True))
+    while engine.has_work:
+        engine.step()
+    *steps, final = outs
+    assert final.finished and all(not o.finished and not o.new_token_ids for o in steps)
+    assert [b.token_ids for b in final.beams] == [b.token_ids for b in plain.beams]
+    assert final.new_token_ids == plain.new_token_ids
+    assert [len(o.beams[0].token_ids) for o in steps] == list(range(1, len(steps) + 1))
+    running: dict[int, list[list[int]]] = {}
+    for o in steps:
+        n = len(o.beams[0].token_ids)
+        assert 1 <= len(o.beams) <= 4 and all(len(b.token_ids) == n for b in o.beams)
+        assert all(b.finish_reason == "" for b in o.beams)
+        scores = [b.score for b in o.beams]
+        assert scores == sorted(scores, reverse=True)
+        assert o.num_output_tokens == n
+        running[n] = [b.token_ids for b in o.beams]
+    for beam in final.beams:  # its parent ran the step before (an end id is not output)
+        ended_at = len(beam.token_ids) + (beam.finish_reason == "eos") - 1
+        if ended_at:
+            assert beam.token_ids[:ended_at] in running[ended_at]
+    last = steps[-1].beams[0]
+    with torch.inference_mode():
+        rows = hf(torch.tensor([PROMPTS[0] + last.token_ids])).logits[0, len(PROMPTS[0]) - 1:-1]
+    raw = torch.log_softmax(rows.float(), -1)[torch.arange(len(last.token_ids)),
+                                              torch.tensor(last.token_ids)]
+    torch.testing.assert_close(torch.tensor(last.log_probs), raw, atol=1e-4, rtol=0)
+    assert last.cum_log_prob == pytest.approx(float(raw.sum()), abs=1e-3)
+    assert_no_leak(engine)
+
+
 def test_beside_speculative_requests(hf):
     """A search decoding in the steps where other rows verify drafts (the forward returns
     several positions a row) keeps transformers' beams; the other rows keep their drafts."""
@@ -192,17 +232,24 @@ def test_preempted_search_restarts_to_the_same_beams(family_model):
     prompts = [random_prompt(30 + 5 * i, vocab, seed=20 + i) for i in range(2)]
     expected = [reference_beams(family_model, p, params) for p in prompts]
     engine = make_engine(family_model, num_kv_pages=16, max_num_seqs=8)
-    results = {}
-    for i, prompt in enumerate(prompts):
-        engine.submit(Request(f"beam-{i}", prompt, params,
-                              on_output=lambda out, i=i: results.setdefault(i, out)))
+    results, streamed = {}, {0: [], 1: []}
+    for i, prompt in enumerate(prompts):  # the second streams its beams
+        engine.submit(Request(f"beam-{i}", prompt, params, on_output=streamed[i].append,
+                              stream_beams=i == 1))
     engine.submit(Request("long", random_prompt(60, vocab, seed=9),
                           SamplingParams(max_tokens=60, top_k=1)))
     while engine.has_work:
         engine.step()
     assert engine.stats()["preemptions"] > 0, "the pool should have been too small"
     for i in range(2):
+        results[i] = streamed[i][-1]
+        assert results[i].finished
         assert [b.token_ids for b in results[i].beams] == expected[i]
+    assert len(streamed[0]) == 1  # not streamed: the final output only
+    lengths = [len(o.beams[0].token_ids) for o in streamed[1][:-1]]
+    # A restart after a preemption streams the restarted beams (lengths from 1 again); the
+    # last run streamed each of its 39 steps before the final output.
+    assert lengths[-39:] == list(range(1, 40))
     assert_no_leak(engine)
 
 

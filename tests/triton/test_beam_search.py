@@ -1,8 +1,8 @@
 """Beam search served through the ensemble (beam_width > 1, TensorRT-LLM style): the rows are
 transformers' `generate(num_beams=W, num_return_sequences=W)` beams, best first, with each
-beam's log probabilities; streamed or not, a beam request gets one final response carrying
-every beam; num_return_sequences K picks the best K; bad combinations are INVALID_ARG naming
-the problem."""
+beam's log probabilities; not streamed, a beam request gets one final response carrying
+every beam, streamed a response per step with every beam so far; num_return_sequences K
+picks the best K; bad combinations are INVALID_ARG naming the problem."""
 
 from __future__ import annotations
 
@@ -112,15 +112,27 @@ def test_beams_are_transformers_beams(llm_server: ServerHandle, reference, token
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
-def test_streamed_beams_come_in_one_final_response(llm_server: ServerHandle, reference,
-                                                   tokenizer, transport):
+def test_streamed_beams_come_whole_at_every_step(llm_server: ServerHandle, reference,
+                                                 tokenizer, transport):
+    """As TensorRT-LLM streams beams: a response per step holding every running beam so far
+    (rows of one more token each step, no finish reason yet), then the finished beams."""
     if transport == "grpc":
         chunks = list(stream_grpc(llm_server.urls.grpc, beam_params()))
         assert chunks[-1].final
     else:
         chunks = list(stream_http(llm_server.urls.http, beam_params()))
-    assert len(chunks) == 1
-    assert_rows(chunks[0], reference("default"), tokenizer)
+    *steps, last = chunks
+    expected = reference("default")
+    assert len(steps) >= max(len(b.ids) for b in expected) - 1
+    for n, chunk in enumerate(steps, start=1):
+        assert chunk.sequence_index == -1 and chunk.finish_reasons == [""] * WIDTH
+        assert chunk.counts["num_output_tokens"] == WIDTH * n
+        assert [len(row) for row in chunk.log_probs_by_sequence] == [n] * WIDTH
+        assert all(len(text) <= n for text in chunk.texts)  # decoded whole, never the prompt
+    assert_rows(last, expected, tokenizer)
+    assert last.finish_reasons == [("eos" if len(b.ids) < MAX_TOKENS else "length")
+                                   for b in expected]
+    idle_pool(llm_server)
 
 
 def test_num_return_sequences_returns_the_best_beams(llm_server: ServerHandle, reference,
@@ -129,8 +141,8 @@ def test_num_return_sequences_returns_the_best_beams(llm_server: ServerHandle, r
     two = generate_http(llm_server.urls.http, beam_params(num_return_sequences=2))
     assert_rows(two, expected[:2], tokenizer)
     one = list(stream_grpc(llm_server.urls.grpc, beam_params(num_return_sequences=1)))
-    assert len(one) == 1
-    assert_rows(one[0], expected[:1], tokenizer)
+    assert len(one) > 1 and all(len(c.texts) == 1 for c in one)  # the best running beam
+    assert_rows(one[-1], expected[:1], tokenizer)
     # The prompt before each beam when the client asks for it.
     whole = generate_http(llm_server.urls.http, beam_params(num_return_sequences=2,
                                                             exclude_input_in_output=False))

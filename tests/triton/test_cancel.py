@@ -34,6 +34,24 @@ def test_cancel_through_the_ensemble_releases_pages(llm_server: ServerHandle):
     assert after["free_or_cached"] == before["free_or_cached"]
 
 
+def test_cancelling_a_streamed_beam_search_stops_it(llm_server: ServerHandle):
+    """A streamed beam search sends a response per step, so its cancellation reaches it
+    the same way (not streamed, it would run to its end)."""
+    before = idle_pool(llm_server)
+    stops = llm_server.logs().count("stopped (stop=true)")
+    prompt = long_prompt("Beams to cancel", 100)
+    params = GenerateParams(prompt, max_tokens=600, min_tokens=600, beam_width=3)
+    stream = stream_grpc(llm_server.urls.grpc, params)
+    chunks = [next(stream) for _ in range(3)]
+    wait_until(lambda: pool_state(llm_server)["held_by_requests"] > 0, 10, "held pages")
+    stream.close()
+    wait_until(lambda: llm_server.logs().count("stopped (stop=true)") > stops, 20, "a stop")
+    after = idle_pool(llm_server, timeout_s=20)
+    assert [len(c.texts) for c in chunks] == [3, 3, 3] and not any(c.final for c in chunks)
+    assert after["held_by_requests"] == 0
+    assert after["free_or_cached"] == before["free_or_cached"]
+
+
 def test_closing_an_http_stream_stops_the_generation(llm_server: ServerHandle):
     """Triton marks a generate_stream request cancelled when its client disconnects; the
     ensemble's next postprocessing step forwards it as `stop`, as for gRPC."""

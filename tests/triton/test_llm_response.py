@@ -182,9 +182,16 @@ BEAMS = [BeamOutput([7, 8, 9], [-0.1, -0.2, -0.3], -0.6, -0.2, "length"),
          BeamOutput([6], [-1.5], -1.5, -1.5, "eos")]
 
 
-@pytest.mark.parametrize("streaming", [False, True])
-def test_beam_search_sends_its_beams_in_one_final_response(streaming):
-    stream = OutputStream("r#0", [1, 2], streaming=streaming, exclude_input=False,
+def running_output(beams: list[BeamOutput]) -> RequestOutput:
+    """A streamed beam search's output before its final one: no new ids, the running
+    beams."""
+    out = output([])
+    out.beams = beams
+    return out
+
+
+def test_beam_search_without_streaming_sends_its_beams_in_one_final_response():
+    stream = OutputStream("r#0", [1, 2], streaming=False, exclude_input=False,
                           num_sequences=3, beam_search=True)
     assert stream.unfinished == 1  # one engine request for the three rows
     done = send(stream, beam_output(BEAMS))
@@ -202,6 +209,36 @@ def test_beam_search_sends_its_beams_in_one_final_response(streaming):
     assert done["flush"][0, 0] and done["sequence_index"].tolist() == [[-1]]
     assert done["request_key"].tolist() == [[b"r#0"]]
     assert done["finish_reason"].tolist() == [[b"length", b"eos", b"eos"]]  # each beam's
+
+
+def test_streamed_beam_search_sends_every_steps_running_beams_whole():
+    """As TensorRT-LLM streams beams: each step's response holds the best K running beams so
+    far (whole rows, never the prompt, flush false, no finish reason); the final one the
+    finished beams, flushed."""
+    stream = OutputStream("r#0", [1, 2], streaming=True, exclude_input=False, num_sequences=2,
+                          beam_search=True)
+    first = send(stream, running_output([BeamOutput([7], [-0.1], -0.1, -0.1, ""),
+                                         BeamOutput([6], [-1.5], -1.5, -1.5, ""),
+                                         BeamOutput([5], [-2.0], -2.0, -2.0, "")]))
+    assert first["output_ids"].tolist() == [[[7], [6]]]  # the best 2 of 3, no prompt
+    assert first["sequence_length"].tolist() == [[1, 1]]
+    assert first["num_output_tokens"].tolist() == [[2]]
+    assert not first["flush"][0, 0] and first["sequence_index"].tolist() == [[-1]]
+    assert first["prefix_length"].tolist() == [[0, 0]]
+    assert first["finish_reason"].tolist() == [[b"", b""]]
+    assert first["cum_log_probs"].tolist() == [[pytest.approx(-0.1), -1.5]]
+    assert stream.unfinished == 1
+    # The next step reordered the beams: the rows follow.
+    second = send(stream, running_output([BeamOutput([6, 4], [-1.5, -0.1], -1.6, -0.8, ""),
+                                          BeamOutput([7, 8], [-0.1, -2.0], -2.1, -1.05, "")]))
+    assert second["output_ids"].tolist() == [[[6, 4], [7, 8]]]
+    assert second["output_log_probs"].tolist() == [[[-1.5, pytest.approx(-0.1)],
+                                                    [pytest.approx(-0.1), -2.0]]]
+    assert send(stream, output([])) is None  # no beams: nothing to send
+    done = send(stream, beam_output(BEAMS))
+    assert done["output_ids"].tolist() == [[[7, 8, 9], [7, 5, 0]]]  # streamed: no prompt
+    assert done["flush"][0, 0] and stream.unfinished == 0
+    assert done["finish_reason"].tolist() == [[b"length", b"eos"]]
 
 
 def test_beam_search_returns_the_best_k_beams():
