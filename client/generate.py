@@ -176,6 +176,7 @@ class Chunk:
     # num_top_log_probs) its position's alternatives [P - 1, N] over gRPC, flat over HTTP.
     prompt_token_ids: np.ndarray | None = None
     prompt_log_probs: np.ndarray | None = None
+    prompt_log_prob_ranks: np.ndarray | None = None
     prompt_top_log_prob_ids: np.ndarray | None = None
     prompt_top_log_probs: np.ndarray | None = None
 
@@ -208,8 +209,8 @@ class GenerateError(RuntimeError):
         self.message = message
 
 
-PROMPT_SCORES = ("prompt_token_ids", "prompt_log_probs", "prompt_top_log_prob_ids",
-                 "prompt_top_log_probs")
+PROMPT_SCORES = ("prompt_token_ids", "prompt_log_probs", "prompt_log_prob_ranks",
+                 "prompt_top_log_prob_ids", "prompt_top_log_probs")
 RETENTION_RANGE_INPUTS = ("retention_token_range_starts", "retention_token_range_ends",
                           "retention_token_range_priorities",
                           "retention_token_range_durations_ms")
@@ -448,7 +449,7 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
     for name in ("generation_logits", "context_logits", "top_log_probs", "top_log_prob_ids",
                  *PROMPT_SCORES):
         if name in body:
-            dtype = np.int32 if name.endswith("ids") else np.float32
+            dtype = np.int32 if name.endswith(("ids", "ranks")) else np.float32
             setattr(chunk, name, np.asarray(body[name], dtype=dtype).reshape(-1))
     return chunk
 

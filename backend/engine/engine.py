@@ -445,9 +445,10 @@ class Engine:
             seq.context_rows = None
         if seq is not None and seq.prompt_scores is not None and seq.first_token_time is not None \
                 and sum(len(s[0]) for s in seq.prompt_scores) == seq.num_prompt_tokens - 1:
-            out.prompt_log_probs = [v for values, _ in seq.prompt_scores for v in values]
+            out.prompt_log_probs = [v for values, _, _ in seq.prompt_scores for v in values]
+            out.prompt_log_prob_ranks = [r for _, _, ranks in seq.prompt_scores for r in ranks]
             if seq.request.sampling.top_log_probs:
-                out.prompt_top_log_probs = [t for _, tops in seq.prompt_scores for t in tops]
+                out.prompt_top_log_probs = [t for _, tops, _ in seq.prompt_scores for t in tops]
             seq.prompt_scores = None
         if callback is not None:
             try:
@@ -530,7 +531,8 @@ class Engine:
             if out.context_logits is not None:
                 context_logits.append(out.context_logits)
             if out.prompt_log_probs is not None:
-                prompt_scores.append((out.prompt_log_probs, out.prompt_top_log_probs))
+                prompt_scores.append((out.prompt_log_probs, out.prompt_top_log_probs,
+                                      out.prompt_log_prob_ranks))
             if out.finished:
                 final.append(out)
                 done.set()
@@ -553,7 +555,8 @@ class Engine:
         if context_logits:
             out.context_logits = context_logits[0]
         if prompt_scores:
-            out.prompt_log_probs, out.prompt_top_log_probs = prompt_scores[0]
+            (out.prompt_log_probs, out.prompt_top_log_probs,
+             out.prompt_log_prob_ranks) = prompt_scores[0]
         return out
 
     def stats(self) -> dict:

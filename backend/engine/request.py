@@ -198,9 +198,11 @@ class RequestOutput:
     top_log_probs: list[list[tuple[int, float]]] = field(default_factory=list)
     # With Request.return_prompt_log_probs, on the first output: the log probability of each
     # prompt token after the first (num_input_tokens - 1 values) and, with top_log_probs,
-    # the likeliest tokens at each of those positions.
+    # the likeliest tokens at each of those positions, and each of those tokens' rank at its
+    # position (1: the likeliest; vLLM's `rank`).
     prompt_log_probs: list[float] | None = None
     prompt_top_log_probs: list[list[tuple[int, float]]] | None = None
+    prompt_log_prob_ranks: list[int] | None = None
     # Beam search (beam_width > 1): the finished beams, best first, in the request's final
     # output (new_token_ids / log_probs / cum_log_prob are the best beam's); with
     # Request.stream_beams, the running beams so far in each output before it (no

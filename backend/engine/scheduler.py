@@ -866,15 +866,19 @@ class Scheduler:
 
 
 def _prompt_scores(seq: Sequence, start: int, rows: torch.Tensor
-                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+                   ) -> tuple[list[float], list[list[tuple[int, float]]], list[int]]:
     """A prompt chunk's scores: the logits `rows` at positions start.. predict the prompt
     tokens after them (the last prompt position predicts the first generated token: not
-    scored); the log probability of each and its position's likeliest tokens."""
+    scored); the log probability of each, its position's likeliest tokens and its rank
+    there (1 + the tokens with higher logits, vLLM's `rank`)."""
     n = min(len(rows), seq.num_prompt_tokens - 1 - start)
     if n <= 0:
-        return [], []
+        return [], [], []
     targets = torch.tensor(seq.tokens[start + 1:start + 1 + n])
     top = seq.request.sampling.top_log_probs
     chosen, ids, values = scored_log_probs(rows[:n], targets, top)
     tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())] if top else []
-    return chosen.tolist(), tops
+    raw = rows[:n].float()
+    target_logits = raw.gather(1, targets.view(-1, 1).to(raw.device))
+    ranks = ((raw > target_logits).sum(-1) + 1).tolist()
+    return chosen.tolist(), tops, ranks

@@ -66,9 +66,9 @@ class Sequence:
     # Request.return_context_logits: the prompt chunks' logits so far, until delivered
     context_rows: list[torch.Tensor] | None = field(default=None, repr=False)
     # Request.return_prompt_log_probs: per prompt chunk, its positions' (log probability of
-    # the next prompt token, likeliest tokens), until delivered
-    prompt_scores: list[tuple[list[float], list[list[tuple[int, float]]]]] | None = field(
-        default=None, repr=False)
+    # the next prompt token, likeliest tokens, the token's rank), until delivered
+    prompt_scores: list[tuple[list[float], list[list[tuple[int, float]]], list[int]]] | None = \
+        field(default=None, repr=False)
     prefix_inserted: bool = False
     admission_deferrals: int = 0  # steps it stayed queued for its SSD reads
     prefill_waits: int = 0  # steps it stayed queued for a running prefill of its prefix

@@ -15,15 +15,18 @@ probability of each returned token and of the likeliest tokens at its position (
 distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
-`guided_grammar`, `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
+`guided_grammar`, `prompt_logprobs` (0..20: each prompt token's log probability after the
+first, its rank and its position's N likeliest tokens, vLLM's layout: the choice's
+`prompt_logprobs` in completions, the answer's in chat; not with stream, as vLLM),
+`cache_salt`, `chat_template_kwargs` (more variables for the chat template,
 e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last
 message is continued, as a prefilled answer); vLLM's `priority` (lower runs first); ours
 `session_id` (the ensemble's: a conversation's pages are kept longer); TensorRT-LLM's
 `no_repeat_ngram_size` (no n-gram of the text so far is generated again); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
-(the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
-`prompt_logprobs`: use `echo` with `logprobs`) are rejected with a 400 that names them, never
+(the legacy `functions`, `best_of` other than n, `suffix`, images) are rejected with a 400
+that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
 
@@ -65,6 +68,7 @@ class Plan:
     stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
     echo: bool = False
     logprobs: int | None = None  # None: not asked; else the alternatives a position returns
+    prompt_logprobs: int | None = None  # vLLM's: None, or the alternatives a prompt position
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     tools: ToolPlan | None = None  # chat with tools (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -293,12 +297,15 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     if bias:
         fields["embedding_bias_token_ids"] = [token for token, _ in bias]
         fields["embedding_bias_token_weights"] = [value for _, value in bias]
-    _refuse(body, "prompt_logprobs", "'prompt_logprobs' is not supported: use 'echo' with "
-            "'logprobs' (completions)")
+    plan.prompt_logprobs = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    top = plan.logprobs or 0  # the engine returns one count of alternatives for both
+    if plan.prompt_logprobs is not None:
+        fields["return_prompt_log_probs"] = True
+        top = max(top, plan.prompt_logprobs)
     if plan.logprobs is not None:
         fields["return_log_probs"] = True
-        if plan.logprobs:
-            fields["num_top_log_probs"] = plan.logprobs
+    if top:
+        fields["num_top_log_probs"] = top
     numbers = (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0),
                ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
                ("repetition_penalty", 0.0, None))
@@ -350,6 +357,9 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
         if not isinstance(options, dict):
             raise RequestError("'stream_options' must be an object", "stream_options")
         plan.include_usage = _bool(options, "include_usage", False, "stream_options.")
+    if plan.stream and plan.prompt_logprobs is not None:
+        raise RequestError("'prompt_logprobs' is not available with 'stream': true",
+                           "prompt_logprobs")
 
 
 def _guide(body: Mapping[str, Any]) -> tuple[str, str] | None:
@@ -584,6 +594,26 @@ def _floor(value: float) -> float:
     return max(float(value), MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
 
 
+def prompt_logprobs_body(names: TokenNames, ids: Sequence[int], log_probs: Sequence[float],
+                         ranks: Sequence[int], tops: Sequence[Sequence[tuple[int, float]]],
+                         top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then per token a dict from
+    token id (a string, as JSON keys are) to {logprob, rank, decoded_token}: the prompt's
+    token first, then its position's `top` likeliest tokens (ranks 1..top), the prompt's
+    token once where it is one of them."""
+    out: list[dict[str, dict[str, Any]] | None] = [None]
+    for i, token in enumerate(ids[1:]):
+        entry = {str(token): {"logprob": _floor(log_probs[i]),
+                              "rank": int(ranks[i]) if i < len(ranks) else None,
+                              "decoded_token": names(token)[0]}}
+        alternatives = tops[i][:top] if i < len(tops) else ()
+        for rank, (t, v) in enumerate(alternatives, start=1):
+            entry.setdefault(str(t), {"logprob": _floor(v), "rank": rank,
+                                      "decoded_token": names(t)[0]})
+        out.append(entry)
+    return out
+
+
 def logprobs_body(plan: Plan, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
     """A choice's `logprobs` for `entries` (None when the request did not ask): chat's
     `{"content": [{token, logprob, bytes, top_logprobs}]}` or completions'
@@ -653,10 +683,13 @@ def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
                   usage_body: dict[str, Any],
                   logprobs: Sequence[dict[str, Any] | None] | None = None,
                   calls: Sequence[list[dict[str, Any]]] | None = None,
-                  reasoning: Sequence[str | None] | None = None) -> dict[str, Any]:
+                  reasoning: Sequence[str | None] | None = None,
+                  prompt_logprobs: Sequence[list | None] | None = None) -> dict[str, Any]:
     """The non-streamed answer: `chat.completion` / `text_completion`; `calls`: each chat
     choice's tool calls (a message with calls has content null where it has no text);
-    `reasoning`: each chat choice's `reasoning_content` (None: no reasoning parser)."""
+    `reasoning`: each chat choice's `reasoning_content` (None: no reasoning parser);
+    `prompt_logprobs`: per prompt, vLLM's `prompt_logprobs` (None: not asked), on each of
+    its choices (completions) or on the answer (chat)."""
     logprobs = logprobs or [None] * len(texts)
     calls = calls or [[] for _ in texts]
     if plan.kind == "chat":
@@ -673,6 +706,12 @@ def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
     else:
         choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
                    for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
+        if prompt_logprobs is not None:
+            for i, choice in enumerate(choices):
+                choice["prompt_logprobs"] = prompt_logprobs[i // plan.n]
         kind = "text_completion"
-    return {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model,
+    body = {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model,
             "choices": choices, "usage": usage_body}
+    if prompt_logprobs is not None and plan.kind == "chat":
+        body["prompt_logprobs"] = prompt_logprobs[0]
+    return body

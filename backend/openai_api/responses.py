@@ -91,7 +91,7 @@ def to_chat(body: Any, store: ResponseStore) -> Conversion:
     if body.get("truncation") not in (None, "disabled"):
         raise RequestError("'truncation' must be 'disabled': an input longer than the context "
                            "is refused, not cut", "truncation")
-    for name in ("top_logprobs", "max_tool_calls"):
+    for name in ("top_logprobs", "prompt_logprobs", "max_tool_calls"):
         if body.get(name) is not None:
             raise RequestError(f"'{name}' is not supported by /v1/responses (chat "
                                "completions return log probabilities)", name)

@@ -128,9 +128,10 @@ class Run:
         self.last_at = 0.0  # the latest one
         protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
         protocol.check_logit_bias(plan, state.tokenizer)
-        if plan.logprobs is not None and state.token_names is None:
-            raise RequestError("'logprobs' needs the model's tokenizer, which the frontend "
-                               "did not find", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(plan, name) is not None and state.token_names is None:
+                raise RequestError(f"'{name}' needs the model's tokenizer, which the frontend "
+                                   "did not find", name)
         self.requests = [self._fields(p) for p in plan.prompts]
         # Several replicas: each prompt's token ids, which the router hashes page by page
         # (tokenized here, in the worker thread that builds the run, not on the event loop).
@@ -154,6 +155,8 @@ class Run:
                 choice.decoder = state.tokenizer.incremental_decoder()
                 choice.decoded = choice.sent = len(self._echo(i))
         self.prompt_tokens = [0] * len(plan.prompts)
+        # prompt_logprobs: per prompt, vLLM's list, once its response carried the scores
+        self.prompt_scores: list[list | None] = [None] * len(plan.prompts)
         self.cached_tokens = [0] * len(plan.prompts)
         self.completion_tokens = 0
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -245,8 +248,12 @@ class Run:
             self.completion_tokens += counts.get("num_output_tokens", 0)
             if response.index == 0 and "cached_tokens" in counts:
                 self.cached_tokens[p] = counts["cached_tokens"]
-            if response.prompt_ids and self.plan.echo:
+            if response.prompt_ids and self.plan.echo and self.plan.logprobs is not None:
                 self._score_prompt(p, response)
+            if response.prompt_ids and self.plan.prompt_logprobs is not None:
+                self.prompt_scores[p] = protocol.prompt_logprobs_body(
+                    self.state.token_names, response.prompt_ids, response.prompt_log_probs,
+                    response.prompt_ranks, response.prompt_tops, self.plan.prompt_logprobs)
             for k, text in enumerate(response.texts):
                 engine_reason = response.reasons[k] if k < len(response.reasons) else ""
                 index = p * n + k
@@ -316,11 +323,12 @@ class Run:
         """Row k's tokens, each where its text starts in the choice's text, waiting for
         their text to be sent."""
         tops = response.tops[k] if k < len(response.tops) else []
+        top = self.plan.logprobs or 0  # the engine's count may be prompt_logprobs' (larger)
         for i, (token, logprob) in enumerate(zip(response.ids[k], response.log_probs[k])):
             offset = choice.decoded
             choice.decoded += len(choice.decoder.push(token))
             choice.waiting.append(self.state.token_names.entry(
-                token, logprob, offset, tops[i] if i < len(tops) else ()))
+                token, logprob, offset, tops[i][:top] if i < len(tops) else ()))
 
     def _score_prompt(self, p: int, response: Any) -> None:
         """Prompt p's tokens (echo with logprobs), placed in its text as decoded with its
@@ -330,7 +338,7 @@ class Run:
         tops = response.prompt_tops
         for i, token in enumerate(response.prompt_ids):
             logprob = None if i == 0 else response.prompt_log_probs[i - 1]
-            top = tops[i - 1] if 0 < i <= len(tops) else ()
+            top = tops[i - 1][:self.plan.logprobs or 0] if 0 < i <= len(tops) else ()
             entries.append(names.entry(token, logprob, offset, top))
             offset += len(decoder.push(token))
         n = self.plan.n
@@ -404,7 +412,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         reasons = [c.reason or "stop" for c in run.choices]
         return web.json_response(protocol.response_body(
             plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls(),
-            run.reasoning()), headers={REQUEST_ID: plan.request_id})
+            run.reasoning(), run.prompt_scores if plan.prompt_logprobs is not None else None),
+            headers={REQUEST_ID: plan.request_id})
     except UpstreamError as exc:
         return _error(_client_error(exc))
     finally:

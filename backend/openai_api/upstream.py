@@ -64,9 +64,11 @@ class Response:
     log_probs: list[list[float]] = field(default_factory=list)
     tops: list[list[list[tuple[int, float]]]] = field(default_factory=list)
     # With return_prompt_log_probs, on the one response that carries them: the prompt's ids,
-    # each one's log probability after the first and its position's likeliest tokens.
+    # each one's log probability after the first, its rank there and its position's likeliest
+    # tokens.
     prompt_ids: list[int] = field(default_factory=list)
     prompt_log_probs: list[float] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
     prompt_tops: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
@@ -291,6 +293,8 @@ def _response(result: Any, response: Any, final: bool) -> Response:
     if "prompt_token_ids" in names and result.as_numpy("prompt_token_ids").size:
         out.prompt_ids = result.as_numpy("prompt_token_ids").reshape(-1).tolist()
         out.prompt_log_probs = result.as_numpy("prompt_log_probs").reshape(-1).tolist()
+        if "prompt_log_prob_ranks" in names:
+            out.prompt_ranks = result.as_numpy("prompt_log_prob_ranks").reshape(-1).tolist()
         if "prompt_top_log_prob_ids" in names:
             out.prompt_tops = _alternatives(result.as_numpy("prompt_top_log_prob_ids")[0],
                                             result.as_numpy("prompt_top_log_probs")[0])

@@ -31,7 +31,8 @@ outputs arrived for it:
   that carries the first sequence's first ids, or the one non-streamed response; [1, 0, 0] on
   the others);
   return_prompt_log_probs (ours), on that same response: prompt_token_ids [1, P] INT32,
-  prompt_log_probs [1, P - 1] FP32 (each prompt token's after the first) and
+  prompt_log_probs [1, P - 1] FP32 (each prompt token's after the first),
+  prompt_log_prob_ranks [1, P - 1] INT32 (its rank at its position, 1 = likeliest) and
   prompt_top_log_prob_ids [1, P - 1, N] INT32 / prompt_top_log_probs FP32 (its position's
   num_top_log_probs likeliest tokens; N = 0 without them); empty on the others.
 
@@ -99,7 +100,7 @@ class OutputStream:
         # generation logits collected (not streaming), the prompt's logits until sent
         self.logits: list[list[np.ndarray]] = [[] for _ in range(num_sequences)]
         self.context: np.ndarray | None = None
-        self.prompt_scores: tuple[list[float], list] | None = None  # until sent
+        self.prompt_scores: tuple[list[float], list, list[int]] | None = None  # until sent
 
     @property
     def num_sequences(self) -> int:
@@ -116,7 +117,7 @@ class OutputStream:
         if out.context_logits is not None:
             self.context = _numpy(out.context_logits)
         if out.prompt_log_probs is not None:
-            self.prompt_scores = (out.prompt_log_probs, out.prompt_top_log_probs or [])
+            self.prompt_scores = _scores(out)
         logits = None if out.generation_logits is None else _numpy(out.generation_logits)
         if self.streaming:
             if not out.new_token_ids and not out.finished:
@@ -168,8 +169,7 @@ class OutputStream:
         logits = [None if b.logits is None else _numpy(b.logits) for b in beams]
         logits += [None] * (self.num_sequences - len(beams))
         context = None if out.context_logits is None else _numpy(out.context_logits)
-        scores = None if out.prompt_log_probs is None else (out.prompt_log_probs,
-                                                            out.prompt_top_log_probs or [])
+        scores = None if out.prompt_log_probs is None else _scores(out)
         return self._tensors(ids, [[]] * self.num_sequences, log_probs, out.finished, [out], -1,
                              reasons, num_output=sum(map(len, generated)), cum=cum,
                              logits=logits, context=context, scores=scores), out.finished
@@ -185,7 +185,7 @@ class OutputStream:
                  logits: list[np.ndarray | None] | None = None,
                  context: np.ndarray | None = None,
                  tops: list[list[list[tuple[int, float]]]] | None = None,
-                 scores: tuple[list[float], list] | None = None) -> Tensors:
+                 scores: tuple[list[float], list, list[int]] | None = None) -> Tensors:
         first = next(o for o in outs if o is not None)
         if cum is None:
             cum = [o.cum_log_prob if o is not None else 0.0 for o in self.last]
@@ -222,9 +222,9 @@ class OutputStream:
         return tensors
 
 
-    def _prompt_tensors(self, scores: tuple[list[float], list] | None) -> Tensors:
+    def _prompt_tensors(self, scores: tuple[list[float], list, list[int]] | None) -> Tensors:
         """The prompt's ids and scores (return_prompt_log_probs), or empty ones."""
-        values, tops = scores if scores is not None else ([], [])
+        values, tops, ranks = scores if scores is not None else ([], [], [])
         if tops:  # [1, 1, P - 1, N] -> [1, P - 1, N]
             top_ids, top_values = (a[0] for a in _padded_tops([tops]))
         else:  # no alternatives asked: [1, P - 1, 0]
@@ -233,7 +233,14 @@ class OutputStream:
         prompt = self.prompt_ids if scores is not None else []
         return {"prompt_token_ids": np.array([prompt], dtype=np.int32).reshape(1, -1),
                 "prompt_log_probs": np.array([values], dtype=np.float32).reshape(1, -1),
+                "prompt_log_prob_ranks": np.array([ranks], dtype=np.int32).reshape(1, -1),
                 "prompt_top_log_prob_ids": top_ids, "prompt_top_log_probs": top_values}
+
+
+def _scores(out: RequestOutput) -> tuple[list[float], list, list[int]]:
+    """An output's prompt scores: log probabilities, alternatives, ranks."""
+    return (out.prompt_log_probs or [], out.prompt_top_log_probs or [],
+            out.prompt_log_prob_ranks or [])
 
 
 def _perf(metrics: list[RequestMetrics]) -> Tensors:

@@ -193,6 +193,15 @@ def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf):
                                rtol=0)
     top = want[:-1].topk(3)
     assert [[t for t, _ in p] for p in first.prompt_top_log_probs] == top.indices.tolist()
+    # Each token's rank at its position: 1 + the tokens transformers finds likelier (with a
+    # margin, so float noise between the two computations cannot move it).
+    above = (want[:-1] > expected[:, None] + 1e-4).sum(-1) + 1
+    at_most = (want[:-1] > expected[:, None] - 1e-4).sum(-1)
+    ranks = torch.tensor(first.prompt_log_prob_ranks)
+    assert len(ranks) == len(prompt) - 1 and (ranks >= above).all() and (ranks <= at_most).all()
+    assert (ranks > 1).any() and (ranks == 1).any()
+    for r, ids, token in zip(ranks.tolist(), top.indices.tolist(), prompt[1:]):
+        assert (r <= 3) == (token in ids) and (r > 3 or ids[r - 1] == token)
     torch.testing.assert_close(torch.tensor([[v for _, v in p] for p in
                                              first.prompt_top_log_probs]), top.values,
                                atol=ATOL, rtol=0)
@@ -202,4 +211,4 @@ def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf):
     assert chunked.generate(prompt, SamplingParams(max_tokens=2)).prompt_log_probs is None
     single = chunked.generate(prompt[:1], SamplingParams(max_tokens=2),
                               return_prompt_log_probs=True)
-    assert single.prompt_log_probs == []
+    assert single.prompt_log_probs == [] and single.prompt_log_prob_ranks == []

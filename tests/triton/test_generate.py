@@ -278,12 +278,14 @@ def test_prompt_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
     assert np.allclose(scored.prompt_log_probs, out.prompt_log_probs, atol=1e-4)
     assert scored.prompt_top_log_prob_ids.tolist() == [[t for t, _ in p]
                                                        for p in out.prompt_top_log_probs]
+    assert scored.prompt_log_prob_ranks.tolist() == out.prompt_log_prob_ranks
     whole = generate_http(llm_server.urls.http, GenerateParams(
         prompt, max_tokens=2, top_k=1, return_prompt_log_probs=True,
         cache_salt=params.cache_salt))
     assert whole.prompt_token_ids.tolist() == ids
     assert np.allclose(whole.prompt_log_probs, out.prompt_log_probs, atol=1e-4)
     assert whole.prompt_top_log_probs.size == 0
+    assert whole.prompt_log_prob_ranks.tolist() == out.prompt_log_prob_ranks
     assert whole.counts["cached_tokens"] == 0  # scored: computed whole, though cached
 
 

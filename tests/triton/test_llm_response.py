@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from backend.engine.request import BeamOutput, RequestOutput
@@ -116,14 +117,18 @@ def test_prompt_scores_come_once_with_the_prompt_ids():
     first = output([9])
     first.prompt_log_probs = [-1.0, -2.0]
     first.prompt_top_log_probs = [[(6, -1.0), (1, -1.5)], [(3, -0.5), (7, -2.0)]]
+    first.prompt_log_prob_ranks = [1, 3]
     a = send(stream, first)
     assert a["prompt_token_ids"].tolist() == [[5, 6, 7]]
     assert a["prompt_log_probs"].tolist() == [[-1.0, -2.0]]
+    assert a["prompt_log_prob_ranks"].tolist() == [[1, 3]]
+    assert a["prompt_log_prob_ranks"].dtype == np.int32
     assert a["prompt_top_log_prob_ids"].tolist() == [[[6, 1], [3, 7]]]
     assert a["prompt_top_log_probs"].tolist() == [[[-1.0, -1.5], [-0.5, -2.0]]]
     b = send(stream, output([4], finished=True))
     assert b["prompt_token_ids"].shape == (1, 0) and b["prompt_log_probs"].shape == (1, 0)
     assert b["prompt_top_log_prob_ids"].shape == (1, 0, 0)
+    assert b["prompt_log_prob_ranks"].shape == (1, 0)
     # Without alternatives: [1, P - 1, 0]; not streamed: on the one response.
     whole = OutputStream("r#1", [5, 6, 7], streaming=False, exclude_input=True,
                          extras=frozenset({"prompt_log_probs"}))

@@ -222,6 +222,57 @@ def test_echo_with_logprobs_scores_the_prompt(sdk: openai.OpenAI, llm_server: Se
     assert streamed == list(zip(lp.tokens, lp.token_logprobs))
 
 
+def test_prompt_logprobs_are_vllms(frontend: str, llm_server: ServerHandle):
+    """vLLM's prompt_logprobs: null for the first prompt token, then per token a dict from
+    token id to {logprob, rank, decoded_token}: the prompt's token (Triton's log probability
+    and rank), then the position's N likeliest (ranks 1..N); on each completion choice, on a
+    chat answer; generated logprobs keep their own count; not with stream (400)."""
+    prompt = "Paris is the capital of France."
+    salt = uuid.uuid4().hex
+    triton = generate_http(llm_server.urls.http, GenerateParams(
+        prompt, max_tokens=1, top_k=1, num_top_log_probs=3, return_prompt_log_probs=True,
+        cache_salt=salt))
+    body = {"model": "ensemble", "prompt": prompt, "max_tokens": 2, "n": 2, "logprobs": 1,
+            "prompt_logprobs": 3, "top_k": 1, "cache_salt": salt}
+    status, answer = post(frontend, "/v1/completions", body)
+    assert status == 200, answer
+    P = len(prompt)  # one byte token a character
+    ids = triton.prompt_top_log_prob_ids.reshape(P - 1, 3)
+    values = triton.prompt_top_log_probs.reshape(P - 1, 3)
+    for choice in answer["choices"]:
+        scores = choice["prompt_logprobs"]
+        assert len(scores) == P and scores[0] is None
+        for i, entry in enumerate(scores[1:]):
+            token = prompt.encode()[i + 1]
+            first = next(iter(entry))  # the prompt's token first
+            assert first == str(token) and entry[first]["decoded_token"] == chr(token)
+            assert entry[first]["logprob"] == pytest.approx(triton.prompt_log_probs[i], abs=1e-5)
+            assert entry[first]["rank"] == triton.prompt_log_prob_ranks[i] >= 1
+            for rank, (t, v) in enumerate(zip(ids[i], values[i]), start=1):
+                assert entry[str(t)]["logprob"] == pytest.approx(float(v), abs=1e-5)
+                assert entry[str(t)]["rank"] == (rank if t != token else entry[first]["rank"])
+            assert len(entry) == 3 + (triton.prompt_log_prob_ranks[i] > 3)
+        # the generated tokens' alternatives: logprobs=1 (the token and at most one other)
+        assert all(len(top) <= 2 for top in choice["logprobs"]["top_logprobs"])
+    assert any(e[next(iter(e))]["rank"] > 3 for e in answer["choices"][0]["prompt_logprobs"][1:])
+    chat = {"model": "ensemble", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "prompt_logprobs": 0, "cache_salt": salt}
+    status, answer = post(frontend, "/v1/chat/completions", chat)
+    assert status == 200, answer
+    scores = answer["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == answer["usage"]["prompt_tokens"] > 2
+    assert all(len(e) == 1 and next(iter(e.values()))["rank"] >= 1 for e in scores[1:])
+    assert "logprobs" not in answer["choices"][0] or answer["choices"][0]["logprobs"] is None
+    for bad, message in (({**body, "stream": True}, "not available with 'stream': true"),
+                         ({**body, "prompt_logprobs": 21}, "'prompt_logprobs' must be from 0"),
+                         ({**body, "prompt_logprobs": -1}, "'prompt_logprobs' must be from 0")):
+        status, error = post(frontend, "/v1/completions", bad)
+        assert status == 400 and message in error["error"]["message"], error
+    status, error = post(frontend, "/v1/responses", {"model": "ensemble", "input": "Hi",
+                                                     "prompt_logprobs": 1})
+    assert status == 400 and "'prompt_logprobs' is not supported" in error["error"]["message"]
+
+
 def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
     """Chat logprobs: the tokens' bytes join to the answer (the turn end the template stops
     at is not one of them), each with top_logprobs alternatives, likeliest first, streamed

@@ -18,6 +18,7 @@ from backend.openai_api.protocol import (
     logprobs_body,
     parse_chat,
     parse_completion,
+    prompt_logprobs_body,
     prompt_texts,
     tokenize_body,
 )
@@ -85,7 +86,10 @@ BAD_COMPLETIONS = [
     ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 4}, "'best_of' other than n", 400),
     ({"model": "tiny", "prompt": "x", "logprobs": 21}, "'logprobs' must be from 0 to 20", 400),
     ({"model": "tiny", "prompt": "x", "logprobs": True}, "'logprobs' must be an integer", 400),
-    ({"model": "tiny", "prompt": "x", "prompt_logprobs": 1}, "'prompt_logprobs'", 400),
+    ({"model": "tiny", "prompt": "x", "prompt_logprobs": 21},
+     "'prompt_logprobs' must be from 0 to 20", 400),
+    ({"model": "tiny", "prompt": "x", "prompt_logprobs": 1, "stream": True},
+     "'prompt_logprobs' is not available with 'stream': true", 400),
     ({"model": "tiny", "prompt": "x", "suffix": "y"}, "'suffix'", 400),
     ({"model": "tiny", "prompt": "x", "no_repeat_ngram_size": -1},
      "'no_repeat_ngram_size' must be from 0", 400),
@@ -140,6 +144,30 @@ def test_logprobs_ask_the_ensemble_for_log_probabilities_and_alternatives():
     off = parse_chat({"model": "tiny", "messages": messages, "logprobs": False,
                       "top_logprobs": 0}, MODELS, chatml())
     assert off.logprobs is None and "return_log_probs" not in off.fields
+    # vLLM's prompt_logprobs: the prompt scored, one count of alternatives for both (the
+    # larger), without generated log probabilities unless asked.
+    scored = parse_completion({"model": "tiny", "prompt": "x", "logprobs": 1,
+                               "prompt_logprobs": 4}, MODELS)
+    assert scored.prompt_logprobs == 4 and scored.logprobs == 1
+    assert scored.fields == {"return_log_probs": True, "num_top_log_probs": 4,
+                             "return_prompt_log_probs": True}
+    bare = parse_chat({"model": "tiny", "messages": messages, "prompt_logprobs": 0}, MODELS,
+                      chatml())
+    assert bare.logprobs is None and bare.fields.get("return_prompt_log_probs") is True
+    assert "return_log_probs" not in bare.fields and "num_top_log_probs" not in bare.fields
+
+
+def test_prompt_logprobs_body_is_vllms():
+    names = TokenNames(byte_tokenizer())
+    ids = [ord(c) for c in "abc"]
+    tops = [[(ord("x"), -0.5), (ord("b"), -1.5)], [(ord("c"), float("-inf"))]]
+    body = prompt_logprobs_body(names, ids, [-1.5, float("-inf")], [4, 1], tops, 2)
+    assert body == [None,
+                    {"98": {"logprob": -1.5, "rank": 4, "decoded_token": "b"},
+                     "120": {"logprob": -0.5, "rank": 1, "decoded_token": "x"}},
+                    {"99": {"logprob": -9999.0, "rank": 1, "decoded_token": "c"}}]
+    assert list(body[1]) == ["98", "120"]  # the prompt's token first; once
+    assert prompt_logprobs_body(names, ids[:1], [], [], [], 3) == [None]
 
 
 def test_token_names_are_text_or_bytes():
