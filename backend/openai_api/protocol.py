@@ -15,7 +15,9 @@ probability of each returned token and of the likeliest tokens at its position (
 distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
-`guided_grammar`, `prompt_logprobs` (0..20: each prompt token's log probability after the
+`guided_grammar`, `use_beam_search` (the n choices are a beam search's n beams, best first,
+with `length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
+`prompt_logprobs` (0..20: each prompt token's log probability after the
 first, its rank and its position's N likeliest tokens, vLLM's layout: the choice's
 `prompt_logprobs` in completions, the answer's in chat; not with stream, as vLLM),
 `cache_salt`, `chat_template_kwargs` (more variables for the chat template,
@@ -69,6 +71,7 @@ class Plan:
     echo: bool = False
     logprobs: int | None = None  # None: not asked; else the alternatives a position returns
     prompt_logprobs: int | None = None  # vLLM's: None, or the alternatives a prompt position
+    beam: bool = False  # vLLM's use_beam_search (n > 1): the choices are the n beams
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     tools: ToolPlan | None = None  # chat with tools (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -333,6 +336,7 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
         fields["end_id"] = -1
     if plan.n > 1:
         fields["num_return_sequences"] = plan.n
+    _beam_search(body, plan)
     plan.stop = _stop(body.get("stop"))
     if plan.stop:
         fields["stop_words"] = list(plan.stop)
@@ -360,6 +364,29 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     if plan.stream and plan.prompt_logprobs is not None:
         raise RequestError("'prompt_logprobs' is not available with 'stream': true",
                            "prompt_logprobs")
+
+
+def _beam_search(body: Mapping[str, Any], plan: Plan) -> None:
+    """vLLM's `use_beam_search`: a beam search n wide whose n beams, best first, are the
+    choices (one wide: greedy decoding); `length_penalty` and `early_stopping` rank and end
+    its beams, and ask for something only with it (their neutral values pass)."""
+    penalty = _number(body, "length_penalty", -math.inf, None)
+    early = _bool(body, "early_stopping", False)
+    if not _bool(body, "use_beam_search", False):
+        for name, value, neutral in (("length_penalty", penalty, 1.0),
+                                     ("early_stopping", early, False)):
+            if value is not None and value != neutral:
+                raise RequestError(f"'{name}' only applies with 'use_beam_search': true", name)
+        return
+    if plan.n == 1:  # a beam one wide is the likeliest token each step
+        plan.fields["top_k"] = 1
+        return
+    plan.beam = True
+    plan.fields["beam_width"] = plan.n
+    if penalty is not None:
+        plan.fields["length_penalty"] = penalty
+    if early:
+        plan.fields["early_stopping"] = True
 
 
 def _guide(body: Mapping[str, Any]) -> tuple[str, str] | None:

@@ -242,18 +242,20 @@ class Run:
             if response is None:
                 closed.add(p)
                 continue
-            counts = response.counts
-            if "num_input_tokens" in counts:
-                self.prompt_tokens[p] = counts["num_input_tokens"]
-            self.completion_tokens += counts.get("num_output_tokens", 0)
-            if response.index == 0 and "cached_tokens" in counts:
-                self.cached_tokens[p] = counts["cached_tokens"]
             if response.prompt_ids and self.plan.echo and self.plan.logprobs is not None:
                 self._score_prompt(p, response)
             if response.prompt_ids and self.plan.prompt_logprobs is not None:
                 self.prompt_scores[p] = protocol.prompt_logprobs_body(
                     self.state.token_names, response.prompt_ids, response.prompt_log_probs,
                     response.prompt_ranks, response.prompt_tops, self.plan.prompt_logprobs)
+            if self.plan.beam and not any(response.reasons):
+                continue  # a beam search's running beams (it streams them: cancellable)
+            counts = response.counts
+            if "num_input_tokens" in counts:
+                self.prompt_tokens[p] = counts["num_input_tokens"]
+            self.completion_tokens += counts.get("num_output_tokens", 0)
+            if response.index in (0, -1) and "cached_tokens" in counts:
+                self.cached_tokens[p] = counts["cached_tokens"]
             for k, text in enumerate(response.texts):
                 engine_reason = response.reasons[k] if k < len(response.reasons) else ""
                 index = p * n + k

@@ -273,6 +273,52 @@ def test_prompt_logprobs_are_vllms(frontend: str, llm_server: ServerHandle):
     assert status == 400 and "'prompt_logprobs' is not supported" in error["error"]["message"]
 
 
+def test_use_beam_search_returns_the_ensembles_beams(frontend: str, sdk: openai.OpenAI,
+                                                     llm_server: ServerHandle):
+    """vLLM's use_beam_search: the n choices are the ensemble's beam_width = n beams, best
+    first (length_penalty passed on), streamed or not; one wide it is greedy decoding; beam
+    options without it, or alternatives with it, are a 400."""
+    prompt = "def fact(n):\n"
+    salt = uuid.uuid4().hex
+    ensemble = {}
+    for penalty in (1.0, 0.0):  # the stop string "\n": beams of different lengths
+        ensemble[penalty] = generate_http(llm_server.urls.http, GenerateParams(
+            prompt, max_tokens=16, beam_width=3, length_penalty=penalty, return_log_probs=True,
+            stop_words=("\n",), cache_salt=salt))
+    assert ensemble[1.0].texts != ensemble[0.0].texts  # the penalty reaches the search
+    body = {"model": "ensemble", "prompt": prompt, "max_tokens": 16, "n": 3, "logprobs": 0,
+            "use_beam_search": True, "stop": ["\n"], "cache_salt": salt}
+    for penalty, want in ensemble.items():
+        status, answer = post(frontend, "/v1/completions", {**body, "length_penalty": penalty})
+        assert status == 200, answer
+        # the text before the stop string, and its tokens (one a byte)
+        cut = [t.split("\n")[0] for t in want.texts]
+        assert [c["text"] for c in answer["choices"]] == cut
+        sums = [sum(c["logprobs"]["token_logprobs"]) for c in answer["choices"]]
+        assert sums == pytest.approx([sum(row[:len(t.encode())]) for row, t in
+                                      zip(want.log_probs_by_sequence, cut)], abs=1e-3)
+        assert answer["usage"]["completion_tokens"] == want.counts["num_output_tokens"]
+    texts = ["", "", ""]
+    for chunk in sdk.completions.create(model="ensemble", prompt=prompt, max_tokens=16, n=3,
+                                        stop=["\n"], stream=True,
+                                        extra_body={"use_beam_search": True,
+                                                    "cache_salt": salt}):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [t.split("\n")[0] for t in ensemble[1.0].texts]
+    one = {"model": "ensemble", "prompt": prompt, "max_tokens": 12, "cache_salt": salt}
+    beam_one = post(frontend, "/v1/completions", {**one, "use_beam_search": True})[1]
+    plain = post(frontend, "/v1/completions", {**one, "top_k": 1})[1]
+    assert beam_one["choices"][0]["text"] == plain["choices"][0]["text"]
+    for bad, message in (
+            ({"length_penalty": 0.5}, "'length_penalty' only applies with 'use_beam_search'"),
+            ({"early_stopping": True}, "'early_stopping' only applies with 'use_beam_search'"),
+            ({"use_beam_search": True, "n": 2, "logprobs": 2}, "top_log_probs with beam search")):
+        status, error = post(frontend, "/v1/completions", {**one, **bad})
+        assert status == 400 and message in error["error"]["message"], error
+    idle_pool(llm_server)
+
+
 def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
     """Chat logprobs: the tokens' bytes join to the answer (the turn end the template stops
     at is not one of them), each with top_logprobs alternatives, likeliest first, streamed
