@@ -14,8 +14,9 @@ how many alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the model'
 probability of each returned token and of the likeliest tokens at its position (the raw
 distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `guided_json`, `guided_regex`,
-`guided_grammar`, `use_beam_search` (the n choices are a beam search's n beams, best first,
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` (generation ends on one of
+these tokens, which stays in the text), `include_stop_str_in_output`, `bad_words`,
+`guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the strings), `use_beam_search` (the n choices are a beam search's n beams, best first,
 with `length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
 `prompt_logprobs` (0..20: each prompt token's log probability after the
 first, its rank and its position's N likeliest tokens, vLLM's layout: the choice's
@@ -27,8 +28,9 @@ message is continued, as a prefilled answer); vLLM's `priority` (lower runs firs
 `no_repeat_ngram_size` (no n-gram of the text so far is generated again); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
-(the legacy `functions`, `best_of` other than n, `suffix`, images) are rejected with a 400
-that names them, never
+(the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
+`skip_special_tokens` / `spaces_between_special_tokens` false, `allowed_token_ids`,
+`truncate_prompt_tokens`) are rejected with a 400 that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
 
@@ -72,6 +74,8 @@ class Plan:
     logprobs: int | None = None  # None: not asked; else the alternatives a position returns
     prompt_logprobs: int | None = None  # vLLM's: None, or the alternatives a prompt position
     beam: bool = False  # vLLM's use_beam_search (n > 1): the choices are the n beams
+    stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end on these tokens
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: keep the stop string
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     tools: ToolPlan | None = None  # chat with tools (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -340,6 +344,7 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     plan.stop = _stop(body.get("stop"))
     if plan.stop:
         fields["stop_words"] = list(plan.stop)
+    _vllm_text_options(body, plan)
     priority = _int(body, "priority", None)
     if priority:
         fields["priority"] = priority
@@ -364,6 +369,55 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     if plan.stream and plan.prompt_logprobs is not None:
         raise RequestError("'prompt_logprobs' is not available with 'stream': true",
                            "prompt_logprobs")
+
+
+def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
+    """vLLM's `stop_token_ids` (resolved against the tokenizer by `stop_token_texts`),
+    `include_stop_str_in_output` and `bad_words`; its `skip_special_tokens` /
+    `spaces_between_special_tokens` false, `allowed_token_ids` and `truncate_prompt_tokens`
+    ask for what this server does not do: a 400, not silently ignored."""
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+            raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
+        plan.stop_token_ids = list(dict.fromkeys(ids))
+    plan.include_stop = _bool(body, "include_stop_str_in_output", False)
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+            raise RequestError("'bad_words' must be a list of non-empty strings", "bad_words")
+        if words:
+            plan.fields["bad_words"] = list(dict.fromkeys(words))
+    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if not _bool(body, name, True):
+            raise RequestError(f"'{name}': false is not supported (the server's "
+                               "postprocessing decides how special tokens are written)", name)
+    _refuse(body, "allowed_token_ids", "'allowed_token_ids' is not supported: use "
+            "'logit_bias' or a guide ('guided_choice', 'guided_regex')")
+    _refuse(body, "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported: a "
+            "prompt longer than the context is refused, not cut")
+
+
+def stop_token_texts(plan: Plan, tokenizer: Any) -> None:
+    """`stop_token_ids` -> stop words for the ensemble (the token's text, kept only where the
+    server's tokenizer encodes it back to that one token, so the engine ends on exactly it;
+    its text stays in the output, as vLLM's does unless it is special); a 400 otherwise."""
+    if not plan.stop_token_ids:
+        return
+    if tokenizer is None:
+        raise RequestError("'stop_token_ids' need the model's tokenizer, which the frontend "
+                           "did not find: use 'stop'", "stop_token_ids")
+    words = plan.fields.setdefault("stop_words", [])
+    for token in plan.stop_token_ids:
+        if token >= tokenizer.vocab_size:
+            raise RequestError(f"'stop_token_ids': token id {token} is outside the vocabulary "
+                               f"[0, {tokenizer.vocab_size})", "stop_token_ids")
+        text = tokenizer.decode([token], skip_special_tokens=False)
+        if not text or tokenizer.encode(text) != [token]:
+            raise RequestError(f"'stop_token_ids': token {token} ({text!r}) is not one token "
+                               "when its text is encoded again: use 'stop'", "stop_token_ids")
+        if text not in words:
+            words.append(text)
 
 
 def _beam_search(body: Mapping[str, Any], plan: Plan) -> None:
@@ -421,9 +475,17 @@ def _guide(body: Mapping[str, Any]) -> tuple[str, str] | None:
             if not isinstance(value, str) or not value:
                 raise RequestError(f"'{name}' must be a non-empty string", name)
             guides.append((kind, value))
+    choices = body.get("guided_choice")
+    if choices is not None:  # exactly one of the strings: a grammar of their literals
+        if not isinstance(choices, list) or not choices or \
+                not all(isinstance(c, str) and c for c in choices):
+            raise RequestError("'guided_choice' must be a non-empty list of non-empty strings",
+                               "guided_choice")
+        literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
+        guides.append(("ebnf_grammar", f"root ::= {literals}"))
     if len(guides) > 1:
-        raise RequestError("at most one of response_format (json), guided_json, guided_regex "
-                           "and guided_grammar may be given", "response_format")
+        raise RequestError("at most one of response_format (json), guided_json, guided_regex, "
+                           "guided_grammar and guided_choice may be given", "response_format")
     return guides[0] if guides else None
 
 
@@ -547,13 +609,15 @@ def _bool(body: Mapping[str, Any], name: str, default: bool, where: str = "") ->
 
 
 class StopFilter:
-    """The text of one choice as it streams, cut before the first stop string it holds.
+    """The text of one choice as it streams, cut before the first stop string it holds
+    (after it with `keep`).
 
     The last (longest stop - 1) characters are held back until the next text shows they do
     not begin a stop string, so no client ever sees part of one."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], keep: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.keep = keep  # include_stop_str_in_output: the stop string goes out too
         self.hold = max(map(len, self.stops), default=1) - 1
         self.pending = ""
         self.stopped = False
@@ -563,9 +627,12 @@ class StopFilter:
         if self.stopped:
             return ""
         self.pending += text
-        found = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        found = [(i, -len(s)) for s, i in ((s, self.pending.find(s)) for s in self.stops)
+                 if i >= 0]
         if found:
-            out, self.pending, self.stopped = self.pending[:min(found)], "", True
+            at, minus_len = min(found)  # the first; of those there, the longest
+            end = at - minus_len if self.keep else at
+            out, self.pending, self.stopped = self.pending[:end], "", True
             return out
         keep = min(self.hold, len(self.pending))
         out = self.pending[:len(self.pending) - keep]

@@ -128,6 +128,7 @@ class Run:
         self.last_at = 0.0  # the latest one
         protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
         protocol.check_logit_bias(plan, state.tokenizer)
+        protocol.stop_token_texts(plan, state.tokenizer)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(plan, name) is not None and state.token_names is None:
                 raise RequestError(f"'{name}' needs the model's tokenizer, which the frontend "
@@ -144,7 +145,7 @@ class Run:
         calls = tools is not None and tools.choice != "none"
         call_start = state.tool_layout.start if calls and state.reasoning_parser == "qwen3" \
             else None
-        self.choices = [Choice(StopFilter(plan.stop),
+        self.choices = [Choice(StopFilter(plan.stop, keep=plan.include_stop),
                                tools=tools.stream(state.tool_layout) if tools else None,
                                reasoning=ReasoningReader.for_prompt(plan.prompts[i // plan.n],
                                                                     call_start)

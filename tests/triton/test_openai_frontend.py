@@ -319,6 +319,36 @@ def test_use_beam_search_returns_the_ensembles_beams(frontend: str, sdk: openai.
     idle_pool(llm_server)
 
 
+def test_vllm_text_options_reach_the_engine(frontend: str):
+    """vLLM's stop_token_ids (the generation ends on the token, which stays in the text),
+    include_stop_str_in_output, bad_words and guided_choice, against the same greedy
+    completion without them."""
+    prompt = "def fib(n):\n    if n < 2:\n        return n\n"
+    base = {"model": "ensemble", "prompt": prompt, "max_tokens": 24, "top_k": 1,
+            "cache_salt": uuid.uuid4().hex}
+
+    def complete(**extra) -> dict:
+        status, answer = post(frontend, "/v1/completions", {**base, **extra})
+        assert status == 200, answer
+        return answer["choices"][0]
+
+    plain = complete()["text"]
+    cut = len(plain) // 2
+    token = plain[cut]  # a character (one byte token) half way: the first time it appears
+    ended = complete(stop_token_ids=[ord(token)])
+    assert ended["text"] == plain[:plain.index(token) + 1] and ended["finish_reason"] == "stop"
+    stop = plain[cut:cut + 3]
+    assert complete(stop=[stop])["text"] == plain[:plain.index(stop)]
+    kept = complete(stop=[stop], include_stop_str_in_output=True)
+    assert kept["text"] == plain[:plain.index(stop) + 3] and kept["finish_reason"] == "stop"
+    word = plain.split()[0]
+    assert word not in complete(bad_words=[word])["text"]
+    for choices in (["yes", "no"], ["def fib", 'say "hi"\n']):
+        assert complete(guided_choice=choices, max_tokens=12)["text"] in choices
+    status, error = post(frontend, "/v1/completions", {**base, "stop_token_ids": [10**7]})
+    assert status == 400 and "outside the vocabulary" in error["error"]["message"]
+
+
 def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
     """Chat logprobs: the tokens' bytes join to the answer (the turn end the template stops
     at is not one of them), each with top_logprobs alternatives, likeliest first, streamed

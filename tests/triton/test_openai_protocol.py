@@ -20,6 +20,7 @@ from backend.openai_api.protocol import (
     parse_completion,
     prompt_logprobs_body,
     prompt_texts,
+    stop_token_texts,
     tokenize_body,
 )
 from backend.tokenizer import CHATML_TEMPLATE, byte_tokenizer
@@ -412,6 +413,48 @@ def test_earliest_stop_string_wins_and_text_without_one_is_whole():
     assert feed_all(free, ["abc", "xy", "z"[:0], "d"]) == "abcxyd" and not free.stopped
     none = StopFilter([])
     assert none.feed("abc") == "abc" and none.flush() == ""
+
+
+@pytest.mark.parametrize("pieces", [["Hello wor", "ld. STOP here zz"],
+                                    list("Hello world. STOP here zz")])
+def test_include_stop_str_in_output_keeps_the_first_stop_string(pieces):
+    stop = StopFilter(["zz", "STOP"], keep=True)
+    assert feed_all(stop, pieces) == "Hello world. STOP" and stop.stopped
+    assert stop.flush() == ""
+    both = StopFilter(["ST", "STOP"], keep=True)  # found at one place at once: the longest
+    assert feed_all(both, ["Hello world. STOP"]) == "Hello world. STOP"
+
+
+def test_vllm_text_options_become_ensemble_inputs():
+    plan = parse_completion({"model": "tiny", "prompt": "x", "stop": ["a"],
+                             "stop_token_ids": [ord("q"), 258, ord("q")],
+                             "include_stop_str_in_output": True,
+                             "bad_words": ["foo", "bar"], "skip_special_tokens": True}, MODELS)
+    assert plan.stop_token_ids == [ord("q"), 258] and plan.include_stop
+    assert plan.fields["bad_words"] == ["foo", "bar"]
+    stop_token_texts(plan, byte_tokenizer())
+    assert plan.fields["stop_words"] == ["a", "q", "<|im_end|>"]  # the special one by its name
+    assert plan.stop == ["a"]  # only the client's strings are cut from the text
+    choice = parse_completion({"model": "tiny", "prompt": "x",
+                               "guided_choice": ["yes", 'say "no"\n', "yes"]}, MODELS)
+    assert choice.fields["guided_decoding_guide_type"] == "ebnf_grammar"
+    assert choice.fields["guided_decoding_guide"] == 'root ::= "yes" | "say \\"no\\"\\n"'
+    for body, message in (
+            ({"stop_token_ids": [-1]}, "'stop_token_ids' must be a list of token ids"),
+            ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
+            ({"bad_words": [""]}, "'bad_words' must be a list of non-empty strings"),
+            ({"skip_special_tokens": False}, "'skip_special_tokens': false is not supported"),
+            ({"allowed_token_ids": [1, 2]}, "'allowed_token_ids' is not supported"),
+            ({"truncate_prompt_tokens": 5}, "'truncate_prompt_tokens' is not supported"),
+            ({"guided_choice": []}, "'guided_choice' must be a non-empty list"),
+            ({"guided_choice": ["a"], "guided_regex": "a"}, "at most one of")):
+        with pytest.raises(RequestError, match=message):
+            parse_completion({"model": "tiny", "prompt": "x", **body}, MODELS)
+    far = parse_completion({"model": "tiny", "prompt": "x", "stop_token_ids": [10**6]}, MODELS)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        stop_token_texts(far, byte_tokenizer())
+    with pytest.raises(RequestError, match="need the model's tokenizer"):
+        stop_token_texts(far, None)
 
 
 def test_finish_reasons_in_openai_terms():
