@@ -16,14 +16,15 @@ distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` 
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` (generation ends on one of
 these tokens, which stays in the text), `include_stop_str_in_output`, `bad_words`,
-`guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the strings), `use_beam_search` (the n choices are a beam search's n beams, best first,
-with `length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
-`prompt_logprobs` (0..20: each prompt token's log probability after the
-first, its rank and its position's N likeliest tokens, vLLM's layout: the choice's
-`prompt_logprobs` in completions, the answer's in chat; not with stream, as vLLM),
-`cache_salt`, `chat_template_kwargs` (more variables for the chat template,
-e.g. Qwen3's `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last
-message is continued, as a prefilled answer); vLLM's `priority` (lower runs first); ours
+`guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the
+strings), `use_beam_search` (the n choices are a beam search's n beams, best first, with
+`length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
+`prompt_logprobs` (0..20: each prompt token's log probability after the first, its rank and
+its position's N likeliest tokens, vLLM's layout: the choice's `prompt_logprobs` in
+completions, the answer's in chat; not with stream, as vLLM), `cache_salt`,
+`chat_template_kwargs` (more variables for the chat template, e.g. Qwen3's
+`enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last message
+is continued, as a prefilled answer); vLLM's `priority` (lower runs first); ours
 `session_id` (the ensemble's: a conversation's pages are kept longer); TensorRT-LLM's
 `no_repeat_ngram_size` (no n-gram of the text so far is generated again); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
