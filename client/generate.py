@@ -218,6 +218,7 @@ RETENTION_RANGE_INPUTS = ("retention_token_range_starts", "retention_token_range
 # Input dtypes of the ensemble (model_repo/ensemble/config.pbtxt).
 DTYPES = {
     **dict.fromkeys(RETENTION_RANGE_INPUTS, "INT32"),
+    "draft_input_ids": "INT32",
     "retention_decode_priority": "INT32",
     "retention_decode_duration_ms": "INT32",
     "text_input": "BYTES",

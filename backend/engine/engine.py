@@ -298,6 +298,11 @@ class Engine:
             if bad:
                 raise ValueError(f"{name} hold token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
+        if request.prediction is not None:
+            bad = [t for t in request.prediction if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"the prediction holds token ids {bad[:5]} outside the "
+                                 f"vocabulary [0, {vocab})")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias names token ids {bad[:5]} outside the vocabulary "

@@ -163,6 +163,11 @@ class Request:
     # `beams` are the running beams so far, best first (TensorRT-LLM streams beams so);
     # without it the final output is the only one.
     stream_beams: bool = False
+    # The output it is expected to hold, as token ids (OpenAI's predicted outputs,
+    # TensorRT-LLM's draft_input_ids): drafts verified as speculative decoding verifies its
+    # own (`speculative.Prediction`), on the eager executor, whatever the engine's
+    # speculative method. Only the time changes: the tokens are the model's.
+    prediction: list[int] | None = None
 
     @property
     def needs_prompt_logits(self) -> bool:

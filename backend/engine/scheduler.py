@@ -34,7 +34,7 @@ from backend.engine.sampling import (
     scored_log_probs,
 )
 from backend.engine.sequence import SeqStatus, Sequence
-from backend.engine.speculative import DraftPolicy, NgramDrafter, SuffixCorpus
+from backend.engine.speculative import DraftPolicy, NgramDrafter, Prediction, SuffixCorpus
 from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
 from backend.model.batch import SNAPSHOT_ALIGN
@@ -91,13 +91,16 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_forced_tokens = 0  # tokens a guide forced, appended without a step each
         self.drafter = None
+        # Drafts need the eager executor (a compiled step returns one position's logits): a
+        # request's prediction is a hint a compiled engine does without.
+        self.predicting = config.executor == "torch"
+        self.draft_policy = DraftPolicy(config.num_speculative_tokens)
         if config.speculative_method in ("ngram", "suffix"):
             corpus = SuffixCorpus(config.prompt_lookup_min, config.prompt_lookup_max,
                                   config.suffix_cache_tokens) \
                 if config.speculative_method == "suffix" else None
             self.drafter = NgramDrafter(config.num_speculative_tokens, config.prompt_lookup_min,
                                         config.prompt_lookup_max, corpus)
-            self.draft_policy = DraftPolicy(config.num_speculative_tokens)
         self.num_draft_tokens = 0  # speculative tokens verified
         self.num_accepted_tokens = 0  # ... and kept (each a token without a step of its own)
         self.num_rewinds = 0  # rejected drafts whose states the executor rebuilt
@@ -137,7 +140,7 @@ class Scheduler:
             return outputs
         # A step of decoding rows only (no prompt chunk): its time tells what verifying
         # drafts of its length costs at its number of rows.
-        decoding = self.drafter is not None and all(
+        decoding = (self.drafter is not None or self.predicting) and all(
             c.end == len(c.seq.tokens) and c.seq.num_output_tokens for c in chunks)
         logits = self._forward(chunks)
         self.num_steps += 1
@@ -351,7 +354,8 @@ class Scheduler:
             if end > seq.num_computed:
                 chunks.append(Chunk(seq, seq.num_computed, end, snapshots))
                 budget -= end - seq.num_computed
-        if self.drafter is not None and budget > 0:
+        if budget > 0 and (self.drafter is not None or self.predicting and any(
+                c.seq.request.prediction for c in chunks)):
             self._draft(chunks, budget)
         return chunks
 
@@ -359,7 +363,8 @@ class Scheduler:
         """Speculative drafts for the chunks that compute a generating sequence's last tokens
         (within the step's remaining budget, each request's max_tokens, the context and the
         pages to be had without preempting anyone), cut to the length `DraftPolicy` finds
-        worth its cost."""
+        worth its cost: from the request's prediction where it has one that proposes, else
+        from the engine's drafter."""
         proposals = []
         for c in chunks:
             seq = c.seq
@@ -367,7 +372,15 @@ class Scheduler:
                 continue  # a prompt's chunks (its last one samples the first token); beams
             limit = min(seq.request.sampling.max_tokens - seq.num_output_tokens - 1,
                         self.config.max_context_len - len(seq.tokens) - 1)
-            draft = self.drafter.propose(seq, limit)
+            draft = []
+            if seq.request.prediction and self.predicting:
+                if seq.prediction is None:
+                    seq.prediction = Prediction(seq.request.prediction,
+                                                self.config.prompt_lookup_min)
+                draft = seq.prediction.propose(seq.output_ids,
+                                               min(self.config.num_speculative_tokens, limit))
+            if not draft and self.drafter is not None:
+                draft = self.drafter.propose(seq, limit)
             if draft:
                 proposals.append((c, draft))
         if not proposals:

@@ -13,7 +13,7 @@ from backend.engine.beam import BeamGroup
 from backend.engine.guided import GuideState
 from backend.engine.request import Request, RequestMetrics, RequestOutput
 from backend.engine.sampling import RepeatedNgrams, TokenCounts
-from backend.engine.speculative import NgramIndex
+from backend.engine.speculative import NgramIndex, Prediction
 
 
 class SeqStatus(Enum):
@@ -80,6 +80,7 @@ class Sequence:
     cum_log_prob: float = 0.0  # of the tokens output so far (with return_log_probs)
     guide: GuideState | None = None  # where a guided request is in its grammar
     ngram_index: NgramIndex | None = field(default=None, repr=False)  # speculative drafts
+    prediction: Prediction | None = field(default=None, repr=False)  # Request.prediction's
     draft_kept: int = 0  # speculative draft tokens kept ...
     draft_rejections: int = 0  # ... and drafts cut short by a rejected token
     beam: BeamGroup | None = field(default=None, repr=False)  # beam search: its request's beams

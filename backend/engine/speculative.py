@@ -1,6 +1,7 @@
 """Speculative decoding's draft side: n-gram prompt lookup (vLLM's `ngram`, TensorRT-LLM's
-prompt lookup, SGLang's n-gram drafts) and suffix decoding (vLLM's `suffix`, after
-SuffixDecoding / Arctic Inference), no draft model.
+prompt lookup, SGLang's n-gram drafts), suffix decoding (vLLM's `suffix`, after
+SuffixDecoding / Arctic Inference) and a request's own predicted output (`Prediction`:
+OpenAI's predicted outputs, TensorRT-LLM's `draft_input_ids`), no draft model.
 
 `ngram`: the last tokens of a sequence (at least `min_n`) are looked up among its earlier
 tokens, prompt and output alike; the tokens that followed the longest such match (up to
@@ -32,6 +33,7 @@ and the measured step times.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections import deque
@@ -203,6 +205,40 @@ class NgramDrafter:
         if self.corpus is not None and seq.num_output_tokens > 0:
             start = max(0, seq.num_prompt_tokens - self.max_n)
             self.corpus.add(seq.salt, seq.tokens[start:])
+
+
+class Prediction:
+    """A request's predicted output as drafts, whatever the engine's speculative method: the
+    tokens the prediction holds after the place the output is at in it. While the output is
+    shorter than `n` tokens it must be the prediction's start; after that its last `n` tokens
+    are looked up in the prediction: the first occurrence at or after where the output would
+    be had it followed the prediction since the last place found, else the last occurrence;
+    so the drafts find the prediction again after the output leaves it (an edit) and rejoins
+    it. The output is the model's whatever the prediction holds."""
+
+    def __init__(self, tokens: list[int], n: int) -> None:
+        self.tokens = list(tokens)
+        self.n = n
+        self.index = NgramIndex(n)
+        self.index.update(self.tokens)
+        self.at = 0  # the prediction's position the output was last found to continue at
+        self.at_output = 0  # ... and the output's length then
+
+    def propose(self, output: list[int], k: int) -> list[int]:
+        """Up to k predicted tokens to follow `output` (the generated tokens so far)."""
+        m = len(output)
+        if k <= 0 or not self.tokens:
+            return []
+        if m < self.n:
+            at = m if self.tokens[:m] == list(output) else -1
+        else:
+            found = self.index.positions.get(tuple(output[m - self.n:]), [])
+            later = bisect.bisect_left(found, self.at + m - self.at_output)
+            at = found[later] if later < len(found) else (found[-1] if found else -1)
+        if at < 0:
+            return []
+        self.at, self.at_output = at, m
+        return self.tokens[at:at + k]
 
 
 # A step time's estimate: the median of its last COST_WINDOW measurements (interference from

@@ -24,7 +24,9 @@ its position's N likeliest tokens, vLLM's layout: the choice's `prompt_logprobs`
 completions, the answer's in chat; not with stream, as vLLM), `cache_salt`,
 `chat_template_kwargs` (more variables for the chat template, e.g. Qwen3's
 `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last message
-is continued, as a prefilled answer); vLLM's `priority` (lower runs first); ours
+is continued, as a prefilled answer); OpenAI's `prediction` (predicted outputs: the engine
+drafts from its tokens, `draft_input_ids`; usage's `completion_tokens_details` counts the
+draft tokens kept and rejected); vLLM's `priority` (lower runs first); ours
 `session_id` (the ensemble's: a conversation's pages are kept longer); TensorRT-LLM's
 `no_repeat_ngram_size` (no n-gram of the text so far is generated again); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
@@ -77,6 +79,7 @@ class Plan:
     beam: bool = False  # vLLM's use_beam_search (n > 1): the choices are the n beams
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end on these tokens
     include_stop: bool = False  # vLLM's include_stop_str_in_output: keep the stop string
+    prediction: str | None = None  # OpenAI's predicted output (its text)
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     tools: ToolPlan | None = None  # chat with tools (tools.py)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -346,6 +349,7 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
     if plan.stop:
         fields["stop_words"] = list(plan.stop)
     _vllm_text_options(body, plan)
+    plan.prediction = _prediction(body.get("prediction"))
     priority = _int(body, "priority", None)
     if priority:
         fields["priority"] = priority
@@ -397,6 +401,31 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
             "'logit_bias' or a guide ('guided_choice', 'guided_regex')")
     _refuse(body, "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported: a "
             "prompt longer than the context is refused, not cut")
+
+
+def _prediction(value: Any) -> str | None:
+    """OpenAI's `prediction`: {"type": "content", "content": a string or text parts}."""
+    if value is None:
+        return None
+    content = value.get("content") if isinstance(value, dict) else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                         isinstance(p.get("text"), str) for p in content):
+        content = "".join(p["text"] for p in content)
+    if not isinstance(value, dict) or value.get("type") != "content" or \
+            not isinstance(content, str):
+        raise RequestError("'prediction' must be {\"type\": \"content\", \"content\": a string "
+                           "or a list of text parts}", "prediction")
+    return content
+
+
+def prediction_ids(plan: Plan, tokenizer: Any) -> None:
+    """The predicted output's token ids for the ensemble (`draft_input_ids`: the engine drafts
+    from them), and the per-request draft counts (perf metrics) for the usage's
+    `completion_tokens_details`. A hint: without a tokenizer it is left out."""
+    if not plan.prediction or tokenizer is None:
+        return
+    plan.fields["draft_input_ids"] = tokenizer.encode(plan.prediction, add_special_tokens=False)
+    plan.fields["return_perf_metrics"] = True
 
 
 def stop_token_texts(plan: Plan, tokenizer: Any) -> None:
@@ -740,10 +769,18 @@ def finish_reason(engine_reason: str, stopped: bool) -> str:
     return FINISH_REASONS.get(engine_reason, "stop")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          predicted: tuple[int, int] | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `predicted` (a request with a prediction): the draft tokens verified
+    and kept, and those rejected."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens,
+                            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if predicted is not None:
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": predicted[0],
+                                             "rejected_prediction_tokens": predicted[1]}
+    return body
 
 
 def chunk_body(plan: Plan, choices: list[dict[str, Any]],

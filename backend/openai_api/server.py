@@ -129,6 +129,7 @@ class Run:
         protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
         protocol.check_logit_bias(plan, state.tokenizer)
         protocol.stop_token_texts(plan, state.tokenizer)
+        protocol.prediction_ids(plan, state.tokenizer)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(plan, name) is not None and state.token_names is None:
                 raise RequestError(f"'{name}' needs the model's tokenizer, which the frontend "
@@ -160,6 +161,8 @@ class Run:
         self.prompt_scores: list[list | None] = [None] * len(plan.prompts)
         self.cached_tokens = [0] * len(plan.prompts)
         self.completion_tokens = 0
+        # With a prediction: per (prompt, sequence), its draft tokens verified and kept so far
+        self.drafts: dict[tuple[int, int], tuple[int, int]] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
 
@@ -257,6 +260,9 @@ class Run:
             self.completion_tokens += counts.get("num_output_tokens", 0)
             if response.index in (0, -1) and "cached_tokens" in counts:
                 self.cached_tokens[p] = counts["cached_tokens"]
+            if "total_draft_tokens" in counts:  # each sequence's so far
+                self.drafts[p, response.index] = (counts["total_draft_tokens"],
+                                                  counts.get("total_accepted_draft_tokens", 0))
             for k, text in enumerate(response.texts):
                 engine_reason = response.reasons[k] if k < len(response.reasons) else ""
                 index = p * n + k
@@ -361,8 +367,13 @@ class Run:
         return all(c.reason is not None for c in self.choices[p * n:(p + 1) * n])
 
     def usage(self) -> dict[str, Any]:
+        predicted = None
+        if "draft_input_ids" in self.plan.fields:
+            drafts = sum(d for d, _ in self.drafts.values())
+            kept = sum(k for _, k in self.drafts.values())
+            predicted = (kept, drafts - kept)
         return protocol.usage(sum(self.prompt_tokens), self.completion_tokens,
-                              sum(self.cached_tokens))
+                              sum(self.cached_tokens), predicted)
 
     def texts(self) -> list[str | None]:
         """Each choice's text (chat with tool calls: its content, None where only calls)."""

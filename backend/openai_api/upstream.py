@@ -32,7 +32,8 @@ CONTROL_INPUTS = {"input_ids": "TYPE_INT32", "input_lengths": "TYPE_INT32",
                   "lora_path": "TYPE_STRING"}
 _CONTROL = {"input_ids": 0, "input_lengths": 1, "request_output_len": 1}
 RESET_COUNTS = ("dropped_pages", "kept_pages")
-COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens")
+COUNTS = ("num_input_tokens", "num_output_tokens", "cached_tokens",
+          "total_draft_tokens", "total_accepted_draft_tokens")  # the last two: perf metrics
 DEFAULT_CONTEXT_LEN = 8192  # hybrid_llm's default max_context_len (backend/engine/config.py)
 _MAX_MESSAGE = 256 << 20
 

@@ -181,6 +181,7 @@ class HybridLlm:
                 return_prompt_log_probs=parsed.return_prompt_log_probs and k == 0,
                 retention=parsed.retention,
                 stream_beams=parsed.streaming and parsed.beam_search,
+                prediction=parsed.prediction,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:

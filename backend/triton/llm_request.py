@@ -24,6 +24,9 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   retention_decode_priority / retention_decode_duration_ms [1] INT32: TensorRT-LLM's
   KvCacheRetentionConfig (an end or duration of -1: the prompt's end / never expires;
   `backend/cache/retention.py`);
+  draft_input_ids [1, N] INT32 (TensorRT-LLM's name): the output the client expects; the
+  engine drafts from it as speculative decoding does (`Request.prediction`), the output is
+  the model's either way;
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
   load_lora / unload_lora [1] BOOL with lora_name and (load) lora_path [1] BYTES (ours; the
@@ -87,6 +90,7 @@ class LlmRequest:
     return_generation_logits: bool = False  # each generated token's logits
     return_prompt_log_probs: bool = False  # the prompt tokens' log probabilities (first seq's)
     retention: RetentionConfig | None = None  # the store's priorities for its pages
+    prediction: list[int] | None = None  # draft_input_ids: the output it is expected to hold
 
     @property
     def extras(self) -> frozenset[str]:
@@ -142,6 +146,7 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         return_generation_logits=bool(scalar(inputs, "return_generation_logits", "b", False)),
         return_prompt_log_probs=bool(scalar(inputs, "return_prompt_log_probs", "b", False)),
         retention=retention_of(inputs),
+        prediction=int_vector(inputs, "draft_input_ids") or None,
     )
 
 

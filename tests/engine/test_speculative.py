@@ -23,6 +23,7 @@ from backend.engine.speculative import (
     DraftPolicy,
     NgramDrafter,
     NgramIndex,
+    Prediction,
     expected_tokens,
 )
 from backend.model import SeqInput
@@ -336,3 +337,66 @@ def test_expected_tokens():
     assert expected_tokens(0.5, 0) == 1.0
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_a_prediction_is_found_again_after_the_output_leaves_it():
+    predicted = list(range(100, 120))
+    p = Prediction(predicted, 3)
+    assert p.propose([], 4) == [100, 101, 102, 103]  # the output starts it
+    assert p.propose([100, 101], 3) == [102, 103, 104]
+    assert p.propose([100, 7], 3) == []  # left it before n tokens: nothing to align
+    assert p.propose([100, 101, 102, 103], 2) == [104, 105]
+    edited = [100, 101, 102, 103, 9, 9, 9, 107, 108, 109]  # an edit, then the prediction again
+    assert p.propose(edited[:6], 4) == []
+    assert p.propose(edited, 4) == [110, 111, 112, 113]
+    assert p.propose(list(range(100, 120)), 4) == []  # at its end
+    # A repeated n-gram: the place the output would be at had it followed the prediction.
+    loop = Prediction([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 6], 3)
+    assert loop.propose([1, 2, 3], 1) == [4]
+    assert loop.propose([1, 2, 3, 4, 1, 2, 3], 1) == [5]
+    assert loop.propose([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 1) == [6]
+    again = Prediction([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3, 6], 3)
+    assert again.propose([1, 2, 3, 4], 1) == [1]
+    assert again.propose([1, 2, 3, 4, 8, 8, 8, 8, 1, 2, 3], 1) == [6]  # 7 tokens on
+    assert Prediction([], 3).propose([1], 4) == [] and p.propose([100], 0) == []
+
+
+def _predicted_run(engine: Engine, prompt: list[int], params: SamplingParams,
+                   prediction: list[int] | None) -> tuple[list[int], int, int]:
+    """(tokens, steps taken, draft tokens kept) of one request run alone."""
+    outs: list = []
+    steps, (_, kept0) = engine.stats()["steps"], _spec_stats(engine)
+    engine.submit(Request(f"p-{random.random()}", prompt, params, on_output=outs.append,
+                          prediction=prediction))
+    while engine.has_work:
+        engine.step()
+    engine.scheduler.after_outputs()
+    return ([t for o in outs for t in o.new_token_ids], engine.stats()["steps"] - steps,
+            _spec_stats(engine)[1] - kept0)
+
+
+def test_a_prediction_drafts_for_its_request_whatever_the_engines_method(engines):
+    """Request.prediction (OpenAI's predicted outputs): on an engine without speculative
+    decoding, the request's output drafts from it: the same tokens in fewer steps; an edited
+    prediction still drafts after the edit; a wrong one changes nothing but the time;
+    seeded sampling draws the same tokens."""
+    plain, _ = engines
+    engine = Engine.from_model_dir(MODEL_DIR, EngineConfig(speculative_adaptive=False))
+    prompt = plain.tokenizer.encode(PROMPTS[2])
+    params = SamplingParams(max_tokens=60, top_k=1)
+    want, steps, kept = _predicted_run(engine, prompt, params, None)
+    assert kept == 0 and steps >= 60
+    exact, exact_steps, exact_kept = _predicted_run(engine, prompt, params, want)
+    assert exact == want and exact_kept >= 40 and exact_steps < steps // 2
+    edited = want[:20] + [ord("#")] * 6 + want[24:]  # 4 tokens replaced by 6 others
+    got, _, edited_kept = _predicted_run(engine, prompt, params, edited)
+    assert got == want and edited_kept > 30  # drafts after the edit too
+    wrong = plain.tokenizer.encode("zzzz qqqq " * 8)
+    assert _predicted_run(engine, prompt, params, wrong)[0] == want
+    seeded = SamplingParams(max_tokens=40, temperature=0.8, seed=7)
+    sampled = _predicted_run(engine, prompt, seeded, None)[0]
+    assert _predicted_run(engine, prompt, seeded, sampled)[0] == sampled
+    assert _predicted_run(engine, prompt, seeded, want)[0] == sampled
+    with pytest.raises(ValueError, match="the prediction holds token ids"):
+        engine.submit(Request("bad", prompt, params, prediction=[10**9]))
+    assert_no_leak(engine)

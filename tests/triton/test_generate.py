@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +13,16 @@ import pytest
 
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.triton.server import ServerHandle
-from client.generate import Chunk, GenerateParams, generate_http, stream_grpc, stream_http
+from client.generate import (
+    Chunk,
+    GenerateError,
+    GenerateParams,
+    generate_http,
+    stream_grpc,
+    stream_http,
+)
 from tests.triton.conftest import DEFAULT_MODEL, LLM_MODELS, LLM_PARAMS
-from tests.triton.llm_helpers import long_prompt
+from tests.triton.llm_helpers import idle_pool, long_prompt
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
@@ -287,6 +295,27 @@ def test_prompt_log_probs_equal_the_in_process_engine(llm_server: ServerHandle,
     assert whole.prompt_top_log_probs.size == 0
     assert whole.prompt_log_prob_ranks.tolist() == out.prompt_log_prob_ranks
     assert whole.counts["cached_tokens"] == 0  # scored: computed whole, though cached
+
+
+def test_draft_input_ids_draft_the_output(llm_server: ServerHandle):
+    """TensorRT-LLM's draft_input_ids (our engine: the output predicted, drafted from along
+    the way): the same text, streamed or not, with drafts verified and kept (perf metrics),
+    on a server without speculative decoding; ids outside the vocabulary are INVALID_ARG."""
+    prompt = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n"
+    params = GenerateParams(prompt, max_tokens=40, top_k=1, return_perf_metrics=True,
+                            cache_salt=uuid.uuid4().hex)
+    plain = generate_http(llm_server.urls.http, params)
+    assert plain.perf["total_draft_tokens"] == 0
+    predicted = replace(params, extra={"draft_input_ids": list(plain.text.encode())})
+    whole = generate_http(llm_server.urls.http, predicted)
+    assert whole.text == plain.text
+    assert whole.perf["total_accepted_draft_tokens"] > 0  # how many: the adaptive policy's
+    streamed = list(stream_grpc(llm_server.urls.grpc, predicted))
+    assert "".join(c.text for c in streamed) == plain.text
+    assert streamed[-1].perf["total_accepted_draft_tokens"] > 0
+    with pytest.raises(GenerateError, match="the prediction holds token ids"):
+        generate_http(llm_server.urls.http, replace(params, extra={"draft_input_ids": [10**7]}))
+    idle_pool(llm_server)
 
 
 def test_no_repeat_ngram_size_is_the_engines(llm_server: ServerHandle):

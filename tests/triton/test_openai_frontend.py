@@ -349,6 +349,34 @@ def test_vllm_text_options_reach_the_engine(frontend: str):
     assert status == 400 and "outside the vocabulary" in error["error"]["message"]
 
 
+def test_a_prediction_changes_the_time_not_the_answer(sdk: openai.OpenAI, frontend: str):
+    """OpenAI's predicted outputs: the same answer with the prediction (exact, edited or a
+    list of text parts), its draft tokens kept and rejected in usage's
+    completion_tokens_details; a malformed one is a 400."""
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    extra = {"top_k": 1, "cache_salt": uuid.uuid4().hex}
+    kwargs = dict(model="ensemble", messages=messages, max_tokens=40, extra_body=extra)
+    plain = sdk.chat.completions.create(**kwargs)
+    text = plain.choices[0].message.content
+    assert plain.usage.completion_tokens_details is None  # no prediction: not reported
+    edited = text[:10] + "EDIT" + text[14:]
+    for prediction in (text, edited, [{"type": "text", "text": text[:20]},
+                                      {"type": "text", "text": text[20:]}]):
+        answer = sdk.chat.completions.create(
+            **kwargs, prediction={"type": "content", "content": prediction})
+        assert answer.choices[0].message.content == text
+        details = answer.usage.completion_tokens_details
+        assert details.accepted_prediction_tokens > 0
+        assert details.rejected_prediction_tokens >= 0
+    streamed = sdk.chat.completions.create(**kwargs, stream=True,
+                                           prediction={"type": "content", "content": text})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+    for bad in ({"type": "content"}, {"type": "other", "content": "x"}, "x"):
+        status, error = post(frontend, "/v1/chat/completions",
+                             {"model": "ensemble", "messages": messages, "prediction": bad})
+        assert status == 400 and "'prediction' must be" in error["error"]["message"]
+
+
 def test_chat_logprobs_cover_the_answer_only(sdk: openai.OpenAI):
     """Chat logprobs: the tokens' bytes join to the answer (the turn end the template stops
     at is not one of them), each with top_logprobs alternatives, likeliest first, streamed
