@@ -164,12 +164,16 @@ def test_prompt_logits_need_the_eager_executor(engine, ask):
         compiled.submit(Request("ctx", PROMPT, SamplingParams(), **{ask: True}))
 
 
-def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf):
+def test_prompt_log_probs_score_each_prompt_token_over_chunks(hf, monkeypatch):
     """return_prompt_log_probs: the log probability of each prompt token after the first under
     transformers' logits at the position before it (and, with top_log_probs, that position's
     likeliest tokens), from a prompt prefilled in several chunks beside another request,
     computed whole although its pages are cached; with context logits on the same request,
-    both come; the scores come once, on the first output."""
+    both come; the scores come once, on the first output. Each chunk is scored 20 rows at a
+    time (the scheduler's bound on the copies it makes, 256 rows by default)."""
+    from backend.engine import scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_SCORE_ROWS", 20)
     chunked = Engine.from_model_dir(MODEL_DIR, EngineConfig(max_tokens_per_step=64))
     prompt = PROMPT * 3  # 3 chunks of at most 64 tokens
     chunked.generate(prompt, SamplingParams(max_tokens=2, top_k=1))  # its pages cached
