@@ -15,7 +15,8 @@ probability of each returned token and of the likeliest tokens at its position (
 distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` (generation ends on one of
-these tokens, which stays in the text), `include_stop_str_in_output`, `bad_words`,
+these tokens, which stays in the text; a choice that ended names the stop string or token in
+its `stop_reason`, as vLLM's), `include_stop_str_in_output`, `bad_words`,
 `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the
 strings), `use_beam_search` (the n choices are a beam search's n beams, best first, with
 `length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
@@ -78,6 +79,7 @@ class Plan:
     prompt_logprobs: int | None = None  # vLLM's: None, or the alternatives a prompt position
     beam: bool = False  # vLLM's use_beam_search (n > 1): the choices are the n beams
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end on these tokens
+    stop_token_words: dict[str, int] = field(default_factory=dict)  # their texts (stop words)
     include_stop: bool = False  # vLLM's include_stop_str_in_output: keep the stop string
     prediction: str | None = None  # OpenAI's predicted output (its text)
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
@@ -448,6 +450,22 @@ def stop_token_texts(plan: Plan, tokenizer: Any) -> None:
                                "when its text is encoded again: use 'stop'", "stop_token_ids")
         if text not in words:
             words.append(text)
+        plan.stop_token_words.setdefault(text, token)
+
+
+def stop_reason(engine_reason: str, stop: StopFilter, text_tail: str,
+                token_words: Mapping[str, int]) -> str | int | None:
+    """vLLM's `stop_reason` for a choice that ended: the stop string that cut it, or the stop
+    token it ended on (its text ends the choice's text: `text_tail`, the last characters
+    generated); None where it ended otherwise (EOS, length, a chat template's stop word, or a
+    stop token with no text)."""
+    if stop.stopped:
+        return stop.matched
+    if engine_reason == "stop":
+        for word in sorted(token_words, key=len, reverse=True):
+            if text_tail.endswith(word):
+                return token_words[word]
+    return None
 
 
 def _beam_search(body: Mapping[str, Any], plan: Plan) -> None:
@@ -651,16 +669,17 @@ class StopFilter:
         self.hold = max(map(len, self.stops), default=1) - 1
         self.pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string it stopped at (vLLM's stop_reason)
 
     def feed(self, text: str) -> str:
         """The text that can go to the client now (the stop string and what follows never)."""
         if self.stopped:
             return ""
         self.pending += text
-        found = [(i, -len(s)) for s, i in ((s, self.pending.find(s)) for s in self.stops)
+        found = [(i, -len(s), s) for s, i in ((s, self.pending.find(s)) for s in self.stops)
                  if i >= 0]
         if found:
-            at, minus_len = min(found)  # the first; of those there, the longest
+            at, minus_len, self.matched = min(found)  # the first; of those there, the longest
             end = at - minus_len if self.keep else at
             out, self.pending, self.stopped = self.pending[:end], "", True
             return out
@@ -796,9 +815,10 @@ def chunk_body(plan: Plan, choices: list[dict[str, Any]],
 
 def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
                   role: bool = False, logprobs: dict[str, Any] | None = None,
-                  calls: Sequence[dict[str, Any]] = (), reasoning: str = "") -> dict[str, Any]:
+                  calls: Sequence[dict[str, Any]] = (), reasoning: str = "",
+                  stop_reason: str | int | None = None) -> dict[str, Any]:
     """One choice's part of a streamed chunk; `calls`: tool-call deltas, `reasoning`:
-    reasoning text (chat)."""
+    reasoning text (chat); once it ended (`reason`), vLLM's `stop_reason` too."""
     if plan.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if reasoning:
@@ -807,8 +827,13 @@ def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
             delta["content"] = text
         if calls:
             delta["tool_calls"] = list(calls)
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
-    return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
+        body = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+    else:
+        body = {"index": index, "text": text or "", "logprobs": logprobs,
+                "finish_reason": reason}
+    if reason is not None:
+        body["stop_reason"] = stop_reason
+    return body
 
 
 def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
@@ -816,13 +841,16 @@ def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
                   logprobs: Sequence[dict[str, Any] | None] | None = None,
                   calls: Sequence[list[dict[str, Any]]] | None = None,
                   reasoning: Sequence[str | None] | None = None,
-                  prompt_logprobs: Sequence[list | None] | None = None) -> dict[str, Any]:
+                  prompt_logprobs: Sequence[list | None] | None = None,
+                  stop_reasons: Sequence[str | int | None] | None = None) -> dict[str, Any]:
     """The non-streamed answer: `chat.completion` / `text_completion`; `calls`: each chat
     choice's tool calls (a message with calls has content null where it has no text);
     `reasoning`: each chat choice's `reasoning_content` (None: no reasoning parser);
     `prompt_logprobs`: per prompt, vLLM's `prompt_logprobs` (None: not asked), on each of
-    its choices (completions) or on the answer (chat)."""
+    its choices (completions) or on the answer (chat); `stop_reasons`: each choice's vLLM
+    `stop_reason` (the stop string or token id that ended it, else None)."""
     logprobs = logprobs or [None] * len(texts)
+    stop_reasons = stop_reasons or [None] * len(texts)
     calls = calls or [[] for _ in texts]
     if plan.kind == "chat":
         choices = []
@@ -833,11 +861,13 @@ def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
             if c:
                 message["tool_calls"] = c
             choices.append({"index": i, "message": message, "logprobs": lp,
-                            "finish_reason": r})
+                            "finish_reason": r, "stop_reason": stop_reasons[i]})
         kind = "chat.completion"
     else:
-        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
-                   for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r,
+                    "stop_reason": sr}
+                   for i, (t, r, lp, sr) in enumerate(zip(texts, reasons, logprobs,
+                                                          stop_reasons))]
         if prompt_logprobs is not None:
             for i, choice in enumerate(choices):
                 choice["prompt_logprobs"] = prompt_logprobs[i // plan.n]

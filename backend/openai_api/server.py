@@ -81,6 +81,8 @@ class Choice:
     stop: StopFilter
     parts: list[str] = field(default_factory=list)
     reason: str | None = None  # OpenAI's, once it ended
+    stop_reason: str | int | None = None  # vLLM's: the stop string / token it ended at
+    tail: str = ""  # with stop_token_ids: the last characters generated (before the filter)
     tools: ToolStream | None = None  # a chat with tools: its text read as tool calls
     reasoning: ReasoningReader | None = None  # --reasoning-parser: its text split first
     # With logprobs: the choice's ids decoded as they come (where each token's text starts in
@@ -129,6 +131,8 @@ class Run:
         protocol.prompt_texts(plan, state.tokenizer, state.served.add_special_tokens)
         protocol.check_logit_bias(plan, state.tokenizer)
         protocol.stop_token_texts(plan, state.tokenizer)
+        # the generated text's end kept per choice to tell which stop token ended it
+        self.tail_len = max(map(len, plan.stop_token_words), default=0)
         protocol.prediction_ids(plan, state.tokenizer)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(plan, name) is not None and state.token_names is None:
@@ -273,10 +277,14 @@ class Run:
                     self._score(choice, response, k)
                 if not (text or engine_reason):
                     continue
+                if self.tail_len:
+                    choice.tail = (choice.tail + text)[-self.tail_len:]
                 out = choice.stop.feed(text)
                 if choice.stop.stopped or engine_reason:
                     out += choice.stop.flush()
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
+                    choice.stop_reason = protocol.stop_reason(
+                        engine_reason, choice.stop, choice.tail, self.plan.stop_token_words)
                 yield self._noted(self._read(index, choice, out))
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string
@@ -426,7 +434,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         reasons = [c.reason or "stop" for c in run.choices]
         return web.json_response(protocol.response_body(
             plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls(),
-            run.reasoning(), run.prompt_scores if plan.prompt_logprobs is not None else None),
+            run.reasoning(), run.prompt_scores if plan.prompt_logprobs is not None else None,
+            [c.stop_reason for c in run.choices]),
             headers={REQUEST_ID: plan.request_id})
     except UpstreamError as exc:
         return _error(_client_error(exc))
@@ -462,7 +471,7 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
                     logprobs = protocol.logprobs_body(plan, e.tokens)
                     await send(protocol.chunk_body(plan, [protocol.stream_choice(
                         plan, e.index, e.text, e.reason, logprobs=logprobs, calls=e.calls,
-                        reasoning=e.reasoning)]))
+                        reasoning=e.reasoning, stop_reason=run.choices[e.index].stop_reason)]))
             try:
                 pending = [await events.__anext__()]
             except StopAsyncIteration:

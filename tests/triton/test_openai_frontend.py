@@ -319,10 +319,10 @@ def test_use_beam_search_returns_the_ensembles_beams(frontend: str, sdk: openai.
     idle_pool(llm_server)
 
 
-def test_vllm_text_options_reach_the_engine(frontend: str):
+def test_vllm_text_options_reach_the_engine(sdk: openai.OpenAI, frontend: str):
     """vLLM's stop_token_ids (the generation ends on the token, which stays in the text),
     include_stop_str_in_output, bad_words and guided_choice, against the same greedy
-    completion without them."""
+    completion without them; stop_reason names the stop string or token that ended it."""
     prompt = "def fib(n):\n    if n < 2:\n        return n\n"
     base = {"model": "ensemble", "prompt": prompt, "max_tokens": 24, "top_k": 1,
             "cache_salt": uuid.uuid4().hex}
@@ -332,15 +332,27 @@ def test_vllm_text_options_reach_the_engine(frontend: str):
         assert status == 200, answer
         return answer["choices"][0]
 
-    plain = complete()["text"]
+    first = complete()
+    plain = first["text"]
+    assert first["finish_reason"] == "length" and first["stop_reason"] is None
     cut = len(plain) // 2
     token = plain[cut]  # a character (one byte token) half way: the first time it appears
     ended = complete(stop_token_ids=[ord(token)])
     assert ended["text"] == plain[:plain.index(token) + 1] and ended["finish_reason"] == "stop"
+    assert ended["stop_reason"] == ord(token)  # vLLM's: the token id it ended on
     stop = plain[cut:cut + 3]
-    assert complete(stop=[stop])["text"] == plain[:plain.index(stop)]
+    at_string = complete(stop=[stop, "never there"])
+    assert at_string["text"] == plain[:plain.index(stop)] and at_string["stop_reason"] == stop
     kept = complete(stop=[stop], include_stop_str_in_output=True)
     assert kept["text"] == plain[:plain.index(stop) + 3] and kept["finish_reason"] == "stop"
+    streamed = [c for chunk in sdk.completions.create(
+        model="ensemble", prompt=prompt, max_tokens=24, stream=True,
+        extra_body={"top_k": 1, "cache_salt": base["cache_salt"],
+                    "stop_token_ids": [ord(token)]}) for c in chunk.choices]
+    assert "".join(c.text for c in streamed) == ended["text"]
+    assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in streamed
+            if c.finish_reason] == [("stop", ord(token))]  # on the last chunk only
+    assert all("stop_reason" not in c.model_extra for c in streamed if not c.finish_reason)
     word = plain.split()[0]
     assert word not in complete(bad_words=[word])["text"]
     for choices in (["yes", "no"], ["def fib", 'say "hi"\n']):

@@ -20,6 +20,7 @@ from backend.openai_api.protocol import (
     parse_completion,
     prompt_logprobs_body,
     prompt_texts,
+    stop_reason,
     stop_token_texts,
     tokenize_body,
 )
@@ -421,8 +422,26 @@ def test_include_stop_str_in_output_keeps_the_first_stop_string(pieces):
     stop = StopFilter(["zz", "STOP"], keep=True)
     assert feed_all(stop, pieces) == "Hello world. STOP" and stop.stopped
     assert stop.flush() == ""
+    assert stop.matched == "STOP"
     both = StopFilter(["ST", "STOP"], keep=True)  # found at one place at once: the longest
     assert feed_all(both, ["Hello world. STOP"]) == "Hello world. STOP"
+    assert both.matched == "STOP"
+
+
+def test_stop_reason_names_the_stop_string_or_token():
+    """vLLM's stop_reason: the stop string the filter cut at, else the stop token whose text
+    ends the generated text (the longest such) when the engine stopped at a stop word."""
+    words = {"q": 113, "aq": 300}
+    cut = StopFilter(["zz"])
+    feed_all(cut, ["a zz b"])
+    assert stop_reason("stop", cut, "a zz", words) == "zz"
+    free = StopFilter(["zz"])
+    assert free.matched is None
+    assert stop_reason("stop", free, "xaq", words) == 300
+    assert stop_reason("stop", free, "xq", words) == 113
+    assert stop_reason("stop", free, "xy", words) is None  # e.g. a template's stop word
+    assert stop_reason("length", free, "xq", words) is None
+    assert stop_reason("eos", free, "xq", words) is None
 
 
 def test_vllm_text_options_become_ensemble_inputs():
@@ -434,6 +453,7 @@ def test_vllm_text_options_become_ensemble_inputs():
     assert plan.fields["bad_words"] == ["foo", "bar"]
     stop_token_texts(plan, byte_tokenizer())
     assert plan.fields["stop_words"] == ["a", "q", "<|im_end|>"]  # the special one by its name
+    assert plan.stop_token_words == {"q": ord("q"), "<|im_end|>": 258}
     assert plan.stop == ["a"]  # only the client's strings are cut from the text
     choice = parse_completion({"model": "tiny", "prompt": "x",
                                "guided_choice": ["yes", 'say "no"\n', "yes"]}, MODELS)
