@@ -6,7 +6,8 @@ up to the context limit), `temperature`, `top_p`, `n` (-> num_return_sequences),
 `presence_penalty`, `frequency_penalty`, `logit_bias` (token id -> -100..100, added to the
 logits: the ensemble's `embedding_bias_token_ids` / `_weights`), `stop` (a string or a list:
 generation ends where the text first holds one, which is not returned), `stream`,
-`stream_options.include_usage`,
+`stream_options.include_usage` (and vLLM's `continuous_usage_stats`: the usage so far on every
+chunk),
 `response_format` (`text`, `json_object`, `json_schema`: guided decoding), completions' `echo`
 (the prompt before the text), a list of prompts and prompts as token ids (one list or a list of
 lists: sent as their text, which must encode back to the same ids), `logprobs` (completions:
@@ -20,9 +21,11 @@ its `stop_reason`, as vLLM's), `include_stop_str_in_output`, `bad_words`,
 `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the
 strings), `use_beam_search` (the n choices are a beam search's n beams, best first, with
 `length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
-`prompt_logprobs` (0..20: each prompt token's log probability after the first, its rank and
-its position's N likeliest tokens, vLLM's layout: the choice's `prompt_logprobs` in
-completions, the answer's in chat; not with stream, as vLLM), `cache_salt`,
+`return_tokens_as_token_ids` (logprobs name tokens `token_id:N`; the frontend's
+`--return-tokens-as-token-ids` makes it the default), `prompt_logprobs` (0..20: each prompt
+token's log probability after the first, its rank and its position's N likeliest tokens,
+vLLM's layout: the choice's `prompt_logprobs` in completions, the answer's in chat; not with
+stream, as vLLM), `cache_salt`,
 `chat_template_kwargs` (more variables for the chat template, e.g. Qwen3's
 `enable_thinking`), `add_generation_prompt` and `continue_final_message` (the last message
 is continued, as a prefilled answer); OpenAI's `prediction` (predicted outputs: the engine
@@ -73,6 +76,9 @@ class Plan:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (None: not given)
+    token_ids_named: bool | None = None
     stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
     echo: bool = False
     logprobs: int | None = None  # None: not asked; else the alternatives a position returns
@@ -373,6 +379,9 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
         if not isinstance(options, dict):
             raise RequestError("'stream_options' must be an object", "stream_options")
         plan.include_usage = _bool(options, "include_usage", False, "stream_options.")
+        # vLLM's: usage so far on every chunk too (with include_usage, as vLLM's)
+        plan.continuous_usage = plan.include_usage and _bool(
+            options, "continuous_usage_stats", False, "stream_options.")
     if plan.stream and plan.prompt_logprobs is not None:
         raise RequestError("'prompt_logprobs' is not available with 'stream': true",
                            "prompt_logprobs")
@@ -389,6 +398,8 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
             raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
         plan.stop_token_ids = list(dict.fromkeys(ids))
     plan.include_stop = _bool(body, "include_stop_str_in_output", False)
+    if body.get("return_tokens_as_token_ids") is not None:  # else the server's default
+        plan.token_ids_named = _bool(body, "return_tokens_as_token_ids", False)
     words = body.get("bad_words")
     if words is not None:
         if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
@@ -709,14 +720,20 @@ class TokenLogprob:
 class TokenNames:
     """Token id -> (name, bytes) as OpenAI names tokens: the token's text where its bytes
     are UTF-8 on their own, else `bytes:\\xe2\\x80` (part of a character); `bytes` lets a
-    client join them back. Cached (a name is asked for at every position it is a candidate)."""
+    client join them back. Cached (a name is asked for at every position it is a candidate).
+    `by_id`: each token named `token_id:N` instead, its bytes those of that name (vLLM's
+    return_tokens_as_token_ids), for clients that read the ids back."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, by_id: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.by_id = by_id
         self.cache: dict[int, tuple[str, list[int]]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, list[int]]:
         named = self.cache.get(token_id)
+        if named is None and self.by_id:
+            name = f"token_id:{token_id}"
+            named = self.cache[token_id] = (name, list(name.encode()))
         if named is None:
             raw = self.tokenizer.token_bytes(token_id)
             try:

@@ -61,6 +61,8 @@ class State:
     template: ChatTemplate | None
     created: int = field(default_factory=lambda: int(time.time()))
     token_names: TokenNames | None = None  # for logprobs (with a tokenizer)
+    id_names: TokenNames | None = None  # the same as `token_id:N` (return_tokens_as_token_ids)
+    tokens_as_ids: bool = False  # --return-tokens-as-token-ids: every request's default
     reasoning_parser: str | None = None  # chat answers' <think> block -> reasoning_content
     tool_layout: Layout = QWEN  # --tool-call-parser: how the model writes its tool calls
     responses: responses.ResponseStore = field(default_factory=responses.ResponseStore)
@@ -71,6 +73,8 @@ class State:
     def __post_init__(self) -> None:
         if self.tokenizer is not None and self.token_names is None:
             self.token_names = TokenNames(self.tokenizer)
+        if self.tokenizer is not None and self.id_names is None:
+            self.id_names = TokenNames(self.tokenizer, by_id=True)
 
 
 STATE = web.AppKey("state", State)
@@ -138,6 +142,9 @@ class Run:
             if getattr(plan, name) is not None and state.token_names is None:
                 raise RequestError(f"'{name}' needs the model's tokenizer, which the frontend "
                                    "did not find", name)
+        # logprobs' token names: their text, or `token_id:N` (vLLM's return_tokens_as_token_ids)
+        by_id = state.tokens_as_ids if plan.token_ids_named is None else plan.token_ids_named
+        self.names = state.id_names if by_id else state.token_names
         self.requests = [self._fields(p) for p in plan.prompts]
         # Several replicas: each prompt's token ids, which the router hashes page by page
         # (tokenized here, in the worker thread that builds the run, not on the event loop).
@@ -344,14 +351,14 @@ class Run:
         for i, (token, logprob) in enumerate(zip(response.ids[k], response.log_probs[k])):
             offset = choice.decoded
             choice.decoded += len(choice.decoder.push(token))
-            choice.waiting.append(self.state.token_names.entry(
+            choice.waiting.append(self.names.entry(
                 token, logprob, offset, tops[i][:top] if i < len(tops) else ()))
 
     def _score_prompt(self, p: int, response: Any) -> None:
         """Prompt p's tokens (echo with logprobs), placed in its text as decoded with its
         special tokens (the echo shows them), for each of its choices."""
         decoder = self.state.tokenizer.incremental_decoder(skip_special_tokens=False)
-        names, entries, offset = self.state.token_names, [], 0
+        names, entries, offset = self.names, [], 0
         tops = response.prompt_tops
         for i, token in enumerate(response.prompt_ids):
             logprob = None if i == 0 else response.prompt_log_probs[i - 1]
@@ -455,23 +462,26 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
     async def send(body: Any) -> None:
         await response.write(f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode())
 
+    def chunk(choice: dict[str, Any]) -> dict[str, Any]:
+        """A chunk of one choice; with continuous_usage_stats (vLLM's), the usage so far."""
+        return protocol.chunk_body(plan, [choice], run.usage() if plan.continuous_usage
+                                   else None)
+
     for index in range(len(run.choices)):  # the role (chat) or the echoed prompt first
         if plan.kind == "chat":
-            await send(protocol.chunk_body(plan, [protocol.stream_choice(plan, index, "", None,
-                                                                         role=True)]))
+            await send(chunk(protocol.stream_choice(plan, index, "", None, role=True)))
         elif plan.echo:
             echo = plan.prompts[index // plan.n]
-            await send(protocol.chunk_body(plan, [protocol.stream_choice(plan, index, echo,
-                                                                         None)]))
+            await send(chunk(protocol.stream_choice(plan, index, echo, None)))
     try:
         pending = [first] if first is not None else []
         while True:
             for e in pending:
                 if e.text or e.reason or e.tokens or e.calls or e.reasoning:
                     logprobs = protocol.logprobs_body(plan, e.tokens)
-                    await send(protocol.chunk_body(plan, [protocol.stream_choice(
+                    await send(chunk(protocol.stream_choice(
                         plan, e.index, e.text, e.reason, logprobs=logprobs, calls=e.calls,
-                        reasoning=e.reasoning, stop_reason=run.choices[e.index].stop_reason)]))
+                        reasoning=e.reasoning, stop_reason=run.choices[e.index].stop_reason)))
             try:
                 pending = [await events.__anext__()]
             except StopAsyncIteration:
@@ -804,7 +814,8 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                    kv_events: Sequence[str] = (), max_imbalance: int = 16,
                    down_s: float = 5.0, enable_cache_reset: bool = False,
                    enable_lora_updates: bool = False,
-                   triton_model: str = "ensemble") -> web.Application:
+                   triton_model: str = "ensemble",
+                   return_tokens_as_token_ids: bool = False) -> web.Application:
     """The app, connected to Triton (its configuration read once, from the first URL);
     several URLs: replicas of one model, routed by their KV cache events (`kv_events`, one
     "PUB[,REPLAY]" a replica, in the same order; fewer: the rest have none)."""
@@ -850,7 +861,8 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
                        template, reasoning_parser=reasoning_parser,
                        tool_layout=LAYOUTS[tool_call_parser], upstreams=upstreams,
                        router=Router(len(urls), kv_events, max_imbalance, down_s)
-                       if len(urls) > 1 else None)
+                       if len(urls) > 1 else None,
+                       tokens_as_ids=return_tokens_as_token_ids)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", create_response)
@@ -926,6 +938,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="serve vLLM's POST /v1/load_lora_adapter and "
                              "/v1/unload_lora_adapter (the replicas need allow_runtime_lora); "
                              "off by default, as any client could call them")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name each token `token_id:N` (vLLM's flag; a request's "
+                             "return_tokens_as_token_ids overrides it)")
     parser.add_argument("--wait-s", type=float, default=120.0,
                         help="how long to wait at start for Triton (one replica) to be ready")
     args = parser.parse_args(argv)
@@ -962,7 +977,7 @@ def main(argv: list[str] | None = None) -> None:
                               args.reasoning_parser, args.tool_call_parser, args.kv_events,
                               args.router_max_imbalance, args.router_down_s,
                               args.enable_cache_reset, args.enable_lora_updates,
-                              args.triton_model)
+                              args.triton_model, args.return_tokens_as_token_ids)
 
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)

@@ -138,6 +138,18 @@ def test_streamed_chat_equals_the_whole_answer(sdk: openai.OpenAI):
     usage = events[-1].usage  # the usage chunk, without choices, last
     assert not events[-1].choices and usage.completion_tokens == MAX_TOKENS
     assert usage.prompt_tokens == whole.usage.prompt_tokens > len("What is machine learning?")
+    assert all(e.usage is None for e in events[:-1])
+    # vLLM's continuous_usage_stats: every chunk carries the usage so far.
+    counted = list(sdk.chat.completions.create(
+        model="ensemble", messages=messages, max_tokens=MAX_TOKENS, extra_body=extra,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert "".join(e.choices[0].delta.content or "" for e in counted if e.choices) == text
+    so_far = [e.usage.completion_tokens for e in counted]
+    assert so_far == sorted(so_far) and so_far[-1] == MAX_TOKENS
+    assert len(set(so_far)) > 2  # it grows as the tokens come
+    assert all(e.usage.prompt_tokens == usage.prompt_tokens for e in counted[1:])
+    assert all(e.usage.total_tokens == e.usage.prompt_tokens + e.usage.completion_tokens
+               for e in counted)
 
 
 def test_stop_strings_end_the_text_before_them(sdk: openai.OpenAI):
@@ -158,10 +170,12 @@ def test_stop_strings_end_the_text_before_them(sdk: openai.OpenAI):
     assert streamed == expected and pieces[-1][1] == "stop"
 
 
-def test_completion_logprobs_are_the_engines(sdk: openai.OpenAI, llm_server: ServerHandle):
+def test_completion_logprobs_are_the_engines(sdk: openai.OpenAI, llm_server: ServerHandle,
+                                             frontend: str):
     """logprobs = 3 on a seeded sampled completion: each returned token with Triton's own
     log probability of it and its three likeliest alternatives (the token itself added to
-    each dict), offsets into the text; the stream's tokens are the same ones."""
+    each dict), offsets into the text; the stream's tokens are the same ones; with vLLM's
+    return_tokens_as_token_ids the same tokens by id."""
     extra = {"seed": 3, "min_tokens": MAX_TOKENS, "cache_salt": uuid.uuid4().hex}
     kwargs = dict(model="ensemble", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=1.0)
     reply = sdk.completions.create(**kwargs, logprobs=3, extra_body=extra).choices[0]
@@ -194,6 +208,18 @@ def test_completion_logprobs_are_the_engines(sdk: openai.OpenAI, llm_server: Ser
     assert streamed == list(zip(lp.tokens, lp.token_logprobs))
     plain = sdk.completions.create(**kwargs, extra_body=extra).choices[0]
     assert plain.logprobs is None and plain.text == reply.text
+    # vLLM's return_tokens_as_token_ids: the same tokens named "token_id:N", ids whose text
+    # is the reply's, alternatives too.
+    by_id = sdk.completions.create(**kwargs, logprobs=3, extra_body={
+        **extra, "return_tokens_as_token_ids": True}).choices[0]
+    assert by_id.text == reply.text
+    assert by_id.logprobs.token_logprobs == lp.token_logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in by_id.logprobs.tokens)
+    status, text = post(frontend, "/detokenize", {"model": "ensemble", "tokens": ids})
+    assert status == 200 and text["prompt"] == reply.text
+    for top, want in zip(by_id.logprobs.top_logprobs, triton.top_log_prob_ids.reshape(-1, 3)):
+        assert {f"token_id:{t}" for t in want.tolist()} <= set(top)
 
 
 def test_echo_with_logprobs_scores_the_prompt(sdk: openai.OpenAI, llm_server: ServerHandle):
@@ -778,7 +804,7 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
     (and before a call); the <think> block comes back as reasoning_content, the rest as
     content or tool calls, streamed the same; a frontend without the parser returns it all
     as content (that one reads tool calls in Nemotron's layout: `--tool-call-parser
-    nemotron`)."""
+    nemotron`). The first also names logprobs' tokens by id (`--return-tokens-as-token-ids`)."""
     thought, answer = "I should look it up.", "It is sunny."
     written = f"<think>\n{thought}\n</think>\n\n{answer}"
     call = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
@@ -793,10 +819,19 @@ def test_a_reasoning_parser_splits_the_thinking_from_the_answer(llm_server: Serv
                                 "guided_regex": regex(text)})
 
     with running_frontend(llm_server, tmp_path / "thinking.log",
-                          "--reasoning-parser", "qwen3") as url:
+                          "--reasoning-parser", "qwen3", "--return-tokens-as-token-ids") as url:
         sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         message = sdk.chat.completions.create(**ask(written)).choices[0].message
         assert (message.reasoning_content, message.content) == (f"\n{thought}\n", answer)
+        # --return-tokens-as-token-ids: logprobs name tokens by id unless a request says not
+        scored = sdk.chat.completions.create(**ask(written), logprobs=True).choices[0]
+        names = [t.token for t in scored.logprobs.content]
+        assert names and all(n.startswith("token_id:") for n in names)
+        assert all(bytes(t.bytes) == t.token.encode() for t in scored.logprobs.content)
+        request = ask(written, logprobs=True)
+        request["extra_body"]["return_tokens_as_token_ids"] = False
+        texts = sdk.chat.completions.create(**request).choices[0].logprobs.content
+        assert "".join(t.token for t in texts).endswith(answer) and len(texts) == len(names)
         reasoning = content = ""
         for event in sdk.chat.completions.create(**ask(written), stream=True):
             for choice in event.choices:
