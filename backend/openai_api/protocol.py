@@ -19,8 +19,10 @@ tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 these tokens, which stays in the text; a choice that ended names the stop string or token in
 its `stop_reason`, as vLLM's), `include_stop_str_in_output`, `bad_words`,
 `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the
-strings), `use_beam_search` (the n choices are a beam search's n beams, best first, with
-`length_penalty` and `early_stopping`; streamed, they come whole at its end, as vLLM's),
+strings; or vLLM's newer `structured_outputs` object: `json`, `regex`, `grammar`, `choice`,
+`json_object`, `structural_tag`), `use_beam_search` (the n choices are a beam search's n
+beams, best first, with `length_penalty` and `early_stopping`; streamed, they come whole at
+its end, as vLLM's),
 `return_tokens_as_token_ids` (logprobs name tokens `token_id:N`; the frontend's
 `--return-tokens-as-token-ids` makes it the default), `prompt_logprobs` (0..20: each prompt
 token's log probability after the first, its rank and its position's N likeliest tokens,
@@ -503,7 +505,9 @@ def _beam_search(body: Mapping[str, Any], plan: Plan) -> None:
 
 
 def _guide(body: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(guide type, guide) from response_format or vLLM's guided_* fields; at most one."""
+    """(guide type, guide) from response_format, vLLM's guided_* fields or vLLM's newer
+    `structured_outputs` object (json, regex, grammar, choice, json_object, structural_tag);
+    at most one."""
     guides = []
     fmt = body.get("response_format")
     if fmt is not None:
@@ -520,32 +524,72 @@ def _guide(body: Mapping[str, Any]) -> tuple[str, str] | None:
         elif kind != "text":
             raise RequestError("response_format.type must be 'text', 'json_object' or "
                                f"'json_schema', got {kind!r}", "response_format")
-    value = body.get("guided_json")
+    guides += _guided_fields(body, "guided_")
+    structured = body.get("structured_outputs")
+    if structured is not None:
+        if not isinstance(structured, dict):
+            raise RequestError("'structured_outputs' must be an object", "structured_outputs")
+        unknown = sorted(set(structured) - STRUCTURED_OUTPUT_KEYS)
+        if unknown:
+            raise RequestError(f"'structured_outputs': {', '.join(unknown)} not supported "
+                               f"(supported: {', '.join(sorted(STRUCTURED_OUTPUT_KEYS))})",
+                               "structured_outputs")
+        guides += _guided_fields(structured, "", "structured_outputs.")
+        if _bool(structured, "json_object", False, "structured_outputs."):
+            guides.append(("json", ""))
+        tag = structured.get("structural_tag")
+        if tag is not None:
+            if not isinstance(tag, str) or not tag:
+                raise RequestError("'structured_outputs.structural_tag' must be a non-empty "
+                                   "string (the tag's JSON)", "structured_outputs")
+            guides.append(("structural_tag", tag))
+    if len(guides) > 1:
+        raise RequestError("at most one of response_format (json), guided_json, guided_regex, "
+                           "guided_grammar, guided_choice and structured_outputs' json, regex, "
+                           "grammar, choice, json_object, structural_tag may be given",
+                           "response_format")
+    return guides[0] if guides else None
+
+
+# vLLM's StructuredOutputsParams: the guides, and switches that hold here anyway (no fallback
+# to another backend; JSON is written compact, without free whitespace)
+STRUCTURED_OUTPUT_KEYS = frozenset({"json", "regex", "grammar", "choice", "json_object",
+                                    "structural_tag", "disable_fallback",
+                                    "disable_any_whitespace",
+                                    "disable_additional_properties"})
+
+
+def _guided_fields(fields: Mapping[str, Any], prefix: str,
+                   where: str = "") -> list[tuple[str, str]]:
+    """The guides among `fields`' {prefix}json / regex / grammar / choice (vLLM's guided_*
+    fields, or its structured_outputs' keys: `where` names that object in errors)."""
+    guides = []
+    name = prefix + "json"
+    value = fields.get(name)
     if value is not None:
         if isinstance(value, dict):
             value = json.dumps(value)
         if not isinstance(value, str):
-            raise RequestError("'guided_json' must be a JSON schema (object or string)",
-                               "guided_json")
+            raise RequestError(f"'{where}{name}' must be a JSON schema (object or string)",
+                               where.rstrip(".") or name)
         guides.append(("json_schema", value))
-    for name, kind in (("guided_regex", "regex"), ("guided_grammar", "ebnf_grammar")):
-        value = body.get(name)
+    for name, kind in ((prefix + "regex", "regex"), (prefix + "grammar", "ebnf_grammar")):
+        value = fields.get(name)
         if value is not None:
             if not isinstance(value, str) or not value:
-                raise RequestError(f"'{name}' must be a non-empty string", name)
+                raise RequestError(f"'{where}{name}' must be a non-empty string",
+                                   where.rstrip(".") or name)
             guides.append((kind, value))
-    choices = body.get("guided_choice")
+    name = prefix + "choice"
+    choices = fields.get(name)
     if choices is not None:  # exactly one of the strings: a grammar of their literals
         if not isinstance(choices, list) or not choices or \
                 not all(isinstance(c, str) and c for c in choices):
-            raise RequestError("'guided_choice' must be a non-empty list of non-empty strings",
-                               "guided_choice")
+            raise RequestError(f"'{where}{name}' must be a non-empty list of non-empty strings",
+                               where.rstrip(".") or name)
         literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in dict.fromkeys(choices))
         guides.append(("ebnf_grammar", f"root ::= {literals}"))
-    if len(guides) > 1:
-        raise RequestError("at most one of response_format (json), guided_json, guided_regex, "
-                           "guided_grammar and guided_choice may be given", "response_format")
-    return guides[0] if guides else None
+    return guides
 
 
 def _stop(value: Any) -> list[str]:

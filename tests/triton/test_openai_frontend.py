@@ -383,6 +383,8 @@ def test_vllm_text_options_reach_the_engine(sdk: openai.OpenAI, frontend: str):
     assert word not in complete(bad_words=[word])["text"]
     for choices in (["yes", "no"], ["def fib", 'say "hi"\n']):
         assert complete(guided_choice=choices, max_tokens=12)["text"] in choices
+        assert complete(structured_outputs={"choice": choices}, max_tokens=12)["text"] in choices
+    assert complete(structured_outputs={"regex": "[0-9]{5}"}, max_tokens=12)["text"].isdigit()
     status, error = post(frontend, "/v1/completions", {**base, "stop_token_ids": [10**7]})
     assert status == 400 and "outside the vocabulary" in error["error"]["message"]
 

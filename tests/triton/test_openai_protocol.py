@@ -4,6 +4,7 @@ is wrong, stop strings cut across streamed pieces, chat templates and their turn
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -315,6 +316,42 @@ def test_chat_guides_from_response_format():
     plan = parse_chat({"model": "tiny", "messages": messages, "guided_grammar": "root ::= \"a\""},
                       MODELS, chatml())
     assert plan.fields["guided_decoding_guide_type"] == "ebnf_grammar"
+
+
+def test_structured_outputs_are_the_guided_fields():
+    """vLLM's structured_outputs object gives the same guides as its guided_* fields."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+    def guide(**body) -> tuple[str, str] | None:
+        fields = parse_completion({"model": "tiny", "prompt": "x", **body}, MODELS).fields
+        kind = fields.get("guided_decoding_guide_type")
+        return None if kind is None else (kind, fields["guided_decoding_guide"])
+
+    for old, new in ((dict(guided_json=schema), dict(json=schema)),
+                     (dict(guided_json=json.dumps(schema)), dict(json=json.dumps(schema))),
+                     (dict(guided_regex="a+b"), dict(regex="a+b")),
+                     (dict(guided_grammar='root ::= "a"'), dict(grammar='root ::= "a"')),
+                     (dict(guided_choice=["yes", "no"]), dict(choice=["yes", "no"])),
+                     (dict(response_format={"type": "json_object"}), dict(json_object=True))):
+        assert guide(**old) == guide(structured_outputs=new) is not None
+    tag = json.dumps({"type": "structural_tag", "format": {"type": "any_text"}})
+    assert guide(structured_outputs={"structural_tag": tag}) == ("structural_tag", tag)
+    assert guide(structured_outputs={"regex": "a", "disable_fallback": True}) == ("regex", "a")
+    assert guide(structured_outputs={}) is None
+    assert guide(structured_outputs={"json_object": False}) is None
+    for body, message in (
+            ({"structured_outputs": "a+"}, "'structured_outputs' must be an object"),
+            ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+             "whitespace_pattern not supported"),
+            ({"structured_outputs": {"choice": []}},
+             "'structured_outputs.choice' must be a non-empty list"),
+            ({"structured_outputs": {"regex": 5}}, "'structured_outputs.regex' must be"),
+            ({"structured_outputs": {"json": 5}}, "'structured_outputs.json' must be a JSON"),
+            ({"structured_outputs": {"structural_tag": {}}}, "structural_tag' must be a"),
+            ({"structured_outputs": {"regex": "a"}, "guided_regex": "b"}, "at most one of"),
+            ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "at most one of")):
+        with pytest.raises(RequestError, match=re.escape(message)):
+            parse_completion({"model": "tiny", "prompt": "x", **body}, MODELS)
 
 
 BAD_CHATS = [
