@@ -132,6 +132,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--priority", type=int,
                          help="scheduling priority: lower runs first, ahead of (and if need "
                               "be in place of) requests with a higher one (default 0)")
+        sub.add_argument("--timeout-ms", type=int, metavar="MS",
+                         help="the request may take MS milliseconds from its arrival, then "
+                              "ends with finish_reason timed_out (allotted_time_ms)")
         sub.add_argument("--retain", metavar="PRIORITY[:MS]", type=retention_arg,
                          help="keep the pages of this prompt and its output cached at this "
                               "priority (0-100; default 35), for MS milliseconds (default: "
@@ -163,6 +166,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "cache_salt": args.cache_salt,
         "lora_name": args.lora,
         "priority": args.priority,
+        "allotted_time_ms": args.timeout_ms,
         **retention_options(args.retain),
     }
 

@@ -79,6 +79,7 @@ class GenerateParams:
     cache_salt: str | None = None
     session_id: str | None = None
     priority: int | None = None  # scheduling: lower runs first (default 0)
+    allotted_time_ms: int | None = None  # past it (from arrival) the request ends: timed_out
     lora_name: str | None = None  # a LoRA adapter the server loaded (lora_adapters)
     # KV cache retention (TensorRT-LLM's KvCacheRetentionConfig): (start, end, priority,
     # duration_ms) per prompt token range (end / duration -1: the prompt's end / forever),
@@ -124,6 +125,7 @@ class GenerateParams:
             "cache_salt": self.cache_salt,
             "session_id": self.session_id,
             "priority": self.priority,
+            "allotted_time_ms": self.allotted_time_ms,
             "lora_name": self.lora_name,
             "exclude_input_in_output": self.exclude_input_in_output,
             "guided_decoding_guide_type": self.guide_type,
@@ -149,7 +151,8 @@ class Chunk:
     first); `log_probs` / `cum_log_prob` are that sequence's, and
     `log_probs_by_sequence` / `cum_log_probs` every row as sent (rows padded with zeros to the
     longest). `finish_reasons` holds, per row, why that sequence ended ("eos", "stop",
-    "length", "cancelled") on the response that ends it, "" before (empty: not sent)."""
+    "length", "timed_out", "cancelled") on the response that ends it, "" before (empty: not
+    sent)."""
 
     text: str
     elapsed_s: float
@@ -235,6 +238,7 @@ DTYPES = {
     "min_tokens": "INT32",
     "no_repeat_ngram_size": "INT32",
     "priority": "INT32",
+    "allotted_time_ms": "UINT64",
     "end_id": "INT32",
     "pad_id": "INT32",
     "beam_width": "INT32",

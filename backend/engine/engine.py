@@ -6,9 +6,12 @@ Used in-process by benchmarks and tests (`generate`, or `submit` + `step`) and b
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +37,7 @@ from backend.engine.executor import TorchExecutor
 from backend.engine.guided import GrammarBackend
 from backend.engine.request import Request, RequestOutput, SamplingParams
 from backend.engine.scheduler import Scheduler
-from backend.engine.sequence import Sequence
+from backend.engine.sequence import SeqStatus, Sequence
 from backend.model import HybridForCausalLM, load_model, lora
 from backend.tokenizer import Tokenizer, load_tokenizer
 
@@ -145,6 +148,10 @@ class Engine:
         self._lock = threading.Condition()
         self._inbox: deque[Sequence] = deque()
         self._cancels: set[str] = set()
+        # (deadline, tie-breaker, sequence) of live requests with a Request.deadline
+        self._deadlines: list[tuple[float, int, Sequence]] = []
+        self._deadline_ids = itertools.count()
+        self.clock = time.monotonic  # what Request.deadline is measured against
         self._live: dict[str, Sequence] = {}
         # Requests in the scheduler's queue, as of the engine thread's last look (with the
         # inbox: what max_queue_size counts; written under _lock).
@@ -154,6 +161,7 @@ class Engine:
         # stats()); stats() may be called from other threads (metrics).
         self._step_lock = threading.RLock()
         self.num_cancelled = 0  # requests ended by cancel() (a client that left, a stop)
+        self.num_timed_out = 0  # requests ended at their deadline (Request.deadline)
         self.num_failed = 0  # requests ended by a failed step
         self.num_rejected = 0  # requests refused with the queue full (max_queue_size)
         self.num_cache_resets = 0  # reset_prefix_cache calls
@@ -255,6 +263,9 @@ class Engine:
                 self.lora_requests[request.lora_name] += 1
             self._live[request.request_id] = seq
             self._inbox.append(seq)
+            if request.deadline is not None:
+                heapq.heappush(self._deadlines,
+                               (request.deadline, next(self._deadline_ids), seq))
             self._lock.notify()
 
     def _check_queue(self, over_queue_limit: bool) -> None:
@@ -417,6 +428,14 @@ class Engine:
             new, self._inbox = list(self._inbox), deque()
             cancels, self._cancels = self._cancels, set()
             self._queued += len(new)  # until the step's own count (`_count_queued`)
+            expired = []
+            now = self.clock()
+            while self._deadlines and self._deadlines[0][0] <= now:
+                expired.append(heapq.heappop(self._deadlines)[2])
+            if len(self._deadlines) > 2 * len(self._live) + 64:  # drop the finished ones
+                self._deadlines = [e for e in self._deadlines
+                                   if self._live.get(e[2].request.request_id) is e[2]]
+                heapq.heapify(self._deadlines)
         self.scheduler.waiting.extend(new)
         outputs = []
         for rid in cancels:
@@ -424,6 +443,11 @@ class Engine:
             if seq is not None:
                 outputs.append(self.scheduler.cancel(seq))
         self.num_cancelled += len(outputs)
+        for seq in expired:  # past its deadline, unless it ended meanwhile
+            if self._live.get(seq.request.request_id) is seq and \
+                    seq.status is not SeqStatus.FINISHED:
+                outputs.append(self.scheduler.time_out(seq))
+                self.num_timed_out += 1
         return outputs
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
@@ -611,6 +635,7 @@ class Engine:
             "waiting_requests": len(sched.waiting),
             "finished_requests": sched.num_finished,
             "cancelled_requests": self.num_cancelled,
+            "timed_out_requests": self.num_timed_out,
             "prefix_cache_resets": self.num_cache_resets,
             "lora_adapters": sorted(self.adapters),
             "lora_requests": dict(self.lora_requests),

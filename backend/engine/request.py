@@ -168,6 +168,11 @@ class Request:
     # own (`speculative.Prediction`), on the eager executor, whatever the engine's
     # speculative method. Only the time changes: the tokens are the model's.
     prediction: list[int] | None = None
+    # When it must end (time.monotonic() seconds; TensorRT-LLM's allotted_time_ms, made
+    # absolute at arrival so the sequences of one client request share it): a request still
+    # waiting or running then ends with finish_reason "timed_out", keeping what it generated
+    # (a beam search: its beams so far). Checked between steps, so it may run one step over.
+    deadline: float | None = None
 
     @property
     def needs_prompt_logits(self) -> bool:
@@ -180,7 +185,8 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "eos" | "cancelled" | "error"
+    # "stop" | "length" | "eos" | "cancelled" | "timed_out" | "error"
+    finish_reason: str | None = None
     num_input_tokens: int = 0
     num_output_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix store

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Container
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -670,7 +670,27 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         self.num_finished += 1
 
-    def cancel(self, seq: Sequence) -> RequestOutput:
+    def time_out(self, seq: Sequence) -> RequestOutput:
+        """Ends `seq` at its deadline as `cancel` does, with finish_reason "timed_out": its
+        tokens went out with earlier outputs; a beam search's final output carries its beams
+        so far (the finished ones, else the running ones, best first), none before its
+        first step."""
+        search = seq.beam.search if seq.beam is not None else None
+        beams = None
+        if search is not None and search.num_generated:
+            beams = [b if b.finish_reason != "length" or search.finished
+                     else replace(b, finish_reason="timed_out") for b in search.outputs()]
+        out = self.cancel(seq, "timed_out")
+        if beams:
+            best = beams[0]
+            out.new_token_ids, out.num_output_tokens = list(best.token_ids), len(best.token_ids)
+            if seq.request.sampling.return_log_probs:
+                out.log_probs, out.cum_log_prob = best.log_probs, best.cum_log_prob
+            out.generation_logits = best.logits
+            out.beams = beams
+        return out
+
+    def cancel(self, seq: Sequence, reason: str = "cancelled") -> RequestOutput:
         if seq.beam is not None and seq.status is SeqStatus.RUNNING:
             self._release_beams(seq.beam, cache=False)
         elif seq.status is SeqStatus.RUNNING:
@@ -680,7 +700,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
-        return seq.output([], True, "cancelled")
+        return seq.output([], True, reason)
 
     # Beam search ------------------------------------------------------------------------
     def _beam_steps(self, chunks: list[Chunk], done: list[Chunk],

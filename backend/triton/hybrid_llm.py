@@ -5,15 +5,17 @@ gets one INVALID_ARG response with the final flag; one past `max_queue_size` an 
 one) and submits an engine `Request` whose
 `on_output` callback, on the engine thread, turns each `RequestOutput` into tensors
 (`llm_response.OutputStream`) and queues them for the responder thread. The engine ends every
-request with a finished output (length, eos, stop, cancelled or error), which sends the final
-flag, so no client is left waiting. A watcher thread polls open requests for cancellation and
-calls `engine.cancel`; a metrics thread refreshes the Prometheus families from `engine.stats()`.
+request with a finished output (length, eos, stop, timed_out, cancelled or error), which sends
+the final flag, so no client is left waiting. A watcher thread polls open requests for
+cancellation and calls `engine.cancel`; a metrics thread refreshes the Prometheus families from
+`engine.stats()`.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -158,6 +160,9 @@ class HybridLlm:
             raise RequestError("guided decoding is off on this model (parameter "
                                "guided_decoding_backend is none)")
         request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
+        # allotted_time_ms counts from arrival here; every sequence shares the deadline
+        deadline = None if parsed.allotted_time_ms is None else \
+            time.monotonic() + parsed.allotted_time_ms / 1000
         # The watcher polls it: never is_cancelled() after its final response.
         sender = GuardedSender(sender, self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         stream = stream_for(request_id, parsed)
@@ -182,6 +187,7 @@ class HybridLlm:
                 retention=parsed.retention,
                 stream_beams=parsed.streaming and parsed.beam_search,
                 prediction=parsed.prediction,
+                deadline=deadline,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
         with self.lock:

@@ -27,6 +27,9 @@ Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on resh
   draft_input_ids [1, N] INT32 (TensorRT-LLM's name): the output the client expects; the
   engine drafts from it as speculative decoding does (`Request.prediction`), the output is
   the model's either way;
+  allotted_time_ms [1] UINT64 (TensorRT-LLM's): how long the request may take from its
+  arrival; past it, it ends with finish_reason `timed_out` (what it generated is kept;
+  checked between steps); 0 or absent: no limit;
   stop [1] BOOL: true cancels the open request whose id is this request's id (as TensorRT-LLM's
   `stop`); its other inputs are ignored.
   load_lora / unload_lora [1] BOOL with lora_name and (load) lora_path [1] BYTES (ours; the
@@ -91,6 +94,7 @@ class LlmRequest:
     return_prompt_log_probs: bool = False  # the prompt tokens' log probabilities (first seq's)
     retention: RetentionConfig | None = None  # the store's priorities for its pages
     prediction: list[int] | None = None  # draft_input_ids: the output it is expected to hold
+    allotted_time_ms: int | None = None  # how long it may take from its arrival (None: no limit)
 
     @property
     def extras(self) -> frozenset[str]:
@@ -147,7 +151,23 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         return_prompt_log_probs=bool(scalar(inputs, "return_prompt_log_probs", "b", False)),
         retention=retention_of(inputs),
         prediction=int_vector(inputs, "draft_input_ids") or None,
+        allotted_time_ms=allotted_time_of(inputs),
     )
+
+
+# A day: more is surely a unit mistake (allotted_time_ms counts milliseconds)
+MAX_ALLOTTED_TIME_MS = 86_400_000
+
+
+def allotted_time_of(inputs: Tensors) -> int | None:
+    """allotted_time_ms: None for absent or 0 (no limit); RequestError past a day."""
+    value = scalar(inputs, "allotted_time_ms", "iu", None)
+    if value is None or int(value) == 0:
+        return None
+    if not 0 < int(value) <= MAX_ALLOTTED_TIME_MS:
+        raise RequestError(f"allotted_time_ms must be in [0, {MAX_ALLOTTED_TIME_MS}] (0: no "
+                           f"limit), got {int(value)}")
+    return int(value)
 
 
 def is_stop(inputs: Tensors) -> bool:

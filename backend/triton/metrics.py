@@ -189,6 +189,8 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_requests_total", (), "finished_requests"),
     ("suffixreplay_unfinished_requests_total", (("reason", "cancelled"),), "cancelled_requests"),
     ("suffixreplay_unfinished_requests_total", (("reason", "failed"),), "failed_requests"),
+    ("suffixreplay_unfinished_requests_total", (("reason", "timed_out"),),
+     "timed_out_requests"),
     ("suffixreplay_rejected_requests_total", (("reason", "queue_full"),), "rejected_requests"),
     ("suffixreplay_preemptions_total", (), "preemptions"),
     ("suffixreplay_prefix_cache_resets_total", (), "prefix_cache_resets"),

@@ -133,6 +133,21 @@ def test_http_generate_and_errors_are_the_ensembles(server):
         assert message and errors["ensemble"][1]["error"].endswith(message)
 
 
+def test_allotted_time_ms_reaches_the_engine(server):
+    """A request whose time is up ends timed_out through the BLS model as through the
+    ensemble (tests/triton/test_generate.py), with a prefix of the greedy text."""
+    params = GenerateParams("The capital of France is", max_tokens=2000, min_tokens=2000,
+                            top_k=1, allotted_time_ms=300, cache_salt=uuid.uuid4().hex)
+    [cut] = list(stream_grpc(server.urls.grpc, params, stream=False, model=BLS))
+    n = cut.counts["num_output_tokens"]
+    assert cut.final and cut.finish_reasons == ["timed_out"] and 0 < n < 2000
+    [plain] = list(stream_grpc(server.urls.grpc, GenerateParams(
+        params.prompt, max_tokens=n, min_tokens=n, top_k=1, cache_salt=params.cache_salt),
+        stream=False, model=BLS))
+    assert plain.text == cut.text
+    idle_pool(server)
+
+
 def test_a_client_that_cancels_stops_the_generation(server):
     url = server.urls.grpc
     before = idle_pool(server)

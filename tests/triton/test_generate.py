@@ -318,6 +318,38 @@ def test_draft_input_ids_draft_the_output(llm_server: ServerHandle):
     idle_pool(llm_server)
 
 
+def test_allotted_time_ms_ends_a_request_with_what_it_generated(llm_server: ServerHandle):
+    """TensorRT-LLM's allotted_time_ms: a request still generating when its time is up ends
+    with finish_reason timed_out and the text it had (a plain run of that many tokens gives
+    the same), streamed or not; counted by the timed_out metric; past a day is INVALID_ARG
+    (the BLS model: tests/triton/test_bls.py)."""
+    from tests.triton.llm_helpers import scrape, value
+
+    def timed_out() -> float:
+        return value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                     reason="timed_out")
+
+    before = timed_out()
+    params = GenerateParams(PROMPT, max_tokens=2000, min_tokens=2000, top_k=1,
+                            allotted_time_ms=400, cache_salt=uuid.uuid4().hex)
+    cut = generate_http(llm_server.urls.http, params)
+    n = cut.counts["num_output_tokens"]
+    assert cut.finish_reasons == ["timed_out"] and 0 < n < 2000
+    plain = generate_http(llm_server.urls.http, replace(
+        params, max_tokens=n, min_tokens=n, allotted_time_ms=None))
+    assert plain.text == cut.text and plain.finish_reasons == ["length"]
+    streamed = list(stream_grpc(llm_server.urls.grpc, params))
+    assert streamed[-1].final and streamed[-1].finish_reasons == ["timed_out"]
+    assert 0 < sum(c.counts["num_output_tokens"] for c in streamed) < 2000
+    in_time = generate_http(llm_server.urls.http, replace(params, max_tokens=4, min_tokens=4,
+                                                          allotted_time_ms=60_000))
+    assert in_time.finish_reasons == ["length"]
+    with pytest.raises(GenerateError, match="allotted_time_ms must be in"):
+        generate_http(llm_server.urls.http, replace(params, allotted_time_ms=10**9))
+    idle_pool(llm_server)
+    assert timed_out() == before + 2
+
+
 def test_no_repeat_ngram_size_is_the_engines(llm_server: ServerHandle):
     """TensorRT-LLM's no_repeat_ngram_size through the ensemble: the tokens the engine gives
     in process (its own tests hold them to transformers'), and no bigram comes again."""
