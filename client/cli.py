@@ -368,11 +368,19 @@ def cmd_health(args: argparse.Namespace) -> int:
     live, ready = client.is_server_live(), client.is_server_ready()
     print(f"server live={live} ready={ready}")
     models_ready = True
-    for model in MODELS:
+    for model in repository_models(client, args.http):
         model_ready = client.is_model_ready(model)
         models_ready &= model_ready
         print(f"  {model}: {'ready' if model_ready else 'NOT READY'}")
     return 0 if live and ready and models_ready else 1
+
+
+def repository_models(client, http: bool) -> list[str]:
+    """The pipeline's models, then any other model the server's repository holds (e.g.
+    hybrid_llm_bls), each once."""
+    index = client.get_model_repository_index()
+    names = [m["name"] for m in index] if http else [m.name for m in index.models]
+    return list(dict.fromkeys([*MODELS, *sorted(names)]))
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     except BuildError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {repo}: serve it with  tritonserver --model-repository {repo}")
+    print(f"wrote {repo}: serve it with  make serve MODEL_REPO={repo}  (or, where Triton is "
+          f"installed,  tritonserver --model-repository {repo})")
     return 0
 
 

@@ -12,7 +12,8 @@ last STORE_SIZE responses), `max_output_tokens`, `temperature`, `top_p`, `tools`
 tools, flat as the Responses API spells them), `tool_choice`, `parallel_tool_calls`,
 `text.format` (`text`, `json_object`, `json_schema`), `stream`, `metadata` (echoed), and the
 chat path's extra fields (`top_k`, `cache_salt`, `chat_template_kwargs`, ...). A response cut
-by max_output_tokens is `incomplete` (`incomplete_details.reason`). Refused with a 400: tools
+by max_output_tokens is `incomplete` (`incomplete_details.reason`), and so is the output item it
+cut. Refused with a 400: tools
 other than functions, `background`, `conversation`, `prompt` (stored prompts), item
 references, images and files, `truncation: "auto"`, `top_logprobs`, `max_tool_calls`.
 """
@@ -345,14 +346,14 @@ class ResponseBuilder:
                                           part=copy.deepcopy(part)))
         return events
 
-    def _close(self) -> list[dict[str, Any]]:
-        """The open reasoning or message item, done."""
+    def _close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """The open reasoning or message item, done (`status` "incomplete": cut short)."""
         if self.open is None:
             return []
         index, self.open = self.open, None
         item = self.body["output"][index]
         part = item["content"][0]
-        item["status"] = "completed"
+        item["status"] = status
         if item["type"] == "message":
             events = [self._event("response.output_text.done", item_id=item["id"],
                                   output_index=index, content_index=0, text=part["text"],
@@ -369,12 +370,14 @@ class ResponseBuilder:
     def finish(self, reason: str, usage: Mapping[str, Any],
                reasoning_tokens: int = 0) -> list[dict[str, Any]]:
         """Every item closed (an answer with no item gets an empty message), the usage, and
-        the status: "incomplete" where max_output_tokens cut it."""
+        the status: "incomplete" where max_output_tokens cut it (the item it cut too)."""
+        cut = "incomplete" if reason == "length" else "completed"
         events = [] if self.body["output"] else self._open("message")
-        events += self._close()
+        events += self._close(cut)
+        last = len(self.body["output"]) - 1
         for index in self.calls.values():
             item = self.body["output"][index]
-            item["status"] = "completed"
+            item["status"] = cut if index == last else "completed"
             events.append(self._event("response.function_call_arguments.done",
                                       item_id=item["id"], output_index=index,
                                       name=item["name"], arguments=item["arguments"]))

@@ -57,6 +57,7 @@ INVALID_ARG, with `SamplingParams`' message.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -251,8 +252,9 @@ def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1
             length_penalty=finite(inputs, "len_penalty", 1.0),
             early_stopping=bool(scalar(inputs, "early_stopping", "iub", False)),
         )
-    except ValueError as exc:  # SamplingParams states the bad value
-        raise RequestError(str(exc)) from None
+    except ValueError as exc:  # SamplingParams states the bad value (by the input's name)
+        raise RequestError(re.sub(r"(?<![\w.])top_log_probs\b", "num_top_log_probs",
+                                  str(exc))) from None
 
 
 def guide_of(inputs: Tensors) -> Guide | None:

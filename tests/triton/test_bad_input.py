@@ -50,7 +50,7 @@ HTTP_CASES = [
     ("end_id_negative", {"text_input": "hi", "max_tokens": 4, "end_id": -2},
      "end_id=-2 is outside the vocabulary"),
     ("top_log_probs_21", {"text_input": "hi", "max_tokens": 4, "num_top_log_probs": 21},
-     "top_log_probs must be in [0, 20], got 21"),
+     "num_top_log_probs must be in [0, 20], got 21"),
     ("no_repeat_ngram_negative", {"text_input": "hi", "max_tokens": 4,
                                   "no_repeat_ngram_size": -1},
      "no_repeat_ngram_size must be >= 0, got -1"),

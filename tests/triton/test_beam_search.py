@@ -189,7 +189,7 @@ BAD = [
     ("length_penalty_inf", dict(beam_width=2, length_penalty=float("inf")),
      "len_penalty must be finite"),
     ("top_log_probs", dict(beam_width=2, num_top_log_probs=3),
-     "top_log_probs with beam search (beam_width > 1) is not supported"),
+     "num_top_log_probs with beam search (beam_width > 1) is not supported"),
 ]
 
 

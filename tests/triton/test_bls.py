@@ -230,7 +230,7 @@ def test_the_openai_frontend_serves_through_it(server, tmp_path):
 
 def test_the_cli_generates_through_it(server):
     """`python -m client generate --model hybrid_llm_bls`, over gRPC and HTTP, prints what
-    the ensemble gives."""
+    the ensemble gives; `health` lists it after the ensemble's models."""
     import subprocess
     import sys
 
@@ -248,3 +248,9 @@ def test_the_cli_generates_through_it(server):
             capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert result.stdout == expected + "\n"
+    for transport in (["--url", server.urls.grpc], ["--http", "--url", server.urls.http]):
+        health = subprocess.run([sys.executable, "-m", "client", "health", *transport],
+                                capture_output=True, text=True, timeout=120)
+        assert health.returncode == 0, health.stdout + health.stderr
+        assert health.stdout.splitlines()[1:] == [
+            f"  {m}: ready" for m in (*LLM_MODELS, BLS)]  # the pipeline's, then the rest

@@ -160,6 +160,7 @@ def test_pieces_become_output_items_and_events_in_order():
 
 
 def test_a_cut_answer_is_incomplete_and_an_empty_one_still_has_a_message():
+    """max_output_tokens: the response and the item it cut are incomplete."""
     builder = ResponseBuilder(to_chat({"model": "tiny", "input": "x"}, ResponseStore()), "t")
     events = builder.start() + builder.finish("length", USAGE)
     assert builder.body["status"] == "incomplete"
@@ -167,3 +168,17 @@ def test_a_cut_answer_is_incomplete_and_an_empty_one_still_has_a_message():
     assert events[-1]["type"] == "response.incomplete"
     [message] = builder.body["output"]
     assert message["type"] == "message" and message["content"][0]["text"] == ""
+    assert message["status"] == "incomplete"  # the item the cut ended, as OpenAI's
+    # A thought closed before the answer began stays completed; the answer it cut does not.
+    cut = ResponseBuilder(to_chat({"model": "tiny", "input": "x"}, ResponseStore()), "t")
+    events = cut.start() + cut.feed("hmm", "", []) + cut.feed("", "The ans", [])
+    events += cut.finish("length", USAGE)
+    assert [(i["type"], i["status"]) for i in cut.body["output"]] == [
+        ("reasoning", "completed"), ("message", "incomplete")]
+    done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+    assert done == ["completed", "incomplete"]
+    whole = ResponseBuilder(to_chat({"model": "tiny", "input": "x"}, ResponseStore()), "t")
+    whole.start()
+    whole.feed("", "Done.", [])
+    whole.finish("stop", USAGE)
+    assert [i["status"] for i in whole.body["output"]] == ["completed"]
