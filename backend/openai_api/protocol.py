@@ -23,7 +23,10 @@ strings; or vLLM's newer `structured_outputs` object: `json`, `regex`, `grammar`
 `json_object`, `structural_tag`), `use_beam_search` (the n choices are a beam search's n
 beams, best first, with `length_penalty` and `early_stopping`; streamed, they come whole at
 its end, as vLLM's),
-`return_tokens_as_token_ids` (logprobs name tokens `token_id:N`; the frontend's
+`return_token_ids` (the prompt's and each choice's token ids: `prompt_token_ids` on a
+completion's choices and on a chat answer, `token_ids` per choice; streamed, the ids each chunk
+carries, the prompt's on the first), `return_tokens_as_token_ids` (logprobs name tokens
+`token_id:N`; the frontend's
 `--return-tokens-as-token-ids` makes it the default), `prompt_logprobs` (0..20: each prompt
 token's log probability after the first, its rank and its position's N likeliest tokens,
 vLLM's layout: the choice's `prompt_logprobs` in completions, the answer's in chat; not with
@@ -79,6 +82,7 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
+    return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (None: not given)
     token_ids_named: bool | None = None
     stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
@@ -400,6 +404,7 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
             raise RequestError("'stop_token_ids' must be a list of token ids", "stop_token_ids")
         plan.stop_token_ids = list(dict.fromkeys(ids))
     plan.include_stop = _bool(body, "include_stop_str_in_output", False)
+    plan.return_token_ids = _bool(body, "return_token_ids", False)
     if body.get("return_tokens_as_token_ids") is not None:  # else the server's default
         plan.token_ids_named = _bool(body, "return_tokens_as_token_ids", False)
     words = body.get("bad_words")
@@ -877,9 +882,13 @@ def chunk_body(plan: Plan, choices: list[dict[str, Any]],
 def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
                   role: bool = False, logprobs: dict[str, Any] | None = None,
                   calls: Sequence[dict[str, Any]] = (), reasoning: str = "",
-                  stop_reason: str | int | None = None) -> dict[str, Any]:
+                  stop_reason: str | int | None = None,
+                  token_ids: Sequence[int] | None = None,
+                  prompt_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """One choice's part of a streamed chunk; `calls`: tool-call deltas, `reasoning`:
-    reasoning text (chat); once it ended (`reason`), vLLM's `stop_reason` too."""
+    reasoning text (chat); once it ended (`reason`), vLLM's `stop_reason` too; with vLLM's
+    return_token_ids, the ids it carries (`token_ids`) and, on a completion's first chunk,
+    its prompt's (`prompt_token_ids`)."""
     if plan.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if reasoning:
@@ -894,6 +903,10 @@ def stream_choice(plan: Plan, index: int, text: str | None, reason: str | None,
                 "finish_reason": reason}
     if reason is not None:
         body["stop_reason"] = stop_reason
+    if prompt_token_ids is not None and plan.kind != "chat":
+        body["prompt_token_ids"] = list(prompt_token_ids)
+    if token_ids is not None:
+        body["token_ids"] = list(token_ids)
     return body
 
 
@@ -903,13 +916,17 @@ def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
                   calls: Sequence[list[dict[str, Any]]] | None = None,
                   reasoning: Sequence[str | None] | None = None,
                   prompt_logprobs: Sequence[list | None] | None = None,
-                  stop_reasons: Sequence[str | int | None] | None = None) -> dict[str, Any]:
+                  stop_reasons: Sequence[str | int | None] | None = None,
+                  token_ids: Sequence[list[int]] | None = None,
+                  prompt_token_ids: Sequence[list[int]] | None = None) -> dict[str, Any]:
     """The non-streamed answer: `chat.completion` / `text_completion`; `calls`: each chat
     choice's tool calls (a message with calls has content null where it has no text);
     `reasoning`: each chat choice's `reasoning_content` (None: no reasoning parser);
     `prompt_logprobs`: per prompt, vLLM's `prompt_logprobs` (None: not asked), on each of
     its choices (completions) or on the answer (chat); `stop_reasons`: each choice's vLLM
-    `stop_reason` (the stop string or token id that ended it, else None)."""
+    `stop_reason` (the stop string or token id that ended it, else None); `token_ids` /
+    `prompt_token_ids` (vLLM's return_token_ids): each choice's generated ids and each
+    prompt's ids (on its choices in completions, on the answer in chat)."""
     logprobs = logprobs or [None] * len(texts)
     stop_reasons = stop_reasons or [None] * len(texts)
     calls = calls or [[] for _ in texts]
@@ -932,9 +949,17 @@ def response_body(plan: Plan, texts: list[str | None], reasons: list[str],
         if prompt_logprobs is not None:
             for i, choice in enumerate(choices):
                 choice["prompt_logprobs"] = prompt_logprobs[i // plan.n]
+        if prompt_token_ids is not None:
+            for i, choice in enumerate(choices):
+                choice["prompt_token_ids"] = prompt_token_ids[i // plan.n]
         kind = "text_completion"
+    if token_ids is not None:
+        for choice, ids in zip(choices, token_ids):
+            choice["token_ids"] = ids
     body = {"id": plan.id, "object": kind, "created": plan.created, "model": plan.model,
             "choices": choices, "usage": usage_body}
     if prompt_logprobs is not None and plan.kind == "chat":
         body["prompt_logprobs"] = prompt_logprobs[0]
+    if prompt_token_ids is not None and plan.kind == "chat":
+        body["prompt_token_ids"] = prompt_token_ids[0]
     return body

@@ -87,6 +87,9 @@ class Choice:
     reason: str | None = None  # OpenAI's, once it ended
     stop_reason: str | int | None = None  # vLLM's: the stop string / token it ended at
     tail: str = ""  # with stop_token_ids: the last characters generated (before the filter)
+    # With return_token_ids: every id it generated, and those no event carried yet
+    token_ids: list[int] = field(default_factory=list)
+    unsent_ids: list[int] = field(default_factory=list)
     tools: ToolStream | None = None  # a chat with tools: its text read as tool calls
     reasoning: ReasoningReader | None = None  # --reasoning-parser: its text split first
     # With logprobs: the choice's ids decoded as they come (where each token's text starts in
@@ -121,6 +124,7 @@ class Event(NamedTuple):
     tokens: list[TokenLogprob]
     calls: list[dict[str, Any]]
     reasoning: str
+    ids: Sequence[int] = ()  # with return_token_ids: the generated ids not sent yet
 
 
 class Run:
@@ -146,6 +150,9 @@ class Run:
         by_id = state.tokens_as_ids if plan.token_ids_named is None else plan.token_ids_named
         self.names = state.id_names if by_id else state.token_names
         self.requests = [self._fields(p) for p in plan.prompts]
+        # vLLM's return_token_ids: each prompt's ids, as preprocessing tokenizes it
+        self.prompt_token_ids = [self._prompt_ids(i) for i in range(len(plan.prompts))] \
+            if plan.return_token_ids else []
         # Several replicas: each prompt's token ids, which the router hashes page by page
         # (tokenized here, in the worker thread that builds the run, not on the event loop).
         self.route_ids = [state.tokenizer.encode(
@@ -176,6 +183,16 @@ class Run:
         self.drafts: dict[tuple[int, int], tuple[int, int]] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
+
+    def _prompt_ids(self, i: int) -> list[int]:
+        given = self.plan.prompt_ids[i] if i < len(self.plan.prompt_ids) else None
+        if given is not None:
+            return list(given)
+        if self.state.tokenizer is None:
+            raise RequestError("'return_token_ids' needs the model's tokenizer, which the "
+                               "frontend did not find", "return_token_ids")
+        return self.state.tokenizer.encode(
+            self.plan.prompts[i], add_special_tokens=self.state.served.add_special_tokens)
 
     def _fields(self, prompt: str) -> dict[str, Any]:
         max_tokens = self.plan.max_tokens
@@ -282,6 +299,9 @@ class Run:
                     continue
                 if choice.decoder is not None and k < len(response.ids):
                     self._score(choice, response, k)
+                if self.plan.return_token_ids and k < len(response.ids):
+                    choice.token_ids += response.ids[k]
+                    choice.unsent_ids += response.ids[k]
                 if not (text or engine_reason):
                     continue
                 if self.tail_len:
@@ -341,14 +361,16 @@ class Run:
                 text, calls = text + rest, calls + done
                 choice.reason = choice.tools.finish_reason(choice.reason)
         choice.parts.append(text)
-        return Event(index, text, choice.reason, choice.release(), calls, reasoning)
+        ids, choice.unsent_ids = choice.unsent_ids, []
+        return Event(index, text, choice.reason, choice.release(), calls, reasoning, ids)
 
     def _score(self, choice: Choice, response: Any, k: int) -> None:
         """Row k's tokens, each where its text starts in the choice's text, waiting for
         their text to be sent."""
         tops = response.tops[k] if k < len(response.tops) else []
         top = self.plan.logprobs or 0  # the engine's count may be prompt_logprobs' (larger)
-        for i, (token, logprob) in enumerate(zip(response.ids[k], response.log_probs[k])):
+        log_probs = response.log_probs[k] if k < len(response.log_probs) else []
+        for i, (token, logprob) in enumerate(zip(response.ids[k], log_probs)):
             offset = choice.decoded
             choice.decoded += len(choice.decoder.push(token))
             choice.waiting.append(self.names.entry(
@@ -442,7 +464,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         return web.json_response(protocol.response_body(
             plan, run.texts(), reasons, run.usage(), run.logprobs(), run.calls(),
             run.reasoning(), run.prompt_scores if plan.prompt_logprobs is not None else None,
-            [c.stop_reason for c in run.choices]),
+            [c.stop_reason for c in run.choices],
+            [c.token_ids for c in run.choices] if plan.return_token_ids else None,
+            run.prompt_token_ids if plan.return_token_ids else None),
             headers={REQUEST_ID: plan.request_id})
     except UpstreamError as exc:
         return _error(_client_error(exc))
@@ -467,21 +491,37 @@ async def _stream(request: web.Request, run: Run, events, first) -> web.StreamRe
         return protocol.chunk_body(plan, [choice], run.usage() if plan.continuous_usage
                                    else None)
 
+    # return_token_ids: the prompt's ids go on a completion choice's first chunk, on a
+    # chat's first (role) chunk
+    unnamed = set(range(len(run.choices))) if plan.return_token_ids else set()
+
+    def prompt_ids(index: int) -> list[int] | None:
+        if index not in unnamed:
+            return None
+        unnamed.discard(index)
+        return run.prompt_token_ids[index // plan.n]
+
     for index in range(len(run.choices)):  # the role (chat) or the echoed prompt first
         if plan.kind == "chat":
-            await send(chunk(protocol.stream_choice(plan, index, "", None, role=True)))
+            body = chunk(protocol.stream_choice(plan, index, "", None, role=True))
+            if index == 0 and plan.return_token_ids:
+                body["prompt_token_ids"] = run.prompt_token_ids[0]
+            await send(body)
         elif plan.echo:
             echo = plan.prompts[index // plan.n]
-            await send(chunk(protocol.stream_choice(plan, index, echo, None)))
+            await send(chunk(protocol.stream_choice(plan, index, echo, None,
+                                                    prompt_token_ids=prompt_ids(index))))
     try:
         pending = [first] if first is not None else []
         while True:
             for e in pending:
-                if e.text or e.reason or e.tokens or e.calls or e.reasoning:
+                if e.text or e.reason or e.tokens or e.calls or e.reasoning or e.ids:
                     logprobs = protocol.logprobs_body(plan, e.tokens)
                     await send(chunk(protocol.stream_choice(
                         plan, e.index, e.text, e.reason, logprobs=logprobs, calls=e.calls,
-                        reasoning=e.reasoning, stop_reason=run.choices[e.index].stop_reason)))
+                        reasoning=e.reasoning, stop_reason=run.choices[e.index].stop_reason,
+                        token_ids=list(e.ids) if plan.return_token_ids else None,
+                        prompt_token_ids=prompt_ids(e.index))))
             try:
                 pending = [await events.__anext__()]
             except StopAsyncIteration:

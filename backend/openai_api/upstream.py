@@ -52,9 +52,9 @@ class UpstreamError(Exception):
 
 @dataclass
 class Response:
-    """One ensemble response: the row it carries (-1: all), each row's text and finish
-    reason, and the counts; with return_log_probs each row's generated ids, their log
-    probabilities and (num_top_log_probs) the likeliest tokens at each one's position."""
+    """One ensemble response: the row it carries (-1: all), each row's text, generated ids
+    and finish reason, and the counts; with return_log_probs each row's log probabilities
+    and (num_top_log_probs) the likeliest tokens at each one's position."""
 
     index: int
     texts: list[str]
@@ -281,10 +281,11 @@ def _response(result: Any, response: Any, final: bool) -> Response:
     out = Response(index, strings("text_output"), strings("finish_reason"), counts, final)
     log_probs = (result.as_numpy("output_log_probs")[0] if "output_log_probs" in names
                  else None)  # [K, N]: N = 0 without return_log_probs
-    if log_probs is not None and log_probs.shape[1] and {"output_ids", "sequence_length"} <= names:
+    if {"output_ids", "sequence_length"} <= names:
         lengths = result.as_numpy("sequence_length")[0].tolist()
         ids = result.as_numpy("output_ids")[0]
         out.ids = [ids[k, :n].tolist() for k, n in enumerate(lengths)]
+    if log_probs is not None and log_probs.shape[1] and out.ids:
         out.log_probs = [log_probs[k, :n].tolist() for k, n in enumerate(lengths)]
         if "top_log_prob_ids" in names and "top_log_probs" in names:
             top_ids = result.as_numpy("top_log_prob_ids")[0]  # [K, T, N]

@@ -495,6 +495,62 @@ def test_tokenize_then_complete_and_continue_a_message(frontend: str, sdk: opena
     assert status == 400 and "outside the vocabulary" in error["error"]["message"]
 
 
+def test_return_token_ids_gives_the_prompts_and_the_choices_ids(frontend: str,
+                                                                 sdk: openai.OpenAI):
+    """vLLM's return_token_ids: a completion's choices carry their prompt's ids (as /tokenize
+    gives them, or the ids sent) and the ids they generated (whose text is theirs, one a
+    completion token); a chat answer carries its prompt's ids; streamed, each chunk carries
+    its ids and the first the prompt's, joining to the same."""
+    extra = greedy(return_token_ids=True, min_tokens=0)
+    prompt = "Name three colors:"
+    reply = sdk.completions.create(model="ensemble", prompt=prompt, max_tokens=MAX_TOKENS, n=2,
+                                   temperature=1.0, seed=5, extra_body=extra)
+    status, tokens = post(frontend, "/tokenize", {"model": "ensemble", "prompt": prompt})
+    assert status == 200
+    for choice in reply.choices:
+        extras = choice.model_extra
+        assert extras["prompt_token_ids"] == tokens["tokens"]
+        ids = extras["token_ids"]
+        status, text = post(frontend, "/detokenize", {"model": "ensemble", "tokens": ids})
+        assert status == 200 and text["prompt"] == choice.text
+    assert sum(len(c.model_extra["token_ids"]) for c in reply.choices) == \
+        reply.usage.completion_tokens
+    plain = sdk.completions.create(model="ensemble", prompt=prompt, max_tokens=MAX_TOKENS, n=2,
+                                   temperature=1.0, seed=5, extra_body={
+                                       **extra, "return_token_ids": False})
+    assert [c.text for c in plain.choices] == [c.text for c in reply.choices]
+    assert all("token_ids" not in c.model_extra for c in plain.choices)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    prompts = []
+    for chunk in sdk.completions.create(model="ensemble", prompt=prompt, max_tokens=MAX_TOKENS,
+                                        n=2, temperature=1.0, seed=5, stream=True,
+                                        extra_body=extra):
+        for c in chunk.choices:
+            streamed[c.index] += c.model_extra.get("token_ids", [])
+            prompts.append((c.index, c.model_extra.get("prompt_token_ids")))
+    assert [streamed[0], streamed[1]] == [c.model_extra["token_ids"] for c in reply.choices]
+    assert [i for i, p in prompts if p is not None] == [0, 1]  # each choice's first chunk
+    assert all(p in (None, tokens["tokens"]) for _, p in prompts)
+    by_ids = sdk.completions.create(model="ensemble", prompt=tokens["tokens"],
+                                    max_tokens=4, extra_body=extra)
+    assert by_ids.choices[0].model_extra["prompt_token_ids"] == tokens["tokens"]
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = sdk.chat.completions.create(model="ensemble", messages=messages,
+                                       max_tokens=MAX_TOKENS, extra_body=extra)
+    status, chat_tokens = post(frontend, "/tokenize", {"model": "ensemble",
+                                                       "messages": messages})
+    assert chat.model_extra["prompt_token_ids"] == chat_tokens["tokens"]
+    ids = chat.choices[0].model_extra["token_ids"]
+    status, text = post(frontend, "/detokenize", {"model": "ensemble", "tokens": ids})
+    assert text["prompt"].startswith(chat.choices[0].message.content) and ids
+    chunks = list(sdk.chat.completions.create(model="ensemble", messages=messages,
+                                              max_tokens=MAX_TOKENS, stream=True,
+                                              extra_body=extra))
+    assert chunks[0].model_extra["prompt_token_ids"] == chat_tokens["tokens"]
+    assert [t for c in chunks for ch in c.choices
+            for t in ch.model_extra.get("token_ids", [])] == ids
+
+
 def test_several_prompts_and_choices(sdk: openai.OpenAI):
     extra = greedy(cache_salt=uuid.uuid4().hex)
     reply = sdk.completions.create(model="ensemble", prompt=["First prompt", "Second prompt"],
