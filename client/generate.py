@@ -239,6 +239,7 @@ DTYPES = {
     "no_repeat_ngram_size": "INT32",
     "priority": "INT32",
     "allotted_time_ms": "UINT64",
+    "truncate_prompt_tokens": "INT32",
     "end_id": "INT32",
     "pad_id": "INT32",
     "beam_width": "INT32",

@@ -23,7 +23,9 @@ strings; or vLLM's newer `structured_outputs` object: `json`, `regex`, `grammar`
 `json_object`, `structural_tag`), `use_beam_search` (the n choices are a beam search's n
 beams, best first, with `length_penalty` and `early_stopping`; streamed, they come whole at
 its end, as vLLM's),
-`return_token_ids` (the prompt's and each choice's token ids: `prompt_token_ids` on a
+`truncate_prompt_tokens` (only the prompt's last N tokens are answered, -1: as many as the
+context holds; preprocessing cuts them; not with echo), `return_token_ids` (the prompt's and
+each choice's token ids: `prompt_token_ids` on a
 completion's choices and on a chat answer, `token_ids` per choice; streamed, the ids each chunk
 carries, the prompt's on the first), `return_tokens_as_token_ids` (logprobs name tokens
 `token_id:N`; the frontend's
@@ -41,8 +43,8 @@ draft tokens kept and rejected); vLLM's `priority` (lower runs first); ours
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
 (the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
-`skip_special_tokens` / `spaces_between_special_tokens` false, `allowed_token_ids`,
-`truncate_prompt_tokens`) are rejected with a 400 that names them, never
+`skip_special_tokens` / `spaces_between_special_tokens` false, `allowed_token_ids`) are
+rejected with a 400 that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
 
@@ -83,6 +85,7 @@ class Plan:
     include_usage: bool = False
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids
+    truncate: int | None = None  # vLLM's truncate_prompt_tokens: keep the last N (-1: context)
     # vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N" (None: not given)
     token_ids_named: bool | None = None
     stop: list[str] = field(default_factory=list)  # the client's stop strings (text level)
@@ -395,9 +398,10 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
 
 def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
     """vLLM's `stop_token_ids` (resolved against the tokenizer by `stop_token_texts`),
-    `include_stop_str_in_output` and `bad_words`; its `skip_special_tokens` /
-    `spaces_between_special_tokens` false, `allowed_token_ids` and `truncate_prompt_tokens`
-    ask for what this server does not do: a 400, not silently ignored."""
+    `include_stop_str_in_output`, `bad_words`, `truncate_prompt_tokens` (resolved by the
+    run: -1 is the context length) and the token-id options; its `skip_special_tokens` /
+    `spaces_between_special_tokens` false and `allowed_token_ids` ask for what this server
+    does not do: a 400, not silently ignored."""
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
@@ -419,8 +423,16 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
                                "postprocessing decides how special tokens are written)", name)
     _refuse(body, "allowed_token_ids", "'allowed_token_ids' is not supported: use "
             "'logit_bias' or a guide ('guided_choice', 'guided_regex')")
-    _refuse(body, "truncate_prompt_tokens", "'truncate_prompt_tokens' is not supported: a "
-            "prompt longer than the context is refused, not cut")
+    keep = body.get("truncate_prompt_tokens")
+    if keep is not None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or not (keep >= 1 or keep == -1):
+            raise RequestError("'truncate_prompt_tokens' must be a positive number of tokens "
+                               "(or -1: the model's context length)", "truncate_prompt_tokens")
+        if plan.echo:
+            raise RequestError("'truncate_prompt_tokens' cannot be used with 'echo' (the "
+                               "echoed prompt would not be the one answered)",
+                               "truncate_prompt_tokens")
+        plan.truncate = keep
 
 
 def _prediction(value: Any) -> str | None:

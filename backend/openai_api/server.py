@@ -142,6 +142,11 @@ class Run:
         # the generated text's end kept per choice to tell which stop token ended it
         self.tail_len = max(map(len, plan.stop_token_words), default=0)
         protocol.prediction_ids(plan, state.tokenizer)
+        # vLLM's truncate_prompt_tokens: preprocessing keeps each prompt's last `keep` ids
+        self.keep = None if plan.truncate is None else \
+            state.served.max_context_len if plan.truncate == -1 else plan.truncate
+        if self.keep is not None:
+            plan.fields["truncate_prompt_tokens"] = self.keep
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(plan, name) is not None and state.token_names is None:
                 raise RequestError(f"'{name}' needs the model's tokenizer, which the frontend "
@@ -155,8 +160,8 @@ class Run:
             if plan.return_token_ids else []
         # Several replicas: each prompt's token ids, which the router hashes page by page
         # (tokenized here, in the worker thread that builds the run, not on the event loop).
-        self.route_ids = [state.tokenizer.encode(
-            p, add_special_tokens=state.served.add_special_tokens)
+        self.route_ids = [self._cut(state.tokenizer.encode(
+            p, add_special_tokens=state.served.add_special_tokens))
             if state.tokenizer is not None else [] for p in plan.prompts] \
             if state.router is not None else []
         thinks = plan.kind == "chat" and state.reasoning_parser is not None
@@ -187,12 +192,16 @@ class Run:
     def _prompt_ids(self, i: int) -> list[int]:
         given = self.plan.prompt_ids[i] if i < len(self.plan.prompt_ids) else None
         if given is not None:
-            return list(given)
+            return self._cut(list(given))
         if self.state.tokenizer is None:
             raise RequestError("'return_token_ids' needs the model's tokenizer, which the "
                                "frontend did not find", "return_token_ids")
-        return self.state.tokenizer.encode(
-            self.plan.prompts[i], add_special_tokens=self.state.served.add_special_tokens)
+        return self._cut(self.state.tokenizer.encode(
+            self.plan.prompts[i], add_special_tokens=self.state.served.add_special_tokens))
+
+    def _cut(self, ids: list[int]) -> list[int]:
+        """A prompt's ids as the model gets them (truncate_prompt_tokens: the last ones)."""
+        return ids[-self.keep:] if self.keep else ids
 
     def _fields(self, prompt: str) -> dict[str, Any]:
         max_tokens = self.plan.max_tokens
@@ -201,8 +210,8 @@ class Run:
             if self.state.tokenizer is None:
                 raise RequestError("'max_tokens' is required (the frontend has no tokenizer "
                                    "to count the prompt)", "max_tokens")
-            used = len(self.state.tokenizer.encode(
-                prompt, add_special_tokens=self.state.served.add_special_tokens))
+            used = len(self._cut(self.state.tokenizer.encode(
+                prompt, add_special_tokens=self.state.served.add_special_tokens)))
             max_tokens = limit - used
             if max_tokens < 1:
                 raise RequestError(f"the prompt has {used} tokens, which leaves none of the "

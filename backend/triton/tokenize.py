@@ -8,7 +8,9 @@ Inputs (B = batch, every tensor [B, ...]):
   tokens get its weight), EMBEDDING_BIAS_TOKEN_IDS [B, N] INT32 with
   EMBEDDING_BIAS_TOKEN_WEIGHTS [B, N] FP32 (ours: a bias by token id, as OpenAI's
   `logit_bias`; ids from 0 to the tokenizer's vocabulary size, unique in a row),
-  END_ID / PAD_ID [B, 1] INT32 (default: the tokenizer's eos / pad).
+  END_ID / PAD_ID [B, 1] INT32 (default: the tokenizer's eos / pad),
+  TRUNCATE_PROMPT_TOKENS [B, 1] INT32 (ours, vLLM's truncate_prompt_tokens: only the prompt's
+  last N tokens are kept; 0: all).
 Outputs:
   INPUT_ID [B, T] INT32 (right-padded with the pad id), REQUEST_INPUT_LEN [B, 1],
   DECODER_INPUT_ID [B, Td], REQUEST_DECODER_INPUT_LEN [B, 1],
@@ -96,7 +98,12 @@ class Preprocessor:
 
     def __call__(self, inputs: Tensors) -> dict[str, np.ndarray]:
         batch_size = batch_size_of(inputs, "QUERY")
-        input_ids, input_lens = self.encode_prompts(inputs["QUERY"], "QUERY")
+        keep = column(inputs, "TRUNCATE_PROMPT_TOKENS", batch_size, np.int64)
+        if keep is not None and (keep < 0).any():
+            raise RequestError("TRUNCATE_PROMPT_TOKENS (truncate_prompt_tokens) must be >= 0 "
+                               f"(0: keep the whole prompt), got {keep[:, 0].tolist()}")
+        input_ids, input_lens = self.encode_prompts(
+            inputs["QUERY"], "QUERY", None if keep is None else keep[:, 0].tolist())
         decoder_ids, decoder_lens = self._decoder_prompts(inputs, batch_size)
         output_len = column(inputs, "REQUEST_OUTPUT_LEN", batch_size, np.int32)
         if output_len is None:
@@ -120,14 +127,18 @@ class Preprocessor:
             "OUT_PAD_ID": self._fill(pad_id, self.pad_id, batch_size),
         }
 
-    def encode_prompts(self, query: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
-        """[B, 1] BYTES -> (ids [B, T] right-padded, lengths [B, 1]); empty prompts are errors."""
+    def encode_prompts(self, query: np.ndarray, name: str, keep: Sequence[int] | None = None
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """[B, 1] BYTES -> (ids [B, T] right-padded, lengths [B, 1]); empty prompts are errors;
+        `keep`: per row, how many of the last ids to keep (0: all)."""
         rows = []
         for b, value in enumerate(query[:, 0]):
             text = decode_utf8(value, f"{name}[{b}]")
             ids = self.tokenizer.encode(text, add_special_tokens=self.add_special_tokens)
             if not ids:
                 raise RequestError(f"{name}[{b}] is empty; the prompt needs at least one token")
+            if keep is not None and keep[b]:
+                ids = ids[-keep[b]:]
             rows.append(ids)
         lengths = np.array([[len(r)] for r in rows], dtype=np.int32)
         return pad_rows(rows, self.pad_id), lengths

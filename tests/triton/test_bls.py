@@ -133,9 +133,10 @@ def test_http_generate_and_errors_are_the_ensembles(server):
         assert message and errors["ensemble"][1]["error"].endswith(message)
 
 
-def test_allotted_time_ms_reaches_the_engine(server):
+def test_allotted_time_ms_and_truncation_reach_the_engine(server):
     """A request whose time is up ends timed_out through the BLS model as through the
-    ensemble (tests/triton/test_generate.py), with a prefix of the greedy text."""
+    ensemble (tests/triton/test_generate.py), with a prefix of the greedy text; a prompt cut
+    by truncate_prompt_tokens arrives cut."""
     params = GenerateParams("The capital of France is", max_tokens=2000, min_tokens=2000,
                             top_k=1, allotted_time_ms=300, cache_salt=uuid.uuid4().hex)
     [cut] = list(stream_grpc(server.urls.grpc, params, stream=False, model=BLS))
@@ -145,6 +146,11 @@ def test_allotted_time_ms_reaches_the_engine(server):
         params.prompt, max_tokens=n, min_tokens=n, top_k=1, cache_salt=params.cache_salt),
         stream=False, model=BLS))
     assert plain.text == cut.text
+    # truncate_prompt_tokens (preprocessing's, through the ensemble's data flow) too
+    [short] = list(stream_grpc(server.urls.grpc, GenerateParams(
+        params.prompt, max_tokens=2, extra={"truncate_prompt_tokens": 5}), stream=False,
+        model=BLS))
+    assert short.counts["num_input_tokens"] == 5
     idle_pool(server)
 
 

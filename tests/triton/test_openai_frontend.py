@@ -551,6 +551,29 @@ def test_return_token_ids_gives_the_prompts_and_the_choices_ids(frontend: str,
             for t in ch.model_extra.get("token_ids", [])] == ids
 
 
+def test_truncate_prompt_tokens_answers_the_prompts_end(frontend: str, sdk: openai.OpenAI):
+    """vLLM's truncate_prompt_tokens: only the prompt's last N ids are answered (as the same
+    completion of those ids), usage counts N; -1 keeps a prompt shorter than the context."""
+    prompt = long_prompt("truncate", 400)
+    status, tokens = post(frontend, "/tokenize", {"model": "ensemble", "prompt": prompt})
+    assert status == 200 and tokens["count"] > 100
+    extra = greedy(min_tokens=0, return_token_ids=True)
+    cut = sdk.completions.create(model="ensemble", prompt=prompt, max_tokens=MAX_TOKENS,
+                                 extra_body={**extra, "truncate_prompt_tokens": 64})
+    assert cut.usage.prompt_tokens == 64
+    assert cut.choices[0].model_extra["prompt_token_ids"] == tokens["tokens"][-64:]
+    end = sdk.completions.create(model="ensemble", prompt=tokens["tokens"][-64:],
+                                 max_tokens=MAX_TOKENS, extra_body=extra)
+    assert cut.choices[0].text == end.choices[0].text
+    whole = sdk.completions.create(model="ensemble", prompt=prompt, max_tokens=MAX_TOKENS,
+                                   extra_body={**extra, "truncate_prompt_tokens": -1})
+    assert whole.usage.prompt_tokens == tokens["count"]
+    chat = sdk.chat.completions.create(
+        model="ensemble", messages=[{"role": "user", "content": prompt}], max_tokens=4,
+        extra_body={**extra, "truncate_prompt_tokens": 32})
+    assert chat.usage.prompt_tokens == 32 and len(chat.model_extra["prompt_token_ids"]) == 32
+
+
 def test_several_prompts_and_choices(sdk: openai.OpenAI):
     extra = greedy(cache_salt=uuid.uuid4().hex)
     reply = sdk.completions.create(model="ensemble", prompt=["First prompt", "Second prompt"],

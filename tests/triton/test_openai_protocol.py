@@ -488,6 +488,11 @@ def test_vllm_text_options_become_ensemble_inputs():
                              "bad_words": ["foo", "bar"], "skip_special_tokens": True}, MODELS)
     assert plan.stop_token_ids == [ord("q"), 258] and plan.include_stop
     assert plan.fields["bad_words"] == ["foo", "bar"]
+    assert plan.truncate is None
+    for keep in (5, -1):  # -1: the context length (the run resolves it)
+        cut = parse_completion({"model": "tiny", "prompt": "x", "truncate_prompt_tokens": keep},
+                               MODELS)
+        assert cut.truncate == keep
     stop_token_texts(plan, byte_tokenizer())
     assert plan.fields["stop_words"] == ["a", "q", "<|im_end|>"]  # the special one by its name
     assert plan.stop_token_words == {"q": ord("q"), "<|im_end|>": 258}
@@ -502,7 +507,10 @@ def test_vllm_text_options_become_ensemble_inputs():
             ({"bad_words": [""]}, "'bad_words' must be a list of non-empty strings"),
             ({"skip_special_tokens": False}, "'skip_special_tokens': false is not supported"),
             ({"allowed_token_ids": [1, 2]}, "'allowed_token_ids' is not supported"),
-            ({"truncate_prompt_tokens": 5}, "'truncate_prompt_tokens' is not supported"),
+            ({"truncate_prompt_tokens": 0}, "'truncate_prompt_tokens' must be a positive"),
+            ({"truncate_prompt_tokens": -2}, "'truncate_prompt_tokens' must be a positive"),
+            ({"truncate_prompt_tokens": True}, "'truncate_prompt_tokens' must be a positive"),
+            ({"truncate_prompt_tokens": 5, "echo": True}, "cannot be used with 'echo'"),
             ({"guided_choice": []}, "'guided_choice' must be a non-empty list"),
             ({"guided_choice": ["a"], "guided_regex": "a"}, "at most one of")):
         with pytest.raises(RequestError, match=message):

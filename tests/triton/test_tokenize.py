@@ -49,6 +49,15 @@ def test_batch_is_right_padded(pre):
     assert out["REQUEST_INPUT_LEN"].tolist() == [[3], [1]]
 
 
+def test_truncate_prompt_tokens_keeps_the_last_ids(pre):
+    keep = np.array([[2], [0], [9]], np.int32)  # 0: the whole prompt; more than it has: all
+    out = pre(request("abcd", "xyz", "hi", TRUNCATE_PROMPT_TOKENS=keep))
+    assert out["INPUT_ID"].tolist() == [[99, 100, PAD], [120, 121, 122], [104, 105, PAD]]
+    assert out["REQUEST_INPUT_LEN"].tolist() == [[2], [3], [2]]
+    with pytest.raises(RequestError, match=r"must be >= 0 .* got \[-1\]"):
+        pre(request("abc", TRUNCATE_PROMPT_TOKENS=np.array([[-1]], np.int32)))
+
+
 def test_explicit_end_and_pad_ids_pass_through(pre):
     ids = {"END_ID": np.array([[258]], np.int32), "PAD_ID": np.array([[0]], np.int32)}
     out = pre(request("a", **ids))
