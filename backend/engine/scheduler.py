@@ -671,16 +671,17 @@ class Scheduler:
         self.num_finished += 1
 
     def time_out(self, seq: Sequence) -> RequestOutput:
-        """Ends `seq` at its deadline as `cancel` does, with finish_reason "timed_out": its
-        tokens went out with earlier outputs; a beam search's final output carries its beams
-        so far (the finished ones, else the running ones, best first), none before its
-        first step."""
+        """Ends `seq` at its deadline as `cancel` does, with finish_reason "timed_out", but
+        its computed pages join the prefix store (as a preempted request's: a retry with more
+        time hits them): its tokens went out with earlier outputs; a beam search's final
+        output carries its beams so far (the finished ones, else the running ones, best
+        first), none before its first step."""
         search = seq.beam.search if seq.beam is not None else None
         beams = None
         if search is not None and search.num_generated:
             beams = [b if b.finish_reason != "length" or search.finished
                      else replace(b, finish_reason="timed_out") for b in search.outputs()]
-        out = self.cancel(seq, "timed_out")
+        out = self.cancel(seq, "timed_out", cache=True)
         if beams:
             best = beams[0]
             out.new_token_ids, out.num_output_tokens = list(best.token_ids), len(best.token_ids)
@@ -690,11 +691,14 @@ class Scheduler:
             out.beams = beams
         return out
 
-    def cancel(self, seq: Sequence, reason: str = "cancelled") -> RequestOutput:
+    def cancel(self, seq: Sequence, reason: str = "cancelled",
+               cache: bool = False) -> RequestOutput:
+        """Ends `seq` between two steps, whatever it was doing; with `cache` (not for a beam
+        search) its computed pages are inserted first."""
         if seq.beam is not None and seq.status is SeqStatus.RUNNING:
             self._release_beams(seq.beam, cache=False)
         elif seq.status is SeqStatus.RUNNING:
-            self.cache.release(seq, cache=False)
+            self.cache.release(seq, cache=cache)
             self.running.remove(seq)
             self.free_slots.append(seq.run_slot)
         elif seq.status is SeqStatus.WAITING:

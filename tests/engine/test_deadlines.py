@@ -1,12 +1,13 @@
 """Request.deadline (TensorRT-LLM's allotted_time_ms, made absolute): a request still waiting
 or running when its deadline passes ends with finish_reason "timed_out", keeping the tokens
-it generated (those of a plain run, cut), a beam search with its beams so far; nothing stays
-held. The engine's clock is replaced so the tests decide when the deadline passes."""
+it generated (those of a plain run, cut; its pages cached for a retry), a beam search with
+its beams so far; nothing stays held. The engine's clock is replaced so the tests decide
+when the deadline passes."""
 
 from __future__ import annotations
 
 import pytest
-from engine_helpers import assert_no_leak, make_engine, random_prompt
+from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt
 from hf_oracle import make_hf_checkpoint
 
 from backend.engine import Request, SamplingParams
@@ -54,6 +55,11 @@ def test_a_running_request_ends_at_its_deadline_with_what_it_generated(engine, c
     assert 5 < len(tokens) < len(plain) and tokens == plain[:len(tokens)]
     assert [o.finished for o in outs].count(True) == 1
     assert engine.stats()["timed_out_requests"] == before + 1
+    assert_no_leak(engine)
+    # Its computed pages stayed cached: the retry (prompt + what it generated) hits them.
+    retry = engine.generate(prompt + tokens, SamplingParams(max_tokens=4, top_k=1, end_id=-1))
+    assert retry.cached_tokens >= (len(prompt) + len(tokens) - 1) // PAGE * PAGE > len(prompt)
+    assert retry.new_token_ids == plain[len(tokens):len(tokens) + 4]
     assert_no_leak(engine)
 
 
