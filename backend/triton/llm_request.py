@@ -211,7 +211,9 @@ def prompt_of(inputs: Tensors) -> list[int]:
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise RequestError(f"input_ids must have shape [1, T] (one prompt), got {list(ids.shape)}")
+        raise RequestError(f"input_ids must have shape [1, T], got {list(ids.shape)}: a request "
+                           "holds one prompt (batch size 1; send several prompts as several "
+                           "requests, e.g. concurrent streams)")
     length = scalar(inputs, "input_lengths", "iu", ids.shape[1])
     if not 0 <= length <= ids.shape[1]:
         raise RequestError(
