@@ -7,7 +7,8 @@
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (server-sent events with `stream:
 true`, ending with `data: [DONE]`), `GET /v1/models`, `GET /v1/models/{id}`, `POST
 /v1/responses`, `GET` / `DELETE /v1/responses/{id}` (OpenAI's Responses API on the chat path,
-`responses.py`), `GET /health/ready` (200 once Triton serves the ensemble), vLLM's `POST
+`responses.py`), `GET /health/ready` (200 once Triton serves the ensemble; vLLM's `GET /health` and
+SageMaker's `/ping` the same with an empty body), vLLM's `GET /version` and `POST
 /tokenize` and `POST /detokenize` (the served tokenizer and chat template, no Triton request).
 Each prompt is one ensemble request streamed from Triton (`upstream.py`), whatever the client
 asked, so every choice's text is cut at its stop strings as it comes and its finish reason is
@@ -714,6 +715,26 @@ async def health_ready(request: web.Request) -> web.Response:
     return web.Response(status=200 if ready else 503, text="ready" if ready else "not ready")
 
 
+async def health(request: web.Request) -> web.Response:
+    """vLLM's `GET /health` and SageMaker's `GET|POST /ping`: 200 with an empty body while a
+    replica serves the ensemble, else 503 (the probes load balancers and orchestrators use)."""
+    state = request.app[STATE]
+    ready = any(await asyncio.gather(*(u.ready() for u in state.upstreams)))
+    return web.Response(status=200 if ready else 503)
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's `GET /version`: this package's version."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        number = installed("suffixreplay")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        number = "unknown"
+    return web.json_response({"version": number})
+
+
 def _replicas(state: State) -> list[dict[str, Any]]:
     """Each replica: its URL and the router's counts for it (none with one replica)."""
     counts = state.router.stats() if state.router is not None else [{}] * len(state.upstreams)
@@ -920,6 +941,10 @@ async def make_app(triton_url: str | Sequence[str], model_repository: str | Path
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health/ready", health_ready)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/router", router_stats)

@@ -71,6 +71,20 @@ def test_models_are_listed_under_their_served_names(sdk: openai.OpenAI):
         sdk.models.retrieve("gpt-4")
 
 
+def test_health_ping_and_version_answer_as_vllms(frontend: str):
+    """vLLM's GET /health and SageMaker's /ping (GET and POST): 200, empty body, while Triton
+    serves; GET /version: the installed package's version."""
+    from importlib.metadata import version
+
+    for method, path in (("GET", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+        request = urllib.request.Request(frontend + path, method=method,
+                                         data=b"" if method == "POST" else None)
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            assert (resp.status, resp.read()) == (200, b""), path
+    with urllib.request.urlopen(frontend + "/version", timeout=30) as resp:
+        assert json.loads(resp.read()) == {"version": version("suffixreplay")}
+
+
 def test_completion_equals_tritons_generate(sdk: openai.OpenAI, llm_server: ServerHandle):
     extra = greedy()
     reply = sdk.completions.create(model="tiny-qwen3.5", prompt=PROMPT, max_tokens=MAX_TOKENS,
