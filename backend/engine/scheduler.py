@@ -679,8 +679,9 @@ class Scheduler:
         search = seq.beam.search if seq.beam is not None else None
         beams = None
         if search is not None and search.num_generated:
-            beams = [b if b.finish_reason != "length" or search.finished
-                     else replace(b, finish_reason="timed_out") for b in search.outputs()]
+            beams = search.outputs()  # the running ones where none finished: timed out
+            if not search.finished:
+                beams = [replace(b, finish_reason="timed_out") for b in beams]
         out = self.cancel(seq, "timed_out", cache=True)
         if beams:
             best = beams[0]

@@ -155,15 +155,15 @@ class Run:
         # logprobs' token names: their text, or `token_id:N` (vLLM's return_tokens_as_token_ids)
         by_id = state.tokens_as_ids if plan.token_ids_named is None else plan.token_ids_named
         self.names = state.id_names if by_id else state.token_names
-        self.requests = [self._fields(p) for p in plan.prompts]
-        # vLLM's return_token_ids: each prompt's ids, as preprocessing tokenizes it
+        # Each prompt's ids, tokenized once when something needs them (in the worker thread
+        # that builds the run, not on the event loop).
+        self._ids: dict[int, list[int] | None] = {}
+        self.requests = [self._fields(i) for i in range(len(plan.prompts))]
+        # vLLM's return_token_ids: each prompt's ids, as preprocessing tokenizes them
         self.prompt_token_ids = [self._prompt_ids(i) for i in range(len(plan.prompts))] \
             if plan.return_token_ids else []
-        # Several replicas: each prompt's token ids, which the router hashes page by page
-        # (tokenized here, in the worker thread that builds the run, not on the event loop).
-        self.route_ids = [self._cut(state.tokenizer.encode(
-            p, add_special_tokens=state.served.add_special_tokens))
-            if state.tokenizer is not None else [] for p in plan.prompts] \
+        # Several replicas: each prompt's token ids, which the router hashes page by page.
+        self.route_ids = [self._encoded(i) or [] for i in range(len(plan.prompts))] \
             if state.router is not None else []
         thinks = plan.kind == "chat" and state.reasoning_parser is not None
         tools = plan.tools
@@ -190,29 +190,36 @@ class Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.tasks: list[asyncio.Task] = []
 
+    def _encoded(self, i: int) -> list[int] | None:
+        """Prompt i's ids as the model gets them (preprocessing's tokenization; the ids sent,
+        for a token-id prompt; the last ones with truncate_prompt_tokens), None without a
+        tokenizer; tokenized once."""
+        if i not in self._ids:
+            given = self.plan.prompt_ids[i] if i < len(self.plan.prompt_ids) else None
+            tokenizer = self.state.tokenizer
+            ids = list(given) if given is not None else None if tokenizer is None else \
+                tokenizer.encode(self.plan.prompts[i],
+                                 add_special_tokens=self.state.served.add_special_tokens)
+            self._ids[i] = ids[-self.keep:] if ids is not None and self.keep else ids
+        return self._ids[i]
+
     def _prompt_ids(self, i: int) -> list[int]:
-        given = self.plan.prompt_ids[i] if i < len(self.plan.prompt_ids) else None
-        if given is not None:
-            return self._cut(list(given))
-        if self.state.tokenizer is None:
+        ids = self._encoded(i)
+        if ids is None:
             raise RequestError("'return_token_ids' needs the model's tokenizer, which the "
                                "frontend did not find", "return_token_ids")
-        return self._cut(self.state.tokenizer.encode(
-            self.plan.prompts[i], add_special_tokens=self.state.served.add_special_tokens))
+        return ids
 
-    def _cut(self, ids: list[int]) -> list[int]:
-        """A prompt's ids as the model gets them (truncate_prompt_tokens: the last ones)."""
-        return ids[-self.keep:] if self.keep else ids
-
-    def _fields(self, prompt: str) -> dict[str, Any]:
+    def _fields(self, i: int) -> dict[str, Any]:
+        prompt = self.plan.prompts[i]
         max_tokens = self.plan.max_tokens
         if max_tokens is None:  # up to the context limit, as vLLM's default
             limit = self.state.served.max_context_len
-            if self.state.tokenizer is None:
+            ids = self._encoded(i)
+            if ids is None:
                 raise RequestError("'max_tokens' is required (the frontend has no tokenizer "
                                    "to count the prompt)", "max_tokens")
-            used = len(self._cut(self.state.tokenizer.encode(
-                prompt, add_special_tokens=self.state.served.add_special_tokens)))
+            used = len(ids)
             max_tokens = limit - used
             if max_tokens < 1:
                 raise RequestError(f"the prompt has {used} tokens, which leaves none of the "
@@ -708,19 +715,21 @@ def _model(state: State, name: str) -> dict[str, Any]:
     return entry
 
 
+async def _serving(state: State) -> bool:
+    """Whether a replica serves the ensemble (the router passes over the others)."""
+    return any(await asyncio.gather(*(u.ready() for u in state.upstreams)))
+
+
 async def health_ready(request: web.Request) -> web.Response:
-    """200 while a replica serves the ensemble (the router passes over the others)."""
-    state = request.app[STATE]
-    ready = any(await asyncio.gather(*(u.ready() for u in state.upstreams)))
+    """200 while a replica serves the ensemble."""
+    ready = await _serving(request.app[STATE])
     return web.Response(status=200 if ready else 503, text="ready" if ready else "not ready")
 
 
 async def health(request: web.Request) -> web.Response:
     """vLLM's `GET /health` and SageMaker's `GET|POST /ping`: 200 with an empty body while a
     replica serves the ensemble, else 503 (the probes load balancers and orchestrators use)."""
-    state = request.app[STATE]
-    ready = any(await asyncio.gather(*(u.ready() for u in state.upstreams)))
-    return web.Response(status=200 if ready else 503)
+    return web.Response(status=200 if await _serving(request.app[STATE]) else 503)
 
 
 async def version(request: web.Request) -> web.Response:

@@ -6,6 +6,8 @@ when the deadline passes."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from engine_helpers import PAGE, assert_no_leak, make_engine, random_prompt
 from hf_oracle import make_hf_checkpoint
@@ -28,7 +30,7 @@ def clock(engine):
     now = [1000.0]
     engine.clock = lambda: now[0]
     yield now
-    engine.clock = __import__("time").monotonic
+    engine.clock = time.monotonic
 
 
 def run(engine, requests: list[Request], steps: int | None = None) -> None:
