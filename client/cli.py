@@ -4,6 +4,7 @@
     python -m client generate --http "What is machine learning?" # HTTP generate_stream
     python -m client generate --json-schema @schema.json "A user:"  # guided: JSON of a schema
     python -m client generate --beam-width 4 -n 2 "Once upon"      # beam search: the best 2
+    python -m client generate "First prompt" "Second prompt"      # one batched request
     python -m client chat --max-tokens 64                        # multi-turn, one session
     python -m client health
     python -m client stats                                       # the prefix cache's metrics
@@ -29,6 +30,7 @@ from client.generate import (
     generate_http,
     reset_prefix_cache,
     stream_grpc,
+    stream_grpc_batch,
     stream_http,
 )
 
@@ -45,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m client", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="one completion, printed as it streams")
-    gen.add_argument("prompt")
+    gen.add_argument("prompts", nargs="+", metavar="prompt",
+                     help="the prompt; several are one batched request (each prompt's text "
+                          "printed under --- prompt b --- once all finished)")
     gen.add_argument("-n", "--num-sequences", type=int,
                      help="sequences from the prompt (num_return_sequences; default 1, with "
                           "--beam-width W: the best N of the W beams, default all W); printed "
@@ -302,6 +306,22 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
     return texts
 
 
+def print_batch(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO) -> list[str]:
+    """Collects each prompt's text of a batched request (by `batch_index`), then writes them
+    one after another under `--- prompt b ---`; TTFT (the first response's) and the output
+    tokens of all go to `err`."""
+    texts, ttft, num_output = [""] * num, None, 0
+    for chunk in chunks:
+        ttft = chunk.elapsed_s if ttft is None else ttft
+        texts[chunk.batch_index] += chunk.text
+        num_output += chunk.counts.get("num_output_tokens", 0)
+    for b, text in enumerate(texts):
+        out.write(f"--- prompt {b} ---\n{text}\n")
+    if ttft is not None:
+        err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}]\n")
+    return texts
+
+
 def beam_options(args: argparse.Namespace) -> dict:
     return {
         "beam_width": args.beam_width,
@@ -312,16 +332,30 @@ def beam_options(args: argparse.Namespace) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     beams = (args.beam_width or 1) > 1
+    if len(args.prompts) > 1:
+        if beams or (args.num_sequences or 1) > 1:
+            raise ValueError("several prompts take one sequence each (no -n, no "
+                             "--beam-width)")
+        if args.http and args.no_stream:
+            raise ValueError("several prompts over HTTP stream (Triton's /generate takes one "
+                             "response); leave out --no-stream or use gRPC")
+        batch = [GenerateParams(p, **sampling_options(args), **guide_options(args))
+                 for p in args.prompts]
+        chunks = (stream_http(args.url, batch, args.model) if args.http else
+                  stream_grpc_batch(args.url, batch, stream=not args.no_stream,
+                                    model=args.model))
+        print_batch(chunks, len(batch), sys.stdout, sys.stderr)
+        return 0
     if beams or (args.num_sequences or 1) > 1:
         # Beam search without -n returns every beam (the server's default).
         num = args.num_sequences or (args.beam_width if beams else 1)
-        params = GenerateParams(args.prompt, num_return_sequences=args.num_sequences,
+        params = GenerateParams(args.prompts[0], num_return_sequences=args.num_sequences,
                                 **sampling_options(args), **beam_options(args),
                                 **guide_options(args))
         print_sequences(responses(args, params), num, sys.stdout, sys.stderr,
                         label="beam" if beams else "sequence", log_probs=args.log_probs)
         return 0
-    params = GenerateParams(args.prompt, num_return_sequences=args.num_sequences,
+    params = GenerateParams(args.prompts[0], num_return_sequences=args.num_sequences,
                             **sampling_options(args), **beam_options(args),
                             **guide_options(args))
     print_stream(responses(args, params), sys.stdout, sys.stderr)

@@ -1,7 +1,8 @@
 """Talking to the `ensemble` model: gRPC streaming (tritonclient) and HTTP generate endpoints.
 
 `GenerateParams` holds what a request asks for, in the ensemble's input names. `stream_grpc`
-and `stream_http` yield `Chunk`s as they arrive; `generate_http` returns one final `Chunk`.
+and `stream_http` yield `Chunk`s as they arrive; `generate_http` returns one final `Chunk`;
+`stream_grpc_batch` sends several prompts as one batched request.
 Errors from the server raise `GenerateError` carrying its status and message.
 """
 
@@ -13,7 +14,7 @@ import queue
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,8 @@ class Chunk:
     prompt_log_prob_ranks: np.ndarray | None = None
     prompt_top_log_prob_ids: np.ndarray | None = None
     prompt_top_log_probs: np.ndarray | None = None
+    # Which prompt of a batched request (`stream_grpc_batch`) the response answers.
+    batch_index: int = 0
 
 
 def make_chunk(texts: list[str], elapsed_s: float, counts: dict[str, int], final: bool,
@@ -311,8 +314,51 @@ def stream_grpc(
     """Streams one request over gRPC; closing the iterator early cancels the request. Every
     failure (the server's, a broken stream, no response within `timeout_s`) raises
     `GenerateError`."""
+    yield from _grpc_chunks(url, model, grpc_inputs(params.fields(stream)), timeout_s)
+
+
+def stream_grpc_batch(
+    url: str,
+    params: Sequence[GenerateParams],
+    stream: bool = True,
+    model: str = MODEL,
+    timeout_s: float = 300.0,
+) -> Iterator[Chunk]:
+    """Several prompts as one batched request (input tensors of B rows, as TensorRT-LLM's
+    batched requests): every prompt's chunks, interleaved as they come, each naming its prompt
+    in `batch_index` (not streaming: one chunk per prompt as it ends); only the last is
+    final. Every prompt must set the same options (`batch_inputs`). Failures, one prompt's
+    included, raise `GenerateError`; closing the iterator early cancels every prompt."""
+    yield from _grpc_chunks(url, model, grpc_inputs(batch_inputs(params, stream)), timeout_s)
+
+
+def batch_inputs(params: Sequence[GenerateParams], stream: bool) -> dict[str, np.ndarray]:
+    """The ensemble inputs of one batched request: row b of each is `params[b]`'s. A tensor
+    has one shape for all rows, so every prompt sets the same options, and lists (stop words,
+    bad words, retention ranges) of one length; ValueError says which differs."""
+    if not params:
+        raise ValueError("a batched request needs at least one prompt")
+    fields = [p.fields(stream) for p in params]
+    for b, f in enumerate(fields[1:], 1):
+        if set(f) != set(fields[0]):
+            raise ValueError(f"prompt {b} sets {sorted(set(f) ^ set(fields[0]))} and prompt 0 "
+                             "does not, or the other way round: a batched request's prompts "
+                             "set the same options")
+    arrays = {}
+    for name in fields[0]:
+        rows = [f[name] if isinstance(f[name], np.ndarray) else as_array(name, f[name])
+                for f in fields]
+        shapes = sorted({r.shape for r in rows})
+        if len(shapes) > 1:
+            raise ValueError(f"the prompts' {name} differ in shape {shapes}: a batched "
+                             "request's rows of one input have one shape")
+        arrays[name] = np.concatenate(rows)
+    return arrays
+
+
+def _grpc_chunks(url: str, model: str, inputs: list, timeout_s: float) -> Iterator[Chunk]:
     start = time.perf_counter()
-    results = grpc_results(url, model, grpc_inputs(params.fields(stream)), timeout_s)
+    results = grpc_results(url, model, inputs, timeout_s)
     with contextlib.closing(results):  # closed early: the request is cancelled at once
         for result in results:
             chunk = grpc_chunk(result, time.perf_counter() - start)
@@ -416,6 +462,8 @@ def grpc_chunk(result: Any, elapsed_s: float) -> Chunk:
                  *PROMPT_SCORES):
         if name in names:
             setattr(chunk, name, result.as_numpy(name)[0])
+    if "batch_index" in names:
+        chunk.batch_index = int(output("batch_index")[0])
     return chunk
 
 
@@ -430,11 +478,19 @@ def generate_http(
 
 
 def stream_http(
-    url: str, params: GenerateParams, model: str = MODEL, timeout_s: float = 300.0
+    url: str, params: GenerateParams | Sequence[GenerateParams], model: str = MODEL,
+    timeout_s: float = 300.0
 ) -> Iterator[Chunk]:
-    """POST /v2/models/<model>/generate_stream: server-sent events, one per response."""
+    """POST /v2/models/<model>/generate_stream: server-sent events, one per response. Several
+    `params` are one batched request, as `stream_grpc_batch` sends (each chunk's batch_index
+    names its prompt); Triton's /generate takes one response only, so a batch streams."""
     start = time.perf_counter()
-    with _post(f"{url}/v2/models/{model}/generate_stream", params.fields(True), timeout_s) as resp:
+    if isinstance(params, GenerateParams):
+        body = params.fields(True)
+    else:  # a value per prompt; JSON arrays of rows for list inputs
+        body = {name: [_json_row(row) for row in array]
+                for name, array in batch_inputs(params, True).items()}
+    with _post(f"{url}/v2/models/{model}/generate_stream", body, timeout_s) as resp:
         for raw in resp:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data:"):
@@ -457,7 +513,15 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
         if name in body:
             dtype = np.int32 if name.endswith(("ids", "ranks")) else np.float32
             setattr(chunk, name, np.asarray(body[name], dtype=dtype).reshape(-1))
+    if "batch_index" in body:
+        chunk.batch_index = int(_first(body["batch_index"]))
     return chunk
+
+
+def _json_row(row: np.ndarray) -> Any:
+    """One prompt's row of a batched input as JSON: its one value, or a list."""
+    values = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in row.reshape(-1)]
+    return values[0] if len(values) == 1 else values
 
 
 def _first(value: Any) -> Any:

@@ -241,7 +241,7 @@ class Engine:
         """Queues a request; raises ValueError (with the offending values) for bad ones and
         `QueueFull` when `max_queue_size` requests wait already (`over_queue_limit`: queued
         anyway, e.g. the later sequences of a request that was admitted)."""
-        self._validate(request)
+        self.validate(request)
         with self._lock:  # refused before a guide is compiled; checked again below
             self._check_queue(over_queue_limit)
         params = request.sampling
@@ -277,7 +277,9 @@ class Engine:
                             f"model's {self.config.max_num_seqs} slots: max_queue_size); "
                             "retry later")
 
-    def _validate(self, request: Request) -> None:
+    def validate(self, request: Request) -> None:
+        """ValueError (with the offending values) for a request `submit` would refuse for
+        what it asks (its prompt, parameters and outputs; not the queue)."""
         ids = request.prompt_ids
         if not ids:
             raise ValueError("the prompt is empty")

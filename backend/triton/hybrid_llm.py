@@ -9,6 +9,13 @@ request with a finished output (length, eos, stop, timed_out, cancelled or error
 the final flag, so no client is left waiting. A watcher thread polls open requests for
 cancellation and calls `engine.cancel`; a metrics thread refreshes the Prometheus families from
 `engine.stats()`.
+
+A batched request (input_ids [B, T], B prompts, as TensorRT-LLM's) is B engine requests under
+one client stream: every prompt is validated before any is queued (an error names its row),
+each prompt's responses carry its batch_index and are laid out as a request of that one prompt
+(streamed as its tokens come, or one when it ends), the final flag goes with the last prompt's
+last response, and a cancel, a `stop` or one prompt's failure ends them all. The queue's
+max_queue_size counts a batch as one request.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from backend.triton.llm_request import (
     cache_reset_of,
     is_stop,
     lora_update_of,
-    parse_request,
+    parse_batch,
 )
 from backend.triton.llm_response import OutputStream
 from backend.triton.metrics import EngineMetrics
@@ -69,6 +76,7 @@ class GroupState:
 
     cancelled: bool = False
     closed: bool = False
+    items: int = 1  # the request's prompts (a batched request's B) still to end
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -150,23 +158,52 @@ class HybridLlm:
                        for name, value in result.items()}
             self.responder.send_now(Outgoing(sender, tensors, final=True))
             return
-        parsed = parse_request(
+        items = parse_batch(
             inputs,
             self.engine.tokenizer.eos_token_id,
             self.settings.exclude_input_in_output,
         )
-        if parsed.sampling.guide is not None and \
-                self.settings.guided_decoding_backend == "none":
+        if self.settings.guided_decoding_backend == "none" and \
+                any(parsed.sampling.guide is not None for parsed in items):
             raise RequestError("guided decoding is off on this model (parameter "
                                "guided_decoding_backend is none)")
         request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
-        # allotted_time_ms counts from arrival here; every sequence shares the deadline
-        deadline = None if parsed.allotted_time_ms is None else \
-            time.monotonic() + parsed.allotted_time_ms / 1000
         # The watcher polls it: never is_cancelled() after its final response.
         sender = GuardedSender(sender, self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-        stream = stream_for(request_id, parsed)
-        group = GroupState()
+        group = GroupState(items=len(items))
+        arrival = time.monotonic()  # allotted_time_ms counts from here
+        firsts = []
+        for row, parsed in enumerate(items):
+            # Prompt b > 0 of a batch runs as "<id>/b<b>"; every prompt's responses carry the
+            # request's id as their key, so a `stop` for it ends them all.
+            item_id = request_id if row == 0 else f"{request_id}/b{row}"
+            deadline = None if parsed.allotted_time_ms is None else \
+                arrival + parsed.allotted_time_ms / 1000
+            first = self._entries(parsed, item_id, sender, group, deadline,
+                                  stream_for(request_id, parsed, row))
+            firsts.append(first)
+        for row, (_, engine_request) in enumerate(firsts):  # refused whole, before any runs
+            try:
+                self.engine.validate(engine_request)
+            except ValueError as exc:  # the engine's checks: context, vocabulary, beams
+                raise RequestError(f"batch item {row}: {exc}" if len(items) > 1
+                                   else str(exc)) from None
+        with self.lock:
+            self.open.update((r.request_id, entry) for entry, r in firsts)
+        for row, (_, engine_request) in enumerate(firsts):
+            try:  # the queue's limit counts a batch once (its first prompt)
+                self.engine.submit(engine_request, over_queue_limit=row > 0)
+            except BaseException as exc:
+                self._abandon(firsts, row, sender, exc)
+                if row == 0:
+                    if isinstance(exc, ValueError):
+                        raise RequestError(str(exc)) from None
+                    raise
+                return
+
+    def _entries(self, parsed: LlmRequest, request_id: str, sender: Any, group: GroupState,
+                 deadline: float | None, stream: OutputStream) -> tuple[OpenRequest, Request]:
+        """One prompt's sequence 0 (its entry and engine request), its siblings attached."""
         entries = []
         for k in range(parsed.num_engine_requests):  # a beam search: one, for all its beams
             entry = OpenRequest(sender, stream, index=k, group=group)
@@ -190,16 +227,30 @@ class HybridLlm:
                 deadline=deadline,
             )))
         (first, engine_request), first.siblings = entries[0], entries[1:]
+        return first, engine_request
+
+    def _abandon(self, firsts: list[tuple[OpenRequest, Request]], failed: int, sender: Any,
+                 exc: BaseException) -> None:
+        """Prompt `failed` of a request could not be queued: the prompts before it are
+        cancelled and none of its responses is sent after this. The first prompt's failure is
+        the caller's to answer (nothing ran); a later one's error goes out here, in order
+        after the responses the earlier prompts already sent."""
+        group = firsts[0][0].group
+        with group.lock:
+            close, group.closed = not group.closed, True
+            group.cancelled = True
         with self.lock:
-            self.open[request_id] = first
-        try:
-            self.engine.submit(engine_request)
-        except BaseException as exc:
-            with self.lock:
-                self.open.pop(request_id, None)
-            if isinstance(exc, ValueError):  # the engine's checks: context, vocabulary, beams
-                raise RequestError(str(exc)) from None
-            raise
+            for _, r in firsts:
+                self.open.pop(r.request_id, None)
+        for _, r in firsts[:failed]:
+            self.engine.cancel(r.request_id)
+        if failed and close:
+            log(self.pb_utils, f"hybrid_llm: batch item {failed} not queued: {exc!r}", "error")
+            invalid = isinstance(exc, ValueError)
+            self.responder.put(Outgoing(
+                sender, error=f"batch item {failed}: {exc}" if invalid
+                else f"internal error: batch item {failed}: {exc!r}",
+                error_code="INVALID_ARG" if invalid else "INTERNAL", final=True))
 
     def _update_lora(self, action: str, name: str, path: str | None, sender: Any) -> None:
         """A runtime LoRA load or unload (`allow_runtime_lora`); refusals are INVALID_ARG."""
@@ -268,6 +319,9 @@ class HybridLlm:
             if group.closed:
                 return
             tensors, final = entry.stream.on_output(out, entry.index)
+            if final:  # this prompt's last response: the request's once every prompt ended
+                group.items -= 1
+                final = group.items == 0
             group.closed = final
             if tensors is not None:  # the final flag as a tensor too (BLS callers)
                 tensors = {**tensors, "response_final": np.array([[final]], dtype=np.bool_)}
@@ -339,10 +393,11 @@ class HybridLlm:
         return thread
 
 
-def stream_for(request_id: str, parsed: LlmRequest) -> OutputStream:
+def stream_for(request_id: str, parsed: LlmRequest, batch_index: int = 0) -> OutputStream:
     return OutputStream(request_id, parsed.prompt_ids, parsed.streaming,
                         parsed.exclude_input_in_output, parsed.num_return_sequences,
-                        beam_search=parsed.beam_search, extras=parsed.extras)
+                        beam_search=parsed.beam_search, extras=parsed.extras,
+                        batch_index=batch_index)
 
 
 def sibling_sampling(sampling: SamplingParams, k: int) -> SamplingParams:

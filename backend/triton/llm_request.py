@@ -1,7 +1,12 @@
 """hybrid_llm inputs -> one engine request, with the tensor contract of TensorRT-LLM's
 `inflight_batcher_llm/tensorrt_llm` model (text-only subset) plus `cache_salt` / `session_id`.
 
-Inputs (one request = batch 1; scalars arrive as [1] or [1, 1] depending on reshape):
+A request holds B prompts (Triton's batch dimension, B = 1..max_batch_size; TensorRT-LLM's
+batched requests): input_ids [B, T] (rows padded past their input_lengths) and every other
+input B rows, the ones below read per row (`batch_items`). Each prompt is one request of its
+own to the engine with its row's parameters (`parse_batch`; an error names the row), and its
+responses say which with batch_index. The shapes below are one row's (scalars arrive as [1]
+or [1, 1] depending on reshape):
   input_ids [1, T] INT32, input_lengths [1] INT32, request_output_len [1] INT32;
   optional end_id, pad_id, runtime_top_k, min_tokens, no_repeat_ngram_size (as TensorRT-LLM's;
   0: off), beam_width, num_return_sequences,
@@ -118,8 +123,41 @@ class LlmRequest:
         return 1 if self.beam_search else self.num_return_sequences
 
 
+def batch_items(inputs: Tensors) -> list[Tensors]:
+    """A request's prompts, each with its row of every input: input_ids [B, T] holds B
+    prompts, and every input B rows (Triton's batch dimension). One prompt: the inputs as
+    they are."""
+    ids = inputs.get("input_ids")
+    if ids is None or ids.ndim != 2 or ids.shape[0] <= 1:
+        return [inputs]
+    size = ids.shape[0]
+    for name, tensor in inputs.items():
+        if tensor.ndim == 0 or tensor.shape[0] != size:
+            raise RequestError(f"{name} has shape {list(tensor.shape)}: a request of {size} "
+                               f"prompts (input_ids {list(ids.shape)}) needs {size} rows of "
+                               "every input")
+    return [{name: tensor[row:row + 1] for name, tensor in inputs.items()}
+            for row in range(size)]
+
+
+def parse_batch(inputs: Tensors, default_end_id: int | None, exclude_input: bool
+                ) -> list[LlmRequest]:
+    """Every prompt of a request (`batch_items`), validated; an error in a batch of several
+    names the row ("batch item 2: ...")."""
+    items = batch_items(inputs)
+    if len(items) == 1:
+        return [parse_request(items[0], default_end_id, exclude_input)]
+    parsed = []
+    for row, item in enumerate(items):
+        try:
+            parsed.append(parse_request(item, default_end_id, exclude_input))
+        except RequestError as exc:
+            raise RequestError(f"batch item {row}: {exc}") from None
+    return parsed
+
+
 def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bool) -> LlmRequest:
-    """Validates one request's tensors; `RequestError` says what is wrong."""
+    """Validates one prompt's tensors; `RequestError` says what is wrong."""
     prompt_ids = prompt_of(inputs)
     width = int(scalar(inputs, "beam_width", "iu", 1))
     if not 1 <= width <= MAX_BEAM_WIDTH:
@@ -211,9 +249,8 @@ def prompt_of(inputs: Tensors) -> list[int]:
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2 or ids.shape[0] != 1:
-        raise RequestError(f"input_ids must have shape [1, T], got {list(ids.shape)}: a request "
-                           "holds one prompt (batch size 1; send several prompts as several "
-                           "requests, e.g. concurrent streams)")
+        raise RequestError(f"input_ids must have shape [B, T] (B prompts of up to T ids), got "
+                           f"{list(ids.shape)}")
     length = scalar(inputs, "input_lengths", "iu", ids.shape[1])
     if not 0 <= length <= ids.shape[1]:
         raise RequestError(

@@ -14,6 +14,8 @@ outputs arrived for it:
   return_log_probs: the model's log probability of each generated id in this response and
   their running sum; without it, N = 0 and the sums 0), sequence_index [1, 1] INT32 (as
   TensorRT-LLM's: the sequence a streamed response carries; -1 when it carries all),
+  batch_index [1, 1] INT32 (as TensorRT-LLM's: which prompt of a batched request, input_ids
+  [B, T], the response answers; 0 for a request of one prompt),
   and, only for a request that asks for them (an ensemble passes on the outputs a request's
   responses carry; every response of a request carries the same outputs), TensorRT-LLM's perf
   metrics (return_perf_metrics):
@@ -81,8 +83,9 @@ class OutputStream:
 
     def __init__(self, request_key: str, prompt_ids: list[int], streaming: bool,
                  exclude_input: bool, num_sequences: int = 1, beam_search: bool = False,
-                 extras: frozenset[str] = frozenset()) -> None:
+                 extras: frozenset[str] = frozenset(), batch_index: int = 0) -> None:
         self.request_key = request_key
+        self.batch_index = batch_index  # the request's prompt these responses answer
         self.prompt_ids = prompt_ids
         self.streaming = streaming
         self.exclude_input = exclude_input
@@ -204,6 +207,7 @@ class OutputStream:
             "output_log_probs": _padded(log_probs, np.float32),
             "cum_log_probs": np.array([cum], dtype=np.float32),
             "sequence_index": _int32(index),
+            "batch_index": _int32(self.batch_index),
             "finish_reason": np.array([[r.encode("utf-8") for r in reasons]], dtype=np.object_),
         }
         if "perf_metrics" in self.extras:

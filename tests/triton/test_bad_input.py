@@ -35,8 +35,6 @@ HTTP_CASES = [
      "min_p must be in [0, 1], got 1.5"),
     ("min_over_max", {"text_input": "hi", "max_tokens": 4, "min_tokens": 9}, "min_tokens must"),
     ("wrong_shape", {"text_input": ["a", "b"], "max_tokens": 4}, "batch size does not match"),
-    ("two_prompts", {"text_input": ["a", "b"], "max_tokens": [4, 4]},
-     "a request holds one prompt (batch size 1"),
     ("beam_search_top_p", {"text_input": "hi", "max_tokens": 4, "beam_width": 2, "top_p": 0.5},
      "do not apply to beam search"),
     ("repetition_penalty_zero", {"text_input": "hi", "max_tokens": 4, "repetition_penalty": 0.0},

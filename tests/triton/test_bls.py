@@ -19,7 +19,7 @@ import pytest
 
 from backend.triton.bls import ensemble_steps, read_config
 from backend.triton.errors import ConfigError
-from client.generate import GenerateError, GenerateParams, stream_grpc
+from client.generate import GenerateError, GenerateParams, stream_grpc, stream_grpc_batch
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS, MODEL_REPO, launch
 from tests.triton.llm_helpers import (
     idle_pool,
@@ -151,6 +151,24 @@ def test_allotted_time_ms_and_truncation_reach_the_engine(server):
         params.prompt, max_tokens=2, extra={"truncate_prompt_tokens": 5}), stream=False,
         model=BLS))
     assert short.counts["num_input_tokens"] == 5
+    idle_pool(server)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_batched_request_is_answered_as_by_the_ensemble(server, stream):
+    """Two prompts in one request (batch_index names each response's): per prompt, the
+    ensemble's text; the final flag on the last response only."""
+    salt = uuid.uuid4().hex
+    params = [GenerateParams(p, max_tokens=6, min_tokens=6, top_k=1, cache_salt=salt)
+              for p in ("Batched through BLS", "A second, longer prompt for the batch")]
+    answers = {}
+    for model in ("ensemble", BLS):
+        chunks = list(stream_grpc_batch(server.urls.grpc, params, stream=stream, model=model))
+        assert chunks[-1].final and not any(c.final for c in chunks[:-1]), model
+        answers[model] = {b: "".join(c.text for c in chunks if c.batch_index == b)
+                          for b in (0, 1)}
+    assert answers[BLS] == answers["ensemble"]
+    assert answers[BLS][0] != answers[BLS][1]
     idle_pool(server)
 
 

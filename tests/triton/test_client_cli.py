@@ -173,3 +173,19 @@ def test_stats_without_a_server_is_one_line_error():
     result = run_client("stats", "--metrics-url", "http://127.0.0.1:9")
     assert result.returncode == 1
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
+
+
+def test_generate_several_prompts_sends_one_batch(llm_server: ServerHandle):
+    prompts = [PROMPT, "Write one line about the hills"]
+    expected = [generate_http(llm_server.urls.http, GenerateParams(
+        p, max_tokens=10, top_k=1, cache_salt="cli")).text for p in prompts]
+    assert expected[0] != expected[1]
+    for transport in (["--url", llm_server.urls.grpc], ["--http", "--url", llm_server.urls.http],
+                      ["--url", llm_server.urls.grpc, "--no-stream"]):
+        result = run_client("generate", *prompts, *transport, *GREEDY)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout == "".join(f"--- prompt {b} ---\n{t}\n"
+                                        for b, t in enumerate(expected))
+        assert re.search(r"\[ttft \d+\.\d ms, output tokens \d+\]", result.stderr)
+    refused = run_client("generate", *prompts, "-n", "2", "--url", llm_server.urls.grpc)
+    assert refused.returncode == 1 and "one sequence each" in refused.stderr
