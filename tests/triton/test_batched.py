@@ -181,3 +181,34 @@ def test_http_generate_stream_takes_a_batch(llm_server: ServerHandle):
     for b, prompt_chunks in grouped.items():
         assert "".join(c.text for c in prompt_chunks) == alone(llm_server,
                                                                replace_salt(params[b]))
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_rows_take_their_own_parameters(llm_server: ServerHandle, stream: bool):
+    """Row 0 samples two sequences (seeded), row 1 runs a beam search of width 2, row 2 is
+    greedy: each row's responses are what its request gets alone."""
+    salt = uuid.uuid4().hex
+    params = [
+        GenerateParams(PROMPTS[0], max_tokens=8, min_tokens=8, temperature=0.9, seed=5,
+                       num_return_sequences=2, beam_width=1, top_k=0, cache_salt=salt),
+        GenerateParams(PROMPTS[1], max_tokens=8, min_tokens=8, temperature=1.0, seed=0,
+                       num_return_sequences=2, beam_width=2, top_k=0, cache_salt=salt),
+        GenerateParams(PROMPTS[2], max_tokens=8, min_tokens=8, temperature=1.0, seed=0,
+                       num_return_sequences=1, beam_width=1, top_k=1, cache_salt=salt),
+    ]
+    grouped = by_prompt(list(stream_grpc_batch(llm_server.urls.grpc, params, stream=stream)))
+    for b, p in enumerate(params):
+        expected = final_texts(stream_grpc(llm_server.urls.grpc, replace_salt(p),
+                                           stream=stream), p.num_return_sequences)
+        assert final_texts(grouped[b], p.num_return_sequences) == expected, b
+
+
+def final_texts(chunks, num: int) -> list[str]:
+    """Each sequence's text (a streamed response adds to the one it names; one with
+    sequence_index -1 holds every row whole)."""
+    texts = [""] * num
+    for chunk in chunks:
+        whole = chunk.sequence_index == -1
+        for k, text in enumerate(chunk.texts):
+            texts[k] = text if whole else texts[k] + text
+    return texts
