@@ -484,14 +484,18 @@ def stop_token_texts(plan: Plan, tokenizer: Any) -> None:
 
 
 def stop_reason(engine_reason: str, stop: StopFilter, text_tail: str,
-                token_words: Mapping[str, int]) -> str | int | None:
+                token_words: Mapping[str, int], last_id: int | None = None
+                ) -> str | int | None:
     """vLLM's `stop_reason` for a choice that ended: the stop string that cut it, or the stop
-    token it ended on (its text ends the choice's text: `text_tail`, the last characters
-    generated); None where it ended otherwise (EOS, length, a chat template's stop word, or a
-    stop token with no text)."""
+    token it ended on: its last generated id (`last_id`) where that is one, else the one
+    whose text ends the choice's text (`text_tail`, the last characters generated; a special
+    token writes none); None where it ended otherwise (EOS, length, a chat template's stop
+    word)."""
     if stop.stopped:
         return stop.matched
     if engine_reason == "stop":
+        if last_id is not None and last_id in token_words.values():
+            return last_id
         for word in sorted(token_words, key=len, reverse=True):
             if text_tail.endswith(word):
                 return token_words[word]

@@ -87,6 +87,7 @@ class Choice:
     parts: list[str] = field(default_factory=list)
     reason: str | None = None  # OpenAI's, once it ended
     stop_reason: str | int | None = None  # vLLM's: the stop string / token it ended at
+    last_id: int | None = None  # the last id generated (a stop token's, where one ended it)
     tail: str = ""  # with stop_token_ids: the last characters generated (before the filter)
     # With return_token_ids: every id it generated, and those no event carried yet
     token_ids: list[int] = field(default_factory=list)
@@ -316,9 +317,11 @@ class Run:
                     continue
                 if choice.decoder is not None and k < len(response.ids):
                     self._score(choice, response, k)
-                if self.plan.return_token_ids and k < len(response.ids):
-                    choice.token_ids += response.ids[k]
-                    choice.unsent_ids += response.ids[k]
+                if k < len(response.ids) and response.ids[k]:
+                    choice.last_id = response.ids[k][-1]
+                    if self.plan.return_token_ids:
+                        choice.token_ids += response.ids[k]
+                        choice.unsent_ids += response.ids[k]
                 if not (text or engine_reason):
                     continue
                 if self.tail_len:
@@ -328,7 +331,8 @@ class Run:
                     out += choice.stop.flush()
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
                     choice.stop_reason = protocol.stop_reason(
-                        engine_reason, choice.stop, choice.tail, self.plan.stop_token_words)
+                        engine_reason, choice.stop, choice.tail, self.plan.stop_token_words,
+                        choice.last_id)
                 yield self._noted(self._read(index, choice, out))
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string

@@ -393,6 +393,9 @@ def test_vllm_text_options_reach_the_engine(sdk: openai.OpenAI, frontend: str):
     assert [(c.finish_reason, c.model_extra["stop_reason"]) for c in streamed
             if c.finish_reason] == [("stop", ord(token))]  # on the last chunk only
     assert all("stop_reason" not in c.model_extra for c in streamed if not c.finish_reason)
+    # a special token writes no text: its id is still the stop_reason (257: <|im_start|>)
+    special = complete(stop_token_ids=[257], logit_bias={"257": 100})
+    assert (special["finish_reason"], special["stop_reason"]) == ("stop", 257), special
     word = plain.split()[0]
     assert word not in complete(bad_words=[word])["text"]
     for choices in (["yes", "no"], ["def fib", 'say "hi"\n']):

@@ -479,6 +479,11 @@ def test_stop_reason_names_the_stop_string_or_token():
     assert stop_reason("stop", free, "xy", words) is None  # e.g. a template's stop word
     assert stop_reason("length", free, "xq", words) is None
     assert stop_reason("eos", free, "xq", words) is None
+    # the last generated id, where it is a stop token, whatever its text (a special one's is
+    # empty); another id leaves the text to say
+    assert stop_reason("stop", free, "x", words, last_id=300) == 300
+    assert stop_reason("stop", free, "xq", words, last_id=7) == 113
+    assert stop_reason("eos", free, "x", words, last_id=300) is None
 
 
 def test_vllm_text_options_become_ensemble_inputs():
