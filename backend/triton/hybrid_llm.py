@@ -190,7 +190,7 @@ class HybridLlm:
                                    else str(exc)) from None
         with self.lock:
             self.open.update((r.request_id, entry) for entry, r in firsts)
-        for row, (_, engine_request) in enumerate(firsts):
+        for row, (entry, engine_request) in enumerate(firsts):
             try:  # the queue's limit counts a batch once (its first prompt)
                 self.engine.submit(engine_request, over_queue_limit=row > 0)
             except BaseException as exc:
@@ -200,6 +200,8 @@ class HybridLlm:
                         raise RequestError(str(exc)) from None
                     raise
                 return
+            if entry.cancelled:  # the client cancelled before it was queued
+                self.engine.cancel(engine_request.request_id)
 
     def _entries(self, parsed: LlmRequest, request_id: str, sender: Any, group: GroupState,
                  deadline: float | None, stream: OutputStream) -> tuple[OpenRequest, Request]:
@@ -231,19 +233,23 @@ class HybridLlm:
 
     def _abandon(self, firsts: list[tuple[OpenRequest, Request]], failed: int, sender: Any,
                  exc: BaseException) -> None:
-        """Prompt `failed` of a request could not be queued: the prompts before it are
-        cancelled and none of its responses is sent after this. The first prompt's failure is
-        the caller's to answer (nothing ran); a later one's error goes out here, in order
-        after the responses the earlier prompts already sent."""
+        """Prompt `failed` of a request could not be queued: the prompts before it (and any
+        sibling sequence of theirs already running) are cancelled and none of their responses
+        is sent after this. The first prompt's failure is the caller's to answer (nothing
+        ran); a later one's error goes out here, in order after the responses the earlier
+        prompts already sent."""
         group = firsts[0][0].group
         with group.lock:
             close, group.closed = not group.closed, True
-            group.cancelled = True
+            group.cancelled = True  # no sibling is submitted after this
         with self.lock:
-            for _, r in firsts:
+            for _, r in firsts[failed:]:  # never queued
                 self.open.pop(r.request_id, None)
-        for _, r in firsts[:failed]:
-            self.engine.cancel(r.request_id)
+            running = [rid for rid, e in self.open.items() if e.group is group]
+            for rid in running:
+                self.open[rid].cancelled = True
+        for rid in running:
+            self.engine.cancel(rid)
         if failed and close:
             log(self.pb_utils, f"hybrid_llm: batch item {failed} not queued: {exc!r}", "error")
             invalid = isinstance(exc, ValueError)
