@@ -316,6 +316,10 @@ class Engine:
             if bad:
                 raise ValueError(f"the prediction holds token ids {bad[:5]} outside the "
                                  f"vocabulary [0, {vocab})")
+        bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"allowed_token_ids holds token ids {bad[:5]} outside the "
+                             f"vocabulary [0, {vocab})")
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias names token ids {bad[:5]} outside the vocabulary "

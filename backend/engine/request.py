@@ -27,7 +27,8 @@ class SamplingParams:
     `top_log_probs` = N > 0 also asks for the N likeliest tokens at each generated position
     with theirs (the same raw distribution; it implies return_log_probs);
     `guide` constrains the output to a JSON schema, JSON, a regex or a grammar
-    (`backend/engine/guided.py`). `beam_width` > 1 is beam search (`backend/engine/beam.py`:
+    (`backend/engine/guided.py`); `allowed_token_ids` (vLLM's; empty: every token) to
+    those tokens. `beam_width` > 1 is beam search (`backend/engine/beam.py`:
     deterministic, so temperature and seed do not apply; top_k / top_p must stay neutral),
     ranking finished beams by their summed log probability over generated length **
     `length_penalty`; `early_stopping` ends it once `beam_width` beams finished (else when
@@ -48,6 +49,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token may be drawn
     no_repeat_ngram_size: int = 0  # 0: off; n: no n-gram of the tokens so far is repeated
     return_log_probs: bool = False
     top_log_probs: int = 0
@@ -90,6 +92,11 @@ class SamplingParams:
             raise ValueError("logit_bias names a token id twice")
         if not all(math.isfinite(value) for _, value in self.logit_bias):
             raise ValueError("logit_bias holds a value that is not finite")
+        if len(set(self.allowed_token_ids)) != len(self.allowed_token_ids):
+            raise ValueError("allowed_token_ids names a token id twice")
+        if self.allowed_token_ids and self.guide is not None:
+            raise ValueError("allowed_token_ids and guided decoding do not combine: put the "
+                             "tokens in the guide")
         if not 0 <= self.top_log_probs <= MAX_TOP_LOG_PROBS:
             raise ValueError(f"top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], got "
                              f"{self.top_log_probs}")

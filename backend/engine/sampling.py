@@ -25,8 +25,9 @@ Rules (TensorRT-LLM semantics where it has them):
   (prompt and generated tokens, as transformers' NoRepeatNGramLogitsProcessor reads it)
   already holds (`RepeatedNgrams`, kept per sequence and updated with its new tokens).
 - A guided request (`backend/engine/guided.py`) can only draw the tokens its grammar allows
-  next; min_tokens, bad words and repeated n-grams then remove tokens only where the grammar
-  leaves another choice (where they would leave none, the grammar's choices stand).
+  next, and one with `allowed_token_ids` (vLLM's) only those tokens; min_tokens, bad words and
+  repeated n-grams then remove tokens only where the grammar or the allowed set leaves another
+  choice (where they would leave none, its choices stand).
 - Stop words are matched against the generated tokens only (never the prompt); the matched
   tokens stay in the output, as TensorRT-LLM returns them.
 - Log probabilities (`scored_log_probs`: the chosen token's and the likeliest alternatives) are
@@ -193,15 +194,10 @@ def sample(
         history = histories[i] if histories is not None else ()
         banned = repeats[i] if repeats is not None else ()
         mask = masks[i] if masks is not None else None
-        if mask is None:
-            mask_banned(row, p, output_lens[i], history, banned)
-            continue
-        mask.apply(row)
-        if p.bad_words or banned or (p.end_id is not None and output_lens[i] < p.min_tokens):
-            guided = row.clone()
-            mask_banned(row, p, output_lens[i], history, banned)
-            if not bool(torch.isfinite(row).any()):  # the grammar's choices stand
-                row.copy_(guided)
+        if mask is not None:
+            mask.apply(row)
+        mask_constrained(row, p, output_lens[i], history, banned,
+                         constrained=mask is not None)
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -229,9 +225,32 @@ def adjusted_log_probs(
     logits = logits.float().clone()
     for i, p in enumerate(params):
         adjust_logits(logits[i], p, counts[i] if counts is not None else None)
-        mask_banned(logits[i], p, output_lens[i], histories[i],
-                    repeats[i] if repeats is not None else ())
+        mask_constrained(logits[i], p, output_lens[i], histories[i],
+                         repeats[i] if repeats is not None else ())
     return torch.log_softmax(logits, dim=-1)
+
+
+def mask_constrained(row: torch.Tensor, params: SamplingParams, output_len: int,
+                     history: Sequence[int], repeats: Collection[int] = (),
+                     constrained: bool = False) -> None:
+    """In place on one row of logits [V]: -inf outside `allowed_token_ids`, then
+    `mask_banned`'s bans, except where those would leave no token: the row is then as the
+    allowed set (or a guide's mask already applied: `constrained`) left it."""
+    if params.allowed_token_ids:
+        ids = torch.tensor(params.allowed_token_ids, dtype=torch.long)
+        kept = row[ids]
+        row.fill_(float("-inf"))
+        row[ids] = kept
+        constrained = True
+    if not constrained:
+        mask_banned(row, params, output_len, history, repeats)
+        return
+    if params.bad_words or repeats or (params.end_id is not None
+                                       and output_len < params.min_tokens):
+        before = row.clone()
+        mask_banned(row, params, output_len, history, repeats)
+        if not bool(torch.isfinite(row).any()):  # the grammar's / allowed set's choices stand
+            row.copy_(before)
 
 
 def mask_banned(

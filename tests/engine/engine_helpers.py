@@ -66,7 +66,8 @@ def reference_adjust(logits: torch.Tensor, prompt: list[int], generated: list[in
                      params: SamplingParams) -> torch.Tensor:
     """The sampler's documented logit changes, one token id at a time (a reference for
     `backend.engine.sampling.adjust_logits`): the bias, the repetition penalty over prompt and
-    generated ids, the presence and frequency penalties over generated ids only."""
+    generated ids, the presence and frequency penalties over generated ids only; -inf for
+    the tokens outside allowed_token_ids (where it is given)."""
     out = logits.clone().tolist()
     for token, value in params.logit_bias:
         out[token] += value
@@ -75,6 +76,8 @@ def reference_adjust(logits: torch.Tensor, prompt: list[int], generated: list[in
         out[token] = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
     for token in set(generated):
         out[token] -= params.presence_penalty + params.frequency_penalty * generated.count(token)
+    if params.allowed_token_ids:
+        out = [x if t in params.allowed_token_ids else float("-inf") for t, x in enumerate(out)]
     return torch.tensor(out)
 
 

@@ -59,6 +59,9 @@ CASES = {
                                logit_bias=((ord("s"), -4.0), (ord("n"), 2.0)),
                                return_log_probs=True),
     "plain+log_probs": SamplingParams(max_tokens=20, top_k=1, return_log_probs=True),
+    "allowed+bias": SamplingParams(max_tokens=20, top_k=1, return_log_probs=True,
+                                   allowed_token_ids=tuple(b"abcdefnrstu ()\n"),
+                                   logit_bias=((ord("u"), 1.5),)),
 }
 
 
@@ -185,4 +188,42 @@ def test_an_end_token_that_is_not_output_has_no_log_probability(engine):
 def test_logit_bias_ids_outside_the_vocabulary_are_rejected(engine):
     with pytest.raises(ValueError, match=r"logit_bias names token ids \[999\] outside"):
         engine.generate(PROMPT, SamplingParams(logit_bias=((999, 1.0),)))
+    assert_no_leak(engine)
+
+
+ALLOWED = tuple(b"0123456789 ")
+
+
+def test_allowed_token_ids_bound_sampling_and_beams(engine):
+    """vLLM's allowed_token_ids: sampled tokens and every beam stay in the set (greedy rows
+    against transformers: CASES["allowed+bias"] above)."""
+    sampled = engine.generate(PROMPT, SamplingParams(max_tokens=30, temperature=1.5, seed=3,
+                                                     allowed_token_ids=ALLOWED))
+    assert len(sampled.new_token_ids) == 30 and set(sampled.new_token_ids) <= set(ALLOWED)
+    beams = engine.generate(PROMPT, SamplingParams(max_tokens=8, beam_width=3,
+                                                   allowed_token_ids=ALLOWED))
+    assert len(beams.beams) == 3
+    for beam in beams.beams:
+        assert beam.token_ids and set(beam.token_ids) <= set(ALLOWED)
+    assert_no_leak(engine)
+
+
+def test_allowed_token_ids_stand_where_min_tokens_would_leave_nothing(engine):
+    """Only the end token allowed, before min_tokens: the allowed set stands (as a guide's
+    choices do) rather than drawing from nothing; the end tokens drawn before min_tokens are
+    output, as any end token that does not end a request, and the one at min_tokens ends it."""
+    end = engine.eos_token_id
+    out = engine.generate(PROMPT, SamplingParams(max_tokens=8, min_tokens=4, top_k=1,
+                                                 allowed_token_ids=(end,)))
+    assert out.new_token_ids == [end] * 3 and out.finish_reason == "eos"
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"allowed_token_ids": (3, 999)}, r"allowed_token_ids holds token ids \[999\] outside"),
+    ({"allowed_token_ids": (3, 3)}, "names a token id twice"),
+])
+def test_allowed_token_ids_are_checked(engine, options, message):
+    with pytest.raises(ValueError, match=message):
+        engine.generate(PROMPT, SamplingParams(**options))
     assert_no_leak(engine)
