@@ -71,6 +71,7 @@ class GenerateParams:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     no_repeat_ngram_size: int | None = None  # no n-gram of the text so far comes again
+    allowed_token_ids: tuple[int, ...] = ()  # only these tokens are generated (vLLM's)
     return_log_probs: bool | None = None
     num_top_log_probs: int | None = None  # the N likeliest tokens at each position (0..20)
     return_prompt_log_probs: bool | None = None  # each prompt token's, and its alternatives
@@ -117,6 +118,7 @@ class GenerateParams:
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
             "no_repeat_ngram_size": self.no_repeat_ngram_size,
+            "allowed_token_ids": list(self.allowed_token_ids) or None,
             "return_log_probs": self.return_log_probs,
             "num_top_log_probs": self.num_top_log_probs,
             "return_prompt_log_probs": self.return_prompt_log_probs,
@@ -225,6 +227,7 @@ RETENTION_RANGE_INPUTS = ("retention_token_range_starts", "retention_token_range
 DTYPES = {
     **dict.fromkeys(RETENTION_RANGE_INPUTS, "INT32"),
     "draft_input_ids": "INT32",
+    "allowed_token_ids": "INT32",
     "retention_decode_priority": "INT32",
     "retention_decode_duration_ms": "INT32",
     "text_input": "BYTES",

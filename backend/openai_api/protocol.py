@@ -15,7 +15,8 @@ how many alternatives, 0..20; chat: true, with `top_logprobs` 0..20): the model'
 probability of each returned token and of the likeliest tokens at its position (the raw
 distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
-`repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids` (generation ends on one of
+`repetition_penalty`, `min_tokens`, `ignore_eos`, `allowed_token_ids` (only these tokens are
+generated; not with a guide), `stop_token_ids` (generation ends on one of
 these tokens, which stays in the text; a choice that ended names the stop string or token in
 its `stop_reason`, as vLLM's), `include_stop_str_in_output`, `bad_words`,
 `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the
@@ -43,7 +44,7 @@ draft tokens kept and rejected); vLLM's `priority` (lower runs first); ours
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
 (the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
-`skip_special_tokens` / `spaces_between_special_tokens` false, `allowed_token_ids`) are
+`skip_special_tokens` / `spaces_between_special_tokens` false) are
 rejected with a 400 that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
@@ -399,9 +400,10 @@ def _common(body: Mapping[str, Any], plan: Plan) -> None:
 def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
     """vLLM's `stop_token_ids` (resolved against the tokenizer by `stop_token_texts`),
     `include_stop_str_in_output`, `bad_words`, `truncate_prompt_tokens` (resolved by the
-    run: -1 is the context length) and the token-id options; its `skip_special_tokens` /
-    `spaces_between_special_tokens` false and `allowed_token_ids` ask for what this server
-    does not do: a 400, not silently ignored."""
+    run: -1 is the context length), `allowed_token_ids` (the engine checks them against the
+    vocabulary) and the token-id options; its `skip_special_tokens` /
+    `spaces_between_special_tokens` false ask for what this server does not do: a 400, not
+    silently ignored."""
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
@@ -421,8 +423,13 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
         if not _bool(body, name, True):
             raise RequestError(f"'{name}': false is not supported (the server's "
                                "postprocessing decides how special tokens are written)", name)
-    _refuse(body, "allowed_token_ids", "'allowed_token_ids' is not supported: use "
-            "'logit_bias' or a guide ('guided_choice', 'guided_regex')")
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None:
+        if not isinstance(allowed, list) or not allowed or \
+                not all(_is_id(t) for t in allowed):
+            raise RequestError("'allowed_token_ids' must be a non-empty list of token ids",
+                               "allowed_token_ids")
+        plan.fields["allowed_token_ids"] = list(dict.fromkeys(allowed))
     keep = body.get("truncate_prompt_tokens")
     if keep is not None:
         if isinstance(keep, bool) or not isinstance(keep, int) or not (keep >= 1 or keep == -1):

@@ -212,3 +212,16 @@ def final_texts(chunks, num: int) -> list[str]:
         for k, text in enumerate(chunk.texts):
             texts[k] = text if whole else texts[k] + text
     return texts
+
+
+def test_rows_of_different_lengths_pad_with_minus_one(llm_server: ServerHandle):
+    """allowed_token_ids of 2 and 4 ids in one batch: the shorter row padded with -1."""
+    sets = ["ab", "wxyz"]
+    rows = [np.array([[ord(c) for c in s] + [-1] * (4 - len(s))], np.int32) for s in sets]
+    params = [GenerateParams(p, max_tokens=12, min_tokens=12, temperature=1.5, seed=2,
+                             cache_salt=uuid.uuid4().hex, extra={"allowed_token_ids": row})
+              for p, row in zip(PROMPTS[:2], rows)]
+    grouped = by_prompt(list(stream_grpc_batch(llm_server.urls.grpc, params)))
+    for b, chars in enumerate(sets):
+        text = "".join(c.text for c in grouped[b])
+        assert len(text) == 12 and set(text) <= set(chars), (b, text)

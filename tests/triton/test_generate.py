@@ -67,6 +67,19 @@ def test_http_generate_and_generate_stream_match_grpc(llm_server: ServerHandle):
     assert single.finish_reasons == events[-1].finish_reasons == ["length"]
 
 
+def test_allowed_token_ids_bound_the_text(llm_server: ServerHandle):
+    """vLLM's allowed_token_ids through the ensemble: sampled text of those characters only
+    (byte tokens), the same greedy text over gRPC and HTTP."""
+    allowed = tuple(ord(c) for c in "abc ")
+    sampled = GenerateParams(PROMPT, max_tokens=20, min_tokens=20, temperature=1.5, seed=9,
+                             allowed_token_ids=allowed, cache_salt=uuid.uuid4().hex)
+    text = joined(list(stream_grpc(llm_server.urls.grpc, sampled)))
+    assert len(text) == 20 and set(text) <= set("abc "), text
+    params = greedy(PROMPT, allowed_token_ids=allowed)
+    assert generate_http(llm_server.urls.http, params).text == \
+        joined(list(stream_grpc(llm_server.urls.grpc, params)))
+
+
 def test_exclude_input_in_output_false_returns_the_prompt(llm_server: ServerHandle):
     params = greedy(PROMPT, exclude_input_in_output=False)
     assert generate_http(llm_server.urls.http, params).text.startswith(PROMPT)

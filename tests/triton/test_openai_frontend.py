@@ -396,6 +396,14 @@ def test_vllm_text_options_reach_the_engine(sdk: openai.OpenAI, frontend: str):
     # a special token writes no text: its id is still the stop_reason (257: <|im_start|>)
     special = complete(stop_token_ids=[257], logit_bias={"257": 100})
     assert (special["finish_reason"], special["stop_reason"]) == ("stop", 257), special
+    digits = complete(allowed_token_ids=[ord(c) for c in "0123456789 "])
+    assert digits["text"] and set(digits["text"]) <= set("0123456789 "), digits
+    for bad, message in (([ord("a"), 999], "outside the vocabulary"),
+                         ([ord("a")], "do not combine")):
+        extra = {"guided_regex": "[a-z]+"} if message == "do not combine" else {}
+        status, answer = post(frontend, "/v1/completions",
+                              {**base, "allowed_token_ids": bad, **extra})
+        assert status == 400 and message in answer["error"]["message"], answer
     word = plain.split()[0]
     assert word not in complete(bad_words=[word])["text"]
     for choices in (["yes", "no"], ["def fib", 'say "hi"\n']):

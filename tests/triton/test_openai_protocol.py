@@ -511,7 +511,9 @@ def test_vllm_text_options_become_ensemble_inputs():
             ({"stop_token_ids": 5}, "'stop_token_ids' must be a list of token ids"),
             ({"bad_words": [""]}, "'bad_words' must be a list of non-empty strings"),
             ({"skip_special_tokens": False}, "'skip_special_tokens': false is not supported"),
-            ({"allowed_token_ids": [1, 2]}, "'allowed_token_ids' is not supported"),
+            ({"allowed_token_ids": []}, "'allowed_token_ids' must be a non-empty list"),
+            ({"allowed_token_ids": [1, -2]}, "'allowed_token_ids' must be a non-empty list"),
+            ({"allowed_token_ids": "12"}, "'allowed_token_ids' must be a non-empty list"),
             ({"truncate_prompt_tokens": 0}, "'truncate_prompt_tokens' must be a positive"),
             ({"truncate_prompt_tokens": -2}, "'truncate_prompt_tokens' must be a positive"),
             ({"truncate_prompt_tokens": True}, "'truncate_prompt_tokens' must be a positive"),
@@ -520,6 +522,9 @@ def test_vllm_text_options_become_ensemble_inputs():
             ({"guided_choice": ["a"], "guided_regex": "a"}, "at most one of")):
         with pytest.raises(RequestError, match=message):
             parse_completion({"model": "tiny", "prompt": "x", **body}, MODELS)
+    allowed = parse_completion({"model": "tiny", "prompt": "x",
+                                "allowed_token_ids": [5, 3, 5]}, MODELS)
+    assert allowed.fields["allowed_token_ids"] == [5, 3]
     far = parse_completion({"model": "tiny", "prompt": "x", "stop_token_ids": [10**6]}, MODELS)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         stop_token_texts(far, byte_tokenizer())
