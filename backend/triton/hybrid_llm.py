@@ -182,12 +182,11 @@ class HybridLlm:
             first = self._entries(parsed, item_id, sender, group, deadline,
                                   stream_for(request_id, parsed, row))
             firsts.append(first)
-        for row, (_, engine_request) in enumerate(firsts):  # refused whole, before any runs
-            try:
+        for row, (_, engine_request) in enumerate(firsts if len(items) > 1 else ()):
+            try:  # a batch is refused whole, before any prompt runs (submit checks one)
                 self.engine.validate(engine_request)
             except ValueError as exc:  # the engine's checks: context, vocabulary, beams
-                raise RequestError(f"batch item {row}: {exc}" if len(items) > 1
-                                   else str(exc)) from None
+                raise RequestError(f"batch item {row}: {exc}") from None
         with self.lock:
             self.open.update((r.request_id, entry) for entry, r in firsts)
         for row, (entry, engine_request) in enumerate(firsts):

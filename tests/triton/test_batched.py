@@ -25,7 +25,7 @@ from client.generate import (
     stream_grpc_batch,
     stream_http,
 )
-from tests.triton.llm_helpers import idle_pool, long_prompt
+from tests.triton.llm_helpers import idle_pool, long_prompt, scrape, value
 
 MAX_TOKENS = 10
 # Of different lengths: preprocessing pads the shorter ones, input_lengths cuts them again.
@@ -94,11 +94,16 @@ def test_a_bad_row_fails_the_request_and_names_it(llm_server: ServerHandle, row:
     params = [greedy(p, salt, extra={option: bad if b == row else good})
               for b, (p, good) in enumerate(zip(PROMPTS, [1, 1, 1] if option == "beam_width"
                                                 else [-1, -1, -1]))]
+    cancelled = value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                      reason="cancelled")
     with pytest.raises(GenerateError, match="INVALID_ARG|batch item") as info:
         list(stream_grpc_batch(llm_server.urls.grpc, params))
     assert message in str(info.value)
-    # Nothing of the other rows ran on: no page held, no request open.
+    # Refused before any row was queued: none ran (none was cancelled), no page held.
+    time.sleep(0.5)  # the metrics lag
     idle_pool(llm_server)
+    assert value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                 reason="cancelled") == cancelled
 
 
 def test_closing_a_batched_stream_cancels_every_prompt(llm_server: ServerHandle):
