@@ -16,8 +16,10 @@ probability of each returned token and of the likeliest tokens at its position (
 distribution, whatever sampled the token), in OpenAI's two layouts, with `echo` the prompt's
 tokens too (the first one has none); vLLM's extra fields `top_k`, `min_p`,
 `repetition_penalty`, `min_tokens`, `ignore_eos`, `allowed_token_ids` (only these tokens are
-generated; not with a guide), `stop_token_ids` (generation ends on one of
-these tokens, which stays in the text; a choice that ended names the stop string or token in
+generated; not with a guide), `skip_special_tokens` (false: special tokens are written in the
+text, but not a special stop token that ended it, as vLLM's), `stop_token_ids` (generation
+ends on one of these tokens, which stays in the text; a choice that ended names the stop
+string or token in
 its `stop_reason`, as vLLM's), `include_stop_str_in_output`, `bad_words`,
 `guided_json`, `guided_regex`, `guided_grammar`, `guided_choice` (exactly one of the
 strings; or vLLM's newer `structured_outputs` object: `json`, `regex`, `grammar`, `choice`,
@@ -44,7 +46,7 @@ draft tokens kept and rejected); vLLM's `priority` (lower runs first); ours
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
 (the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
-`skip_special_tokens` / `spaces_between_special_tokens` false) are
+`spaces_between_special_tokens` false) are
 rejected with a 400 that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
@@ -97,6 +99,7 @@ class Plan:
     stop_token_ids: list[int] = field(default_factory=list)  # vLLM's: end on these tokens
     stop_token_words: dict[str, int] = field(default_factory=dict)  # their texts (stop words)
     include_stop: bool = False  # vLLM's include_stop_str_in_output: keep the stop string
+    keep_special: bool = False  # vLLM's skip_special_tokens false: special tokens written
     prediction: str | None = None  # OpenAI's predicted output (its text)
     prompt_ids: list[list[int] | None] = field(default_factory=list)  # a token-id prompt's
     tools: ToolPlan | None = None  # chat with tools (tools.py)
@@ -401,9 +404,9 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
     """vLLM's `stop_token_ids` (resolved against the tokenizer by `stop_token_texts`),
     `include_stop_str_in_output`, `bad_words`, `truncate_prompt_tokens` (resolved by the
     run: -1 is the context length), `allowed_token_ids` (the engine checks them against the
-    vocabulary) and the token-id options; its `skip_special_tokens` /
-    `spaces_between_special_tokens` false ask for what this server does not do: a 400, not
-    silently ignored."""
+    vocabulary), `skip_special_tokens` (false: the run writes the text from the ids) and the
+    token-id options; its `spaces_between_special_tokens` false asks for what this server
+    does not do: a 400, not silently ignored."""
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
@@ -419,10 +422,11 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
             raise RequestError("'bad_words' must be a list of non-empty strings", "bad_words")
         if words:
             plan.fields["bad_words"] = list(dict.fromkeys(words))
-    for name in ("skip_special_tokens", "spaces_between_special_tokens"):
-        if not _bool(body, name, True):
-            raise RequestError(f"'{name}': false is not supported (the server's "
-                               "postprocessing decides how special tokens are written)", name)
+    plan.keep_special = not _bool(body, "skip_special_tokens", True)
+    if not _bool(body, "spaces_between_special_tokens", True):
+        raise RequestError("'spaces_between_special_tokens': false is not supported (the "
+                           "tokenizer decides how special tokens are joined)",
+                           "spaces_between_special_tokens")
     allowed = body.get("allowed_token_ids")
     if allowed is not None:
         if not isinstance(allowed, list) or not allowed or \
@@ -488,6 +492,17 @@ def stop_token_texts(plan: Plan, tokenizer: Any) -> None:
         if text not in words:
             words.append(text)
         plan.stop_token_words.setdefault(text, token)
+
+
+def special_stop_ids(plan: Plan, tokenizer: Any) -> set[int]:
+    """The stop words sent to the ensemble (the chat template's turn end, stop_token_ids,
+    `stop`) that are one special token each (it writes no text unless asked to): their ids."""
+    ids = set()
+    for word in plan.fields.get("stop_words", []):
+        tokens = tokenizer.encode(word, add_special_tokens=False)
+        if len(tokens) == 1 and not tokenizer.decode(tokens, skip_special_tokens=True):
+            ids.add(tokens[0])
+    return ids
 
 
 def stop_reason(engine_reason: str, stop: StopFilter, text_tail: str,

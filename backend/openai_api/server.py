@@ -88,6 +88,7 @@ class Choice:
     reason: str | None = None  # OpenAI's, once it ended
     stop_reason: str | int | None = None  # vLLM's: the stop string / token it ended at
     last_id: int | None = None  # the last id generated (a stop token's, where one ended it)
+    raw: Any = None  # skip_special_tokens false: its ids decoded with special tokens written
     tail: str = ""  # with stop_token_ids: the last characters generated (before the filter)
     # With return_token_ids: every id it generated, and those no event carried yet
     token_ids: list[int] = field(default_factory=list)
@@ -177,6 +178,17 @@ class Run:
                                                                     call_start)
                                if thinks else None)
                         for i in range(len(plan.prompts) * plan.n)]
+        # vLLM's skip_special_tokens false: the text is written here from the ids, the
+        # special tokens included but a special stop word that ended a choice (the chat
+        # template's turn end, a special stop_token_ids token; vLLM leaves those out)
+        self.special_stops: set[int] = set()
+        if plan.keep_special:
+            if state.tokenizer is None:
+                raise RequestError("'skip_special_tokens': false needs the model's tokenizer, "
+                                   "which the frontend did not find", "skip_special_tokens")
+            self.special_stops = protocol.special_stop_ids(plan, state.tokenizer)
+            for choice in self.choices:
+                choice.raw = state.tokenizer.incremental_decoder(skip_special_tokens=False)
         if plan.logprobs is not None:
             for i, choice in enumerate(self.choices):
                 choice.decoder = state.tokenizer.incremental_decoder()
@@ -322,6 +334,9 @@ class Run:
                     if self.plan.return_token_ids:
                         choice.token_ids += response.ids[k]
                         choice.unsent_ids += response.ids[k]
+                if choice.raw is not None:
+                    text = self._raw_text(choice, response.ids[k] if k < len(response.ids)
+                                          else [], engine_reason, whole=response.index == -1)
                 if not (text or engine_reason):
                     continue
                 if self.tail_len:
@@ -341,6 +356,18 @@ class Run:
             if choice.reason is None:
                 choice.reason = "stop"
                 yield self._noted(self._read(index, choice, choice.stop.flush()))
+
+    def _raw_text(self, choice: Choice, ids: list[int], engine_reason: str,
+                  whole: bool) -> str:
+        """skip_special_tokens false: the text of a row's `ids` with special tokens written
+        (`whole`: the row holds the choice's every id, a beam or a non-streamed answer), less
+        a special stop word's token that ended the choice."""
+        if engine_reason == "stop" and ids and ids[-1] in self.special_stops:
+            ids = ids[:-1]
+        if whole:
+            return self.state.tokenizer.decode(ids, skip_special_tokens=False)
+        text = choice.raw.push(ids)
+        return text + choice.raw.flush() if engine_reason else text
 
     def triton_id(self, p: int) -> str:
         """Prompt `p`'s Triton request id: the response's id without its prefix (the

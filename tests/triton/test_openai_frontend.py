@@ -359,6 +359,41 @@ def test_use_beam_search_returns_the_ensembles_beams(frontend: str, sdk: openai.
     idle_pool(llm_server)
 
 
+def test_skip_special_tokens_false_writes_them(sdk: openai.OpenAI, frontend: str):
+    """vLLM's skip_special_tokens false: special tokens the model generates are written in the
+    text (streamed or not; default: left out), but a special stop token that ended a choice
+    is not: a stop_token_ids one, or the chat template's turn end."""
+    start, end = 257, 258  # <|im_start|>, <|im_end|> (the template's turn end)
+    base = {"model": "ensemble", "prompt": "Specials:", "max_tokens": 3,
+            "logit_bias": {str(start): 100}, "cache_salt": uuid.uuid4().hex}
+    status, plain = post(frontend, "/v1/completions", base)
+    assert status == 200 and plain["choices"][0]["text"] == "", plain
+    status, kept = post(frontend, "/v1/completions", {**base, "skip_special_tokens": False})
+    assert status == 200 and kept["choices"][0]["text"] == "<|im_start|>" * 3, kept
+    streamed = sdk.completions.create(
+        model="ensemble", prompt="Specials:", max_tokens=3, stream=True, logit_bias={
+            str(start): 100}, extra_body={"skip_special_tokens": False, "n": 2, "seed": 1})
+    texts = ["", ""]
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == ["<|im_start|>" * 3] * 2
+    status, beams = post(frontend, "/v1/completions", {**base, "skip_special_tokens": False,
+                                                        "use_beam_search": True, "n": 2})
+    assert status == 200 and beams["choices"][0]["text"] == "<|im_start|>" * 3, beams
+    status, stopped = post(frontend, "/v1/completions", {**base, "skip_special_tokens": False,
+                                                          "stop_token_ids": [start]})
+    choice = stopped["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == \
+        ("", "stop", start), stopped
+    status, chat = post(frontend, "/v1/chat/completions", {
+        "model": "ensemble", "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4, "logit_bias": {str(end): 100}, "skip_special_tokens": False})
+    answer = chat["choices"][0]
+    assert status == 200 and answer["message"]["content"] == "", chat
+    assert answer["finish_reason"] == "stop"
+
+
 def test_vllm_text_options_reach_the_engine(sdk: openai.OpenAI, frontend: str):
     """vLLM's stop_token_ids (the generation ends on the token, which stays in the text),
     include_stop_str_in_output, bad_words and guided_choice, against the same greedy
