@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         sub.add_argument("--frequency-penalty", type=float)
         sub.add_argument("--no-repeat-ngram-size", type=int, metavar="N",
                          help="never generate an N-gram the text already holds (0: off)")
+        sub.add_argument("--allowed-token-ids", type=id_list, metavar="ID,ID,...",
+                         help="generate only these token ids (vLLM's allowed_token_ids)")
         sub.add_argument("--log-probs", action="store_true",
                          help="report the generated tokens' summed log probability (each "
                               "sequence's or beam's with -n or --beam-width)")
@@ -165,6 +167,7 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "presence_penalty": args.presence_penalty,
         "frequency_penalty": args.frequency_penalty,
         "no_repeat_ngram_size": args.no_repeat_ngram_size,
+        "allowed_token_ids": args.allowed_token_ids or (),
         "return_log_probs": args.log_probs or None,
         "return_perf_metrics": args.perf_metrics or None,
         "cache_salt": args.cache_salt,
@@ -173,6 +176,18 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "allotted_time_ms": args.timeout_ms,
         **retention_options(args.retain),
     }
+
+
+def id_list(value: str) -> tuple[int, ...]:
+    """--allowed-token-ids 97,98,99 -> (97, 98, 99)."""
+    try:
+        ids = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by commas, got "
+                                         f"{value!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"token ids are integers >= 0, got {value!r}")
+    return ids
 
 
 def retention_arg(value: str) -> tuple[int, int]:

@@ -335,13 +335,26 @@ def stream_grpc_batch(
     yield from _grpc_chunks(url, model, grpc_inputs(batch_inputs(params, stream)), timeout_s)
 
 
+# List inputs whose rows the server reads with -1 as padding: a batch's rows of them are
+# padded to the longest, and a prompt without one gets a row of -1 (meaning none).
+PADDED_INPUTS = ("allowed_token_ids",)
+
+
 def batch_inputs(params: Sequence[GenerateParams], stream: bool) -> dict[str, np.ndarray]:
     """The ensemble inputs of one batched request: row b of each is `params[b]`'s. A tensor
     has one shape for all rows, so every prompt sets the same options, and lists (stop words,
-    bad words, retention ranges) of one length; ValueError says which differs."""
+    bad words, retention ranges) of one length, but for PADDED_INPUTS (padded with -1);
+    ValueError says which differs."""
     if not params:
         raise ValueError("a batched request needs at least one prompt")
     fields = [p.fields(stream) for p in params]
+    for name in PADDED_INPUTS:
+        rows = [f.get(name) for f in fields]
+        if all(r is None for r in rows) or any(isinstance(r, np.ndarray) for r in rows):
+            continue  # none set, or tensors given as they are
+        width = max(len(r or ()) for r in rows)
+        for f, row in zip(fields, rows):
+            f[name] = list(row or ()) + [-1] * (width - len(row or ()))
     for b, f in enumerate(fields[1:], 1):
         if set(f) != set(fields[0]):
             raise ValueError(f"prompt {b} sets {sorted(set(f) ^ set(fields[0]))} and prompt 0 "

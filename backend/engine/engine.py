@@ -316,6 +316,8 @@ class Engine:
             if bad:
                 raise ValueError(f"the prediction holds token ids {bad[:5]} outside the "
                                  f"vocabulary [0, {vocab})")
+        if request.lora_name is not None:
+            self._check_adapter(request.lora_name)  # (again at submit, under the lock)
         bad = [t for t in params.allowed_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"allowed_token_ids holds token ids {bad[:5]} outside the "

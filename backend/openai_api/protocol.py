@@ -431,8 +431,8 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
     if allowed is not None:
         if not isinstance(allowed, list) or not allowed or \
                 not all(_is_id(t) for t in allowed):
-            raise RequestError("'allowed_token_ids' must be a non-empty list of token ids",
-                               "allowed_token_ids")
+            raise RequestError("'allowed_token_ids' must be a non-empty list of token ids "
+                               "(integers >= 0)", "allowed_token_ids")
         plan.fields["allowed_token_ids"] = list(dict.fromkeys(allowed))
     keep = body.get("truncate_prompt_tokens")
     if keep is not None:
@@ -494,28 +494,32 @@ def stop_token_texts(plan: Plan, tokenizer: Any) -> None:
         plan.stop_token_words.setdefault(text, token)
 
 
-def special_stop_ids(plan: Plan, tokenizer: Any) -> set[int]:
+def special_stop_ids(plan: Plan, tokenizer: Any) -> dict[int, str]:
     """The stop words sent to the ensemble (the chat template's turn end, stop_token_ids,
-    `stop`) that are one special token each (it writes no text unless asked to): their ids."""
-    ids = set()
+    `stop`) that are one special token each (it writes no text unless asked to): id -> the
+    word."""
+    ids = {}
     for word in plan.fields.get("stop_words", []):
         tokens = tokenizer.encode(word, add_special_tokens=False)
         if len(tokens) == 1 and not tokenizer.decode(tokens, skip_special_tokens=True):
-            ids.add(tokens[0])
+            ids[tokens[0]] = word
     return ids
 
 
 def stop_reason(engine_reason: str, stop: StopFilter, text_tail: str,
-                token_words: Mapping[str, int], last_id: int | None = None
-                ) -> str | int | None:
-    """vLLM's `stop_reason` for a choice that ended: the stop string that cut it, or the stop
-    token it ended on: its last generated id (`last_id`) where that is one, else the one
-    whose text ends the choice's text (`text_tail`, the last characters generated; a special
-    token writes none); None where it ended otherwise (EOS, length, a chat template's stop
-    word)."""
+                token_words: Mapping[str, int], last_id: int | None = None,
+                special_strings: Mapping[int, str] | None = None) -> str | int | None:
+    """vLLM's `stop_reason` for a choice that ended: the stop string that cut it (or, where a
+    stop string is one special token's text, `special_strings`, which the engine stopped at
+    though the text never shows it: that string), or the stop token it ended on: its last
+    generated id (`last_id`) where that is one, else the one whose text ends the choice's
+    text (`text_tail`, the last characters generated; a special token writes none); None
+    where it ended otherwise (EOS, length, a chat template's stop word)."""
     if stop.stopped:
         return stop.matched
     if engine_reason == "stop":
+        if special_strings and last_id in special_strings:
+            return special_strings[last_id]
         if last_id is not None and last_id in token_words.values():
             return last_id
         for word in sorted(token_words, key=len, reverse=True):

@@ -178,15 +178,19 @@ class Run:
                                                                     call_start)
                                if thinks else None)
                         for i in range(len(plan.prompts) * plan.n)]
+        # The stop words that are one special token each, and the client's stop strings
+        # among them (the engine stops at the token; the text shows it only with
+        # skip_special_tokens false, where the stop filter then cuts it as any stop string)
+        self.special_stops = {} if state.tokenizer is None else \
+            protocol.special_stop_ids(plan, state.tokenizer)
+        self.stop_strings = {t: w for t, w in self.special_stops.items() if w in plan.stop}
         # vLLM's skip_special_tokens false: the text is written here from the ids, the
-        # special tokens included but a special stop word that ended a choice (the chat
+        # special tokens included but a special stop token that ended a choice (the chat
         # template's turn end, a special stop_token_ids token; vLLM leaves those out)
-        self.special_stops: set[int] = set()
         if plan.keep_special:
             if state.tokenizer is None:
                 raise RequestError("'skip_special_tokens': false needs the model's tokenizer, "
                                    "which the frontend did not find", "skip_special_tokens")
-            self.special_stops = protocol.special_stop_ids(plan, state.tokenizer)
             for choice in self.choices:
                 choice.raw = state.tokenizer.incremental_decoder(skip_special_tokens=False)
         if plan.logprobs is not None:
@@ -347,7 +351,7 @@ class Run:
                     choice.reason = protocol.finish_reason(engine_reason, choice.stop.stopped)
                     choice.stop_reason = protocol.stop_reason(
                         engine_reason, choice.stop, choice.tail, self.plan.stop_token_words,
-                        choice.last_id)
+                        choice.last_id, self.stop_strings)
                 yield self._noted(self._read(index, choice, out))
                 if choice.stop.stopped and p not in closed and self._prompt_done(p):
                     self.tasks[p].cancel()  # every choice of it ended at a stop string
@@ -362,7 +366,8 @@ class Run:
         """skip_special_tokens false: the text of a row's `ids` with special tokens written
         (`whole`: the row holds the choice's every id, a beam or a non-streamed answer), less
         a special stop word's token that ended the choice."""
-        if engine_reason == "stop" and ids and ids[-1] in self.special_stops:
+        if engine_reason == "stop" and ids and ids[-1] in self.special_stops and \
+                ids[-1] not in self.stop_strings:
             ids = ids[:-1]
         if whole:
             return self.state.tokenizer.decode(ids, skip_special_tokens=False)

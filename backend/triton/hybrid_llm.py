@@ -184,8 +184,10 @@ class HybridLlm:
             firsts.append(first)
         for row, (_, engine_request) in enumerate(firsts if len(items) > 1 else ()):
             try:  # a batch is refused whole, before any prompt runs (submit checks one)
-                self.engine.validate(engine_request)
-            except ValueError as exc:  # the engine's checks: context, vocabulary, beams
+                self.engine.validate(engine_request)  # context, vocabulary, beams, adapter
+                if (guide := engine_request.sampling.guide) is not None:
+                    self.engine.grammars().compile(guide)  # (cached for its submit)
+            except ValueError as exc:
                 raise RequestError(f"batch item {row}: {exc}") from None
         with self.lock:
             self.open.update((r.request_id, entry) for entry, r in firsts)
@@ -250,8 +252,9 @@ class HybridLlm:
         for rid in running:
             self.engine.cancel(rid)
         if failed and close:
-            log(self.pb_utils, f"hybrid_llm: batch item {failed} not queued: {exc!r}", "error")
             invalid = isinstance(exc, ValueError)
+            log(self.pb_utils, f"hybrid_llm: batch item {failed} not queued: {exc!r}",
+                "warn" if invalid else "error")
             self.responder.put(Outgoing(
                 sender, error=f"batch item {failed}: {exc}" if invalid
                 else f"internal error: batch item {failed}: {exc!r}",

@@ -30,7 +30,7 @@ or [1, 1] depending on reshape):
   KvCacheRetentionConfig (an end or duration of -1: the prompt's end / never expires;
   `backend/cache/retention.py`);
   allowed_token_ids [1, N] INT32 (vLLM's): only these tokens may be generated (-1 entries
-  are padding, for the rows of a batch; none given: every token);
+  are padding, for the rows of a batch; none given, or a row of -1 only: every token);
   draft_input_ids [1, N] INT32 (TensorRT-LLM's name): the output the client expects; the
   engine drafts from it as speculative decoding does (`Request.prediction`), the output is
   the model's either way;
@@ -285,8 +285,8 @@ def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1
             presence_penalty=finite(inputs, "presence_penalty", 0.0),
             frequency_penalty=finite(inputs, "frequency_penalty", 0.0),
             logit_bias=bias_of(inputs),
-            allowed_token_ids=tuple(t for t in int_vector(inputs, "allowed_token_ids") or ()
-                                    if t != -1),
+            allowed_token_ids=tuple(dict.fromkeys(
+                t for t in int_vector(inputs, "allowed_token_ids") or () if t != -1)),
             no_repeat_ngram_size=int(scalar(inputs, "no_repeat_ngram_size", "iu", 0)),
             return_log_probs=bool(scalar(inputs, "return_log_probs", "b", False)),
             top_log_probs=int(scalar(inputs, "num_top_log_probs", "iu", 0)),

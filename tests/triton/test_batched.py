@@ -157,6 +157,10 @@ def test_batch_inputs_need_one_shape_per_input():
                       GenerateParams("b", stop_words=("x", "y"))], True)
     arrays = batch_inputs([GenerateParams("a", max_tokens=3), GenerateParams("bc")], False)
     assert arrays["text_input"].shape == (2, 1) and arrays["max_tokens"].tolist() == [[3], [64]]
+    # allowed_token_ids: rows padded with -1, a prompt without them gets -1 only (none)
+    padded = batch_inputs([GenerateParams("a", allowed_token_ids=(5, 6)), GenerateParams("b"),
+                           GenerateParams("c", allowed_token_ids=(7,))], True)
+    assert padded["allowed_token_ids"].tolist() == [[5, 6], [-1, -1], [7, -1]]
 
 
 def replace_salt(params: GenerateParams) -> GenerateParams:
@@ -164,18 +168,29 @@ def replace_salt(params: GenerateParams) -> GenerateParams:
     return replace(params, cache_salt=uuid.uuid4().hex)
 
 
-def test_a_row_refused_when_queued_ends_the_rows_before_it(llm_server: ServerHandle):
-    """A guide compiles when its prompt is queued, after the earlier rows started: they are
-    cancelled and the request ends with the row's error."""
+def test_a_guide_or_adapter_the_engine_refuses_fails_the_batch_before_any_row_runs(
+        llm_server: ServerHandle):
+    """A guide that does not compile, or an adapter the server does not have, in row 2: the
+    request fails naming the row, and rows 0 and 1 were never queued."""
     salt = uuid.uuid4().hex
-    params = [GenerateParams(p, max_tokens=1800, min_tokens=1800, top_k=1, cache_salt=salt,
-                             guide_type="regex", guide=guide)
-              for p, guide in zip(PROMPTS, ["[a-z ]+", "[a-z ]+", "(unclosed"])]
-    with pytest.raises(GenerateError) as info:
-        list(stream_grpc_batch(llm_server.urls.grpc, params))
-    assert "batch item 2:" in str(info.value)
-    time.sleep(1.0)  # the metrics lag: rows left running would show by now
-    idle_pool(llm_server, timeout_s=5)  # cancelled, not left to run 1800 tokens (~20 s)
+    cases = [
+        ([{"guide_type": "regex", "guide": g} for g in ["[a-z ]+", "[a-z ]+", "(unclosed"]],
+         "batch item 2: guided_decoding_guide is not a valid regex"),
+        ([{"lora_name": n} for n in ["", "", "no-such-adapter"]],
+         "batch item 2: unknown LoRA adapter 'no-such-adapter'"),
+    ]
+    for options, message in cases:
+        params = [GenerateParams(p, max_tokens=1800, min_tokens=1800, top_k=1,
+                                 cache_salt=salt, **o) for p, o in zip(PROMPTS, options)]
+        cancelled = value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                          reason="cancelled")
+        with pytest.raises(GenerateError) as info:
+            list(stream_grpc_batch(llm_server.urls.grpc, params))
+        assert message in str(info.value)
+        time.sleep(0.5)  # the metrics lag
+        idle_pool(llm_server, timeout_s=5)
+        assert value(scrape(llm_server), "suffixreplay_unfinished_requests_total",
+                     reason="cancelled") == cancelled
 
 
 def test_http_generate_stream_takes_a_batch(llm_server: ServerHandle):
@@ -220,13 +235,16 @@ def final_texts(chunks, num: int) -> list[str]:
 
 
 def test_rows_of_different_lengths_pad_with_minus_one(llm_server: ServerHandle):
-    """allowed_token_ids of 2 and 4 ids in one batch: the shorter row padded with -1."""
-    sets = ["ab", "wxyz"]
-    rows = [np.array([[ord(c) for c in s] + [-1] * (4 - len(s))], np.int32) for s in sets]
+    """allowed_token_ids of 2 and 4 ids and none in one batch: the client pads the rows with
+    -1 (a row of -1 only: every token)."""
+    sets = ["ab", "wxyz", ""]
     params = [GenerateParams(p, max_tokens=12, min_tokens=12, temperature=1.5, seed=2,
-                             cache_salt=uuid.uuid4().hex, extra={"allowed_token_ids": row})
-              for p, row in zip(PROMPTS[:2], rows)]
+                             cache_salt=uuid.uuid4().hex,
+                             allowed_token_ids=tuple(ord(c) for c in chars))
+              for p, chars in zip(PROMPTS, sets)]
     grouped = by_prompt(list(stream_grpc_batch(llm_server.urls.grpc, params)))
-    for b, chars in enumerate(sets):
+    for b, chars in enumerate(sets[:2]):
         text = "".join(c.text for c in grouped[b])
         assert len(text) == 12 and set(text) <= set(chars), (b, text)
+    free = "".join(c.text for c in grouped[2])
+    assert len(free) == 12 and not set(free) <= set("abwxyz"), free

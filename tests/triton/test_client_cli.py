@@ -189,3 +189,13 @@ def test_generate_several_prompts_sends_one_batch(llm_server: ServerHandle):
         assert re.search(r"\[ttft \d+\.\d ms, output tokens \d+\]", result.stderr)
     refused = run_client("generate", *prompts, "-n", "2", "--url", llm_server.urls.grpc)
     assert refused.returncode == 1 and "one sequence each" in refused.stderr
+
+
+def test_generate_allowed_token_ids(llm_server: ServerHandle):
+    digits = run_client("generate", PROMPT, "--url", llm_server.urls.grpc, "--max-tokens", "8",
+                        "--seed", "3", "--temperature", "1.5",
+                        "--allowed-token-ids", ",".join(str(ord(c)) for c in "0123"))
+    assert digits.returncode == 0, digits.stderr
+    assert digits.stdout.strip() and set(digits.stdout.strip()) <= set("0123"), digits.stdout
+    bad = run_client("generate", PROMPT, "--allowed-token-ids", "1,x")
+    assert bad.returncode == 2 and "token ids separated by commas" in bad.stderr

@@ -386,6 +386,15 @@ def test_skip_special_tokens_false_writes_them(sdk: openai.OpenAI, frontend: str
     choice = stopped["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == \
         ("", "stop", start), stopped
+    # a stop string that is a special token's text: the engine stops at the token; its
+    # stop_reason is the string, and with the token written the stop filter cuts it
+    for extra, text in (({}, ""), ({"skip_special_tokens": False}, ""),
+                        ({"skip_special_tokens": False, "include_stop_str_in_output": True},
+                         "<|im_start|>")):
+        status, cut = post(frontend, "/v1/completions",
+                           {**base, "stop": ["<|im_start|>"], **extra})
+        choice = cut["choices"][0]
+        assert (choice["text"], choice["stop_reason"]) == (text, "<|im_start|>"), (extra, cut)
     status, chat = post(frontend, "/v1/chat/completions", {
         "model": "ensemble", "messages": [{"role": "user", "content": "Hi"}],
         "max_tokens": 4, "logit_bias": {str(end): 100}, "skip_special_tokens": False})
