@@ -181,9 +181,10 @@ class Run:
         # The stop words that are one special token each, and the client's stop strings
         # among them (the engine stops at the token; the text shows it only with
         # skip_special_tokens false, where the stop filter then cuts it as any stop string)
-        self.special_stops = {} if state.tokenizer is None else \
+        special = {} if state.tokenizer is None else \
             protocol.special_stop_ids(plan, state.tokenizer)
-        self.stop_strings = {t: w for t, w in self.special_stops.items() if w in plan.stop}
+        self.stop_strings = {t: w for t, w in special.items() if w in plan.stop}
+        self.hidden_stops = special.keys() - self.stop_strings.keys()  # left out of the text
         # vLLM's skip_special_tokens false: the text is written here from the ids, the
         # special tokens included but a special stop token that ended a choice (the chat
         # template's turn end, a special stop_token_ids token; vLLM leaves those out)
@@ -366,8 +367,7 @@ class Run:
         """skip_special_tokens false: the text of a row's `ids` with special tokens written
         (`whole`: the row holds the choice's every id, a beam or a non-streamed answer), less
         a special stop word's token that ended the choice."""
-        if engine_reason == "stop" and ids and ids[-1] in self.special_stops and \
-                ids[-1] not in self.stop_strings:
+        if engine_reason == "stop" and ids and ids[-1] in self.hidden_stops:
             ids = ids[:-1]
         if whole:
             return self.state.tokenizer.decode(ids, skip_special_tokens=False)

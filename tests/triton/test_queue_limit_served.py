@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from client.generate import GenerateError, GenerateParams, stream_grpc
+from client.generate import GenerateError, GenerateParams, stream_grpc, stream_grpc_batch
 from tests.triton.conftest import LLM_MODELS
 from tests.triton.llm_helpers import running_frontend, scrape, value
 
@@ -115,6 +115,19 @@ def test_a_request_past_the_queue_limit_is_refused(small_queue, tmp_path):
     assert _refused(small_queue) == before + 3
     # the queue drained: requests are taken again
     assert "".join(c.text for c in stream_grpc(url, _params("Hi", 4))) == alone
+
+
+def test_a_batch_counts_once_against_the_queue_limit(small_queue):
+    """max_queue_size 1 on an idle server: a batch of three prompts is one request, so all
+    three are queued and answered (as each alone), none refused."""
+    url = small_queue.urls.grpc
+    params = [_params(p, 4) for p in ("Hi", "Hello", "Hey there")]
+    before = _refused(small_queue)
+    chunks = list(stream_grpc_batch(url, params))
+    texts = {b: "".join(c.text for c in chunks if c.batch_index == b) for b in range(3)}
+    assert texts == {b: "".join(c.text for c in stream_grpc(url, p))
+                     for b, p in enumerate(params)}
+    assert _refused(small_queue) == before
 
 
 def test_a_replica_with_a_full_queue_hands_the_request_to_the_next(small_queue, llm_server,
