@@ -45,8 +45,7 @@ draft tokens kept and rejected); vLLM's `priority` (lower runs first); ours
 `no_repeat_ngram_size` (no n-gram of the text so far is generated again); chat's `tools`,
 `tool_choice` and `parallel_tool_calls`, assistant messages' `tool_calls` and `tool` messages
 (`tools.py`). Fields this server cannot honour with a value that asks for something
-(the legacy `functions`, `best_of` other than n, `suffix`, images, vLLM's
-`spaces_between_special_tokens` false) are
+(the legacy `functions`, `best_of` other than n, `suffix`, images) are
 rejected with a 400 that names them, never
 silently dropped; other unknown fields are ignored, as OpenAI's SDK sends some (`user`, ...).
 """
@@ -405,8 +404,9 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
     `include_stop_str_in_output`, `bad_words`, `truncate_prompt_tokens` (resolved by the
     run: -1 is the context length), `allowed_token_ids` (the engine checks them against the
     vocabulary), `skip_special_tokens` (false: the run writes the text from the ids) and the
-    token-id options; its `spaces_between_special_tokens` false asks for what this server
-    does not do: a 400, not silently ignored."""
+    token-id options. `spaces_between_special_tokens` (checked a boolean) changes nothing:
+    the served tokenizer is a fast (`tokenizers`) one, which joins special tokens without
+    spaces whatever it says, as vLLM's fast tokenizers do (only its slow ones insert them)."""
     ids = body.get("stop_token_ids")
     if ids is not None:
         if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
@@ -423,10 +423,7 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
         if words:
             plan.fields["bad_words"] = list(dict.fromkeys(words))
     plan.keep_special = not _bool(body, "skip_special_tokens", True)
-    if not _bool(body, "spaces_between_special_tokens", True):
-        raise RequestError("'spaces_between_special_tokens': false is not supported (the "
-                           "tokenizer decides how special tokens are joined)",
-                           "spaces_between_special_tokens")
+    _bool(body, "spaces_between_special_tokens", True)  # a fast tokenizer's: no spaces
     allowed = body.get("allowed_token_ids")
     if allowed is not None:
         if not isinstance(allowed, list) or not allowed or \

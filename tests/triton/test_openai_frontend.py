@@ -370,6 +370,10 @@ def test_skip_special_tokens_false_writes_them(sdk: openai.OpenAI, frontend: str
     assert status == 200 and plain["choices"][0]["text"] == "", plain
     status, kept = post(frontend, "/v1/completions", {**base, "skip_special_tokens": False})
     assert status == 200 and kept["choices"][0]["text"] == "<|im_start|>" * 3, kept
+    for spaces in (True, False):  # vLLM's option, either way a fast tokenizer's joining
+        status, joined = post(frontend, "/v1/completions", {
+            **base, "skip_special_tokens": False, "spaces_between_special_tokens": spaces})
+        assert status == 200 and joined["choices"][0]["text"] == "<|im_start|>" * 3, joined
     streamed = sdk.completions.create(
         model="ensemble", prompt="Specials:", max_tokens=3, stream=True, logit_bias={
             str(start): 100}, extra_body={"skip_special_tokens": False, "n": 2, "seed": 1})
