@@ -133,6 +133,14 @@ def lora_namespace(salt: str, adapter: str | None) -> str:
     return salt if adapter is None else f"{salt}{LORA_SEP}{adapter}"
 
 
+def check_salt(salt: str | None) -> None:
+    """ValueError for a client's cache_salt that could name another namespace: one holding
+    the NUL that starts `LORA_SEP` ("s\\x00lora:a" would be adapter a's prefixes under salt
+    s, served to a base-model request)."""
+    if salt and "\x00" in salt:
+        raise ValueError("cache_salt must not contain NUL characters (\\x00)")
+
+
 def lora_of(salt: str) -> str | None:
     """The LoRA adapter a namespace belongs to (None: the base model's)."""
     return salt.partition(LORA_SEP)[2] or None

@@ -20,7 +20,7 @@ import torch
 
 from backend import openmp
 from backend.cache.page_io import DeviceBuffers
-from backend.cache.radix import lora_namespace, lora_of
+from backend.cache.radix import check_salt, lora_namespace, lora_of
 from backend.cache.retention import RetentionConfig
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
@@ -288,6 +288,7 @@ class Engine:
                     else "return_prompt_log_probs")
             raise ValueError(f"{what} needs executor 'torch': a compiled engine's step "
                              "returns the last position's logits only")
+        check_salt(request.cache_salt)
         if isinstance(request.priority, bool) or not isinstance(request.priority, int):
             raise ValueError(f"priority must be an integer, got {request.priority!r}")
         if request.retention is not None and not isinstance(request.retention, RetentionConfig):
@@ -376,6 +377,7 @@ class Engine:
         the outputs suffix decoding drafts from in those namespaces. Pages running requests
         hold stay cached; the requests go on unchanged. Returns
         `{"dropped_pages", "kept_pages"}`; the KV cache events announce the removals."""
+        check_salt(cache_salt)
         with self._step_lock:
             removed, kept = self.store.reset(cache_salt, every_salt)
             if not every_salt:  # the namespace's prefixes under each adapter too

@@ -152,7 +152,10 @@ class HybridLlm:
             self._update_lora(*update, sender)
             return
         if (reset := cache_reset_of(inputs)) is not None:
-            result = self.engine.reset_prefix_cache(*reset)
+            try:
+                result = self.engine.reset_prefix_cache(*reset)
+            except ValueError as exc:  # a cache_salt no request could have
+                raise RequestError(str(exc)) from None
             log(self.pb_utils, f"hybrid_llm: prefix cache reset: {result}")
             tensors = {name: np.array([[value]], dtype=np.int64)
                        for name, value in result.items()}

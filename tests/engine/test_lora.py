@@ -14,6 +14,7 @@ import torch
 from engine_helpers import TINY_MODEL_DIR, assert_no_leak, family_checkpoint, make_engine
 from hf_oracle import make_lora_adapter, merge_lora
 
+from backend.cache.radix import lora_namespace
 from backend.engine import Engine, EngineConfig, SamplingParams
 from backend.engine.request import Request
 from backend.model import load_model
@@ -174,6 +175,24 @@ def test_a_namespace_reset_covers_its_adapters(setup):
     assert engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math").cached_tokens > 0
     assert engine.reset_prefix_cache("t", every_salt=False)["dropped_pages"] > 0
     assert engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math").cached_tokens == 0
+
+
+def test_a_salt_cannot_name_an_adapters_namespace(setup):
+    """An adapter's namespace is its request's salt, a NUL and its name: a base-model request
+    whose cache_salt spells that would be served the adapter's KV and anchors (computed with
+    other weights), and a reset with it would drop the adapter's pages. Such a salt is
+    refused; the adapter's pages stay cached."""
+    model, _, _, _ = setup
+    engine = _engine(setup)
+    prompt = _prompt(150, 12, model.config.vocab_size)
+    engine.generate(prompt, GREEDY, lora_name="math")
+    forged = lora_namespace("", "math")
+    with pytest.raises(ValueError, match="cache_salt must not contain NUL"):
+        engine.generate(prompt, GREEDY, cache_salt=forged)
+    with pytest.raises(ValueError, match="cache_salt must not contain NUL"):
+        engine.reset_prefix_cache(forged, every_salt=False)
+    assert engine.generate(prompt, GREEDY, lora_name="math").cached_tokens > 0
+    assert_no_leak(engine)
 
 
 def test_bad_adapters_and_names_are_errors(setup, tmp_path):

@@ -65,6 +65,9 @@ HTTP_CASES = [
                                      "embedding_bias_token_ids": [3, 260],
                                      "embedding_bias_token_weights": [1.0, 1.0]},
      "outside the vocabulary (0..259): [260]"),
+    # an adapter's namespace is "<salt>\x00lora:<name>": a salt must not spell one
+    ("cache_salt_nul", {"text_input": "hi", "max_tokens": 4, "cache_salt": "\x00lora:math"},
+     "cache_salt must not contain NUL characters"),
 ]  # fmt: skip
 
 

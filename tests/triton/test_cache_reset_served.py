@@ -11,8 +11,16 @@ import sys
 import uuid
 from pathlib import Path
 
+import pytest
+
 from backend.triton.server import ServerHandle
-from client.generate import GenerateParams, generate_http, reset_prefix_cache, stream_grpc
+from client.generate import (
+    GenerateError,
+    GenerateParams,
+    generate_http,
+    reset_prefix_cache,
+    stream_grpc,
+)
 from client.metrics import by_label
 from tests.triton.llm_helpers import post_json, running_frontend, scrape, value
 
@@ -78,6 +86,12 @@ def test_a_streaming_request_goes_on_through_a_reset(llm_server):
 def test_a_namespace_never_used_has_nothing_to_drop(llm_server):
     assert reset_prefix_cache(llm_server.urls.grpc, cache_salt=uuid.uuid4().hex) == \
         {"dropped_pages": 0, "kept_pages": 0}
+
+
+def test_a_salt_naming_an_adapters_namespace_is_refused(llm_server):
+    """"<salt>\\x00lora:<name>" is adapter <name>'s namespace: no client salt may spell it."""
+    with pytest.raises(GenerateError, match="cache_salt must not contain NUL"):
+        reset_prefix_cache(llm_server.urls.grpc, cache_salt="\x00lora:math")
 
 
 def test_the_frontend_route_is_off_unless_enabled(llm_server, tmp_path):
