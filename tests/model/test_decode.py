@@ -113,10 +113,11 @@ def _assert_same(model, batch: int, steps: int, **options) -> None:
     out, out_s = _run(model, model.fast_decode, batch, steps, **options)
     scale = ref.abs().max().item()
     assert (out - ref).abs().max().item() <= 1e-5 * scale
-    for a, b in zip(ref_s.states.rec + ref_s.states.conv, out_s.states.rec + out_s.states.conv):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(ref_s.kv.k + ref_s.kv.v, out_s.kv.k + out_s.kv.v):
-        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    # each buffer to 1e-5 of its own scale: float32 sums in another order differ by a few
+    # ulps of the largest values (keys reach ~9 with the LoRA terms), not of each element
+    for a, b in zip(ref_s.states.rec + ref_s.states.conv + ref_s.kv.k + ref_s.kv.v,
+                    out_s.states.rec + out_s.states.conv + out_s.kv.k + out_s.kv.v):
+        assert (a - b).abs().max().item() <= 1e-5 * max(1.0, a.abs().max().item())
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
