@@ -273,11 +273,10 @@ class PrefixStore:
         return PageAllocation(kv, anchors)
 
     def alloc_state_slots(self, num_slots: int) -> list[int] | None:
-        """Checkpoint slots, evicting LRU checkpoints; None if impossible (all held by requests)."""
+        """Checkpoint slots, evicting LRU checkpoints; None if impossible (all held by
+        requests, or more than the pool holds: `num_checkpoint_slots=0` keeps no states)."""
         if num_slots > self.state_pool.capacity:
-            raise ValueError(
-                f"{num_slots} checkpoint slots asked, the pool holds {self.state_pool.capacity}"
-            )
+            return None
         short = num_slots - self.state_pool.num_free
         if short > 0 and self.evictor.evict_states(short, CAPACITY) < short:
             return None

@@ -181,3 +181,24 @@ def test_a_step_is_not_cut_for_a_checkpoint_without_a_free_slot(model):
     assert got[0].cached_tokens == 592  # the deepest states were kept
     assert got[1].cached_tokens == 0  # the shallow ones were given up
     assert_no_leak(scarce)
+
+
+@pytest.mark.parametrize("policy", ["checkpoint", "suffixreplay"])
+def test_no_checkpoint_slots_keeps_no_states_and_serves_every_prompt(model, policy):
+    """`num_checkpoint_slots=0` (a pool of no saved states): prompts longer than a page are
+    served with greedy's tokens, as with `policy none`; the checkpoint policy can then resume
+    nothing, suffix replay still resumes from its anchors."""
+    from backend.model.generate import greedy_generate
+
+    V = model.config.vocab_size
+    prompt = random_prompt(200, V, seed=43)
+    branches = [prompt + random_prompt(9, V, seed=44), prompt[:150] + random_prompt(5, V, seed=45)]
+    engine = make_engine(model, policy=policy, interval=64, num_checkpoint_slots=0)
+    first = engine.generate(prompt, GREEDY)
+    got = [engine.generate(b, GREEDY) for b in branches]
+    want = greedy_generate(model, [prompt] + branches, 12, PAGE)
+    assert [first.new_token_ids] + [g.new_token_ids for g in got] == want
+    hits = [g.cached_tokens for g in got]
+    assert hits == ([0, 0] if policy == "checkpoint" else [192, 144])
+    assert engine.store.state_pool.capacity == 0
+    assert_no_leak(engine)
