@@ -9,7 +9,10 @@ with finite logits, a tokenizer) and writes a complete repository: ensemble, pre
 hybrid_llm, postprocessing and hybrid_llm_bls, with `model_path` and `tokenizer_dir` pointing
 at the checkpoint.
 - `--calibrate` runs engine_build/calibrate.py on the checkpoint (4 anchors a page, 16 where 4
-  fall short of the target) and serves `k_max: auto` and `anchor_density: auto`.
+  fall short of the target), writes calibration.json / .png into the repository
+  (`hybrid_llm/1/`, named by `calibration_path`; the checkpoint is left as it is) and serves
+  `k_max: auto` and `anchor_density: auto`.
+- An existing, non-empty `--repo` is refused before any step runs unless `--force` is given.
 - `--lora NAME=PATH` (repeatable) checks a PEFT LoRA adapter against the checkpoint and serves
   it as NAME beside the base model (`lora_adapters`; eager backend).
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -69,11 +73,20 @@ def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32,
             "model_type": cfg.model_type, "moe": cfg.has_moe}
 
 
-def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool) -> Path:
-    """Copies the models' configurations and code; points them at `model_dir`."""
+def check_repository(repo: Path, force: bool) -> None:
+    """Refuses an existing, non-empty `repo` without `force` (before any step runs)."""
+    if repo.exists() and not repo.is_dir():
+        raise BuildError(f"{repo} exists and is not a folder")
+    if repo.exists() and any(repo.iterdir()) and not force:
+        raise BuildError(f"{repo} exists and is not empty (use --force to replace it)")
+
+
+def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool,
+                     calibration: Path | None = None) -> Path:
+    """Copies the models' configurations and code; points them at `model_dir`; puts
+    `calibration` (a folder holding calibration.json / .png) in as `hybrid_llm/1/`'s."""
+    check_repository(repo, force)
     if repo.exists() and any(repo.iterdir()):
-        if not force:
-            raise BuildError(f"{repo} exists and is not empty (use --force to replace it)")
         for name in MODELS:
             shutil.rmtree(repo / name, ignore_errors=True)
     repo.mkdir(parents=True, exist_ok=True)
@@ -83,6 +96,11 @@ def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force:
         shutil.copy2(src / "config.pbtxt", dst / "config.pbtxt")
         if (src / "1" / "model.py").exists():
             shutil.copy2(src / "1" / "model.py", dst / "1" / "model.py")
+    if calibration is not None:
+        for name in ("calibration.json", "calibration.png"):
+            if (calibration / name).exists():
+                shutil.copy2(calibration / name, repo / "hybrid_llm" / "1" / name)
+        params = {**params, "calibration_path": "1/calibration.json"}
     model_dir = model_dir.resolve()
     for name in ("preprocessing", "postprocessing", "hybrid_llm_bls"):
         set_parameters(repo / name / "config.pbtxt", {"tokenizer_dir": str(model_dir)})
@@ -102,6 +120,8 @@ def build(args: argparse.Namespace) -> Path:
                          "base model's weights only)")
     if adapters:
         params["lora_adapters"] = ",".join(f"{n}={p.resolve()}" for n, p in adapters.items())
+    check_repository(repo, args.force)
+    calibration = None  # the folder --calibrate wrote into (the checkpoint stays as it is)
     bar = tqdm(steps, desc=f"build ({args.backend})", unit="step")
     for step in bar:
         bar.set_postfix(step=step)
@@ -116,8 +136,10 @@ def build(args: argparse.Namespace) -> Path:
 
             # Gated DeltaNet models meet the target at 4 anchors a page; long-memory Mamba2
             # models may need 16 (tried only when 4 falls short).
-            calibrate.main(["--model", str(model_dir), "--quick", "--anchors-per-page", "4", "16"])
-            params["k_max"] = "auto"  # and anchor_density: auto (the repository step)
+            calibration = Path(tempfile.mkdtemp(prefix="calibration-"))
+            calibrate.main(["--model", str(model_dir), "--quick", "--out", str(calibration),
+                            "--anchors-per-page", "4", "16"])
+            params.update(k_max="auto", anchor_density="auto")
         elif step == "compile" and args.backend == "aot":
             from engine_build.aot import build_aot_engine
 
@@ -129,10 +151,14 @@ def build(args: argparse.Namespace) -> Path:
 
             build_tensorrt_engine(model_dir, model_dir / "tensorrt", dtype=args.dtype)
         elif step == "repository":
-            if (model_dir / "calibration.json").exists():
+            if calibration is None and (model_dir / "calibration.json").exists():
                 # k_max: auto (the template's) reads it: serve the density it was measured at
                 params.setdefault("anchor_density", "auto")
-            write_repository(model_dir, repo, params, args.force)
+            try:
+                write_repository(model_dir, repo, params, args.force, calibration)
+            finally:
+                if calibration is not None:
+                    shutil.rmtree(calibration, ignore_errors=True)
     return repo
 
 

@@ -9,7 +9,9 @@ cheapest first, stopping at the first that meets the target; where none does, th
 k with the best agreement are chosen and `target_met` is false (models with long memories,
 such as Mamba2 with slow decays, need denser anchors than Qwen3.5's Gated DeltaNet). Writes
 <model>/calibration.json (read by the engine when the serving configuration says
-`k_max: auto` / `anchor_density: auto`) and <model>/calibration.png.
+`k_max: auto` / `anchor_density: auto`) and <model>/calibration.png, or into `--out DIR`
+(`engine_build.build --calibrate` writes them into the repository it builds, leaving the
+checkpoint as it is).
 
     python -m engine_build.calibrate --model model_repo/hybrid_llm/1/tiny_qwen3_5 [--quick]
     python -m engine_build.calibrate --model DIR --anchors-per-page 4 16
@@ -150,6 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--anchors-per-page", type=int, nargs="+", default=[4],
                    help="one or more densities to try, cheapest first (default 4 of 64)")
+    p.add_argument("--out", help="folder for calibration.json / .png (default: --model's)")
     args = p.parse_args(argv)
     if any(not 0 < a <= args.page_size for a in args.anchors_per_page):
         p.error(f"--anchors-per-page must lie in 1..{args.page_size}")
@@ -171,15 +174,16 @@ def main(argv: list[str] | None = None) -> dict:
            "sampling": "dense_tail", "sweep": {str(k): v for k, v in results.items()},
            "sweeps_by_anchors_per_page": {str(a): {str(k): v for k, v in r.items()}
                                           for a, r in by_density.items()}}
-    model_dir = Path(args.model)
-    (model_dir / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
-    plot(results, k_max, model_dir / "calibration.png", by_density)
+    out_dir = Path(args.out or args.model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
+    plot(results, k_max, out_dir / "calibration.png", by_density)
     for a, r in by_density.items():
         for k, v in sorted(r.items()):
             print(f"{a:3d}/page k={k:4d}  top1={v['top1_agreement']:.4f}  KL={v['kl']:.2e}  "
                   "state err=" + ", ".join(f"{e:.3f}" for e in v["state_error_by_group"]))
     print(f"k_max = {k_max}, {apc} anchors per {args.page_size}-token page (target top-1 "
-          f"agreement {args.target}); wrote {model_dir / 'calibration.json'}")
+          f"agreement {args.target}); wrote {out_dir / 'calibration.json'}")
     if not met:
         print(f"warning: no k up to {max(results)} at {sorted(by_density)} anchors per page "
               f"reaches the target; the best is {results[k_max]['top1_agreement']:.4f} "

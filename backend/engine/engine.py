@@ -49,15 +49,17 @@ class QueueFull(RuntimeError):
     fault: the same request may be retried later or elsewhere)."""
 
 
-def apply_calibration(model_dir: str | Path, config: EngineConfig) -> EngineConfig:
+def apply_calibration(model_dir: str | Path, config: EngineConfig,
+                      calibration: str | Path | None = None) -> EngineConfig:
     """`k_max: auto` / `anchor_density: auto`: the values of `engine_build/calibrate.py`'s
-    calibration.json (the configured ones, with a warning, where it is missing). Warns when
+    calibration.json (`calibration`, default the model folder's; the configured values, with
+    a warning, where it is missing). Warns when
     the calibration missed its target, or was measured at another anchor density than the
     one served (its k_max was chosen for that density)."""
     replay = config.replay
     if not (replay.k_max_auto or replay.anchor_density_auto):
         return config
-    path = Path(model_dir) / "calibration.json"
+    path = Path(calibration) if calibration else Path(model_dir) / "calibration.json"
     if not path.exists():
         log.warning("k_max / anchor_density: auto but %s is missing; using k_max=%s, "
                     "anchor_density=%s", path, replay.k_max, replay.anchor_density)
@@ -174,9 +176,12 @@ class Engine:
         self._grammar_lock = threading.Lock()
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, config: EngineConfig | None = None) -> Engine:
+    def from_model_dir(cls, path: str | Path, config: EngineConfig | None = None,
+                       calibration: str | Path | None = None) -> Engine:
+        """The engine of the checkpoint folder `path`; `calibration`: the calibration.json
+        `k_max` / `anchor_density: auto` read (default `path`'s)."""
         config = config or EngineConfig()
-        config = apply_calibration(path, config)
+        config = apply_calibration(path, config, calibration)
         if config.tiers is not None and config.tiers.model_fingerprint in (
                 "", FINGERPRINT_FROM_MODEL_DIR):
             fingerprint = fingerprint_model_dir(path, config.dtype)

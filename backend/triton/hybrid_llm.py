@@ -426,6 +426,6 @@ def build_engine(settings: ServingSettings, params: dict[str, str]) -> Engine:
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     try:
-        return Engine.from_model_dir(settings.model_path, config)
+        return Engine.from_model_dir(settings.model_path, config, settings.calibration_path)
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(f"parameter model_path={str(settings.model_path)!r}: {exc}") from exc

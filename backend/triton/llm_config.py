@@ -3,6 +3,9 @@
 Serving keys (all optional):
   model_path: the model's HF folder, absolute or relative to the model's own folder
     (default `1/tiny_qwen3_5`);
+  calibration_path: the calibration.json that `k_max` / `anchor_density: auto` read, absolute
+    or relative to the model's own folder (default: the one in model_path; `engine_build.build
+    --calibrate` writes `1/calibration.json` into the repository it builds);
   exclude_input_in_output: default when a request does not say (TensorRT-LLM's parameter);
   stats_check_period_ms: how often metrics are refreshed from `engine.stats()` (TensorRT-LLM's);
   cancellation_check_period_ms: how often open requests are polled for cancellation (same);
@@ -29,6 +32,7 @@ from backend.triton.params import get_bool_param, get_param
 DEFAULT_MODEL_PATH = "1/tiny_qwen3_5"
 SERVING_KEYS = (
     "model_path",
+    "calibration_path",
     "exclude_input_in_output",
     "stats_check_period_ms",
     "cancellation_check_period_ms",
@@ -41,6 +45,7 @@ GUIDED_BACKENDS = ("xgrammar", "none")
 @dataclass(frozen=True)
 class ServingSettings:
     model_path: Path
+    calibration_path: Path | None = None
     exclude_input_in_output: bool = True
     stats_check_period_ms: int = 100
     cancellation_check_period_ms: int = 100
@@ -68,8 +73,17 @@ def serving_settings(config: Mapping[str, Any], model_dir: Path) -> ServingSetti
         raise ConfigError(
             f"parameter model_path={raw_path!r}: no model at {path} (config.json missing)"
         )
+    raw_calib = get_param(config, "calibration_path")
+    calibration = None
+    if raw_calib is not None:
+        calibration = Path(raw_calib).expanduser()
+        calibration = calibration if calibration.is_absolute() else model_dir / calibration
+        if not calibration.is_file():
+            raise ConfigError(f"parameter calibration_path={raw_calib!r}: no file at "
+                              f"{calibration}")
     return ServingSettings(
         model_path=path,
+        calibration_path=calibration,
         exclude_input_in_output=get_bool_param(config, "exclude_input_in_output", True),
         stats_check_period_ms=_int_param(config, "stats_check_period_ms", 100),
         cancellation_check_period_ms=_int_param(config, "cancellation_check_period_ms", 100),

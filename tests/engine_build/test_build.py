@@ -32,9 +32,10 @@ def test_eager_build_writes_a_complete_repository(tmp_path, capsys):
         tokenizer = read_parameters(tmp_path / "repo" / name / "config.pbtxt")["tokenizer_dir"]
         assert tokenizer == str(ckpt.resolve())
     assert "checkpoint ok" in capsys.readouterr().out
-    # a second build into the same place needs --force
+    # a second build into the same place needs --force, and is refused before any step
     assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 1
-    assert "--force" in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert "--force" in err and "checkpoint ok" not in out
     assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"), "--force"]) == 0
 
 

@@ -12,6 +12,8 @@ from hf_oracle import make_hf_checkpoint
 
 from backend.engine import EngineConfig
 from backend.engine.engine import apply_calibration
+from backend.triton.errors import ConfigError
+from backend.triton.llm_config import engine_params, serving_settings
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO, read_parameters
 from engine_build import build, calibrate
 
@@ -93,8 +95,29 @@ def test_engine_applies_and_checks_the_calibration(tmp_path, caplog):
 
 
 def test_build_with_calibrate_serves_both_values_auto(checkpoint, tmp_path):
+    """The calibration goes into the repository it builds (the served model reads it from
+    there); the checkpoint's own calibration, if any, is left as it was."""
+    (checkpoint / "calibration.json").write_text(json.dumps({"k_max": 2, "anchors_per_page": 8,
+                                                             "page_size": 64}))
+    before = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
     assert build.main(["--model", str(checkpoint), "--repo", str(tmp_path / "repo"),
                        "--calibrate"]) == 0
-    params = read_parameters(tmp_path / "repo" / "hybrid_llm" / "config.pbtxt")
+    assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == before
+    model = tmp_path / "repo" / "hybrid_llm"
+    params = read_parameters(model / "config.pbtxt")
     assert params["k_max"] == "auto" and params["anchor_density"] == "auto"
-    assert json.loads((checkpoint / "calibration.json").read_text())["anchors_per_page"] in (4, 16)
+    assert params["calibration_path"] == "1/calibration.json"
+    assert (model / "1" / "calibration.png").stat().st_size > 0
+    calib = json.loads((model / "1" / "calibration.json").read_text())
+    assert calib["anchors_per_page"] in (4, 16)
+    config = {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+    settings = serving_settings(config, model)
+    assert settings.calibration_path == model / "1" / "calibration.json"
+    served = apply_calibration(settings.model_path, EngineConfig.from_params(
+        engine_params(config)), settings.calibration_path)
+    assert served.replay.k_max == calib["k_max"]
+    assert served.replay.anchor_density == calib["anchors_per_page"] / 64
+    # a calibration_path naming no file is a configuration error
+    config["parameters"]["calibration_path"] = {"string_value": "1/missing.json"}
+    with pytest.raises(ConfigError, match="calibration_path"):
+        serving_settings(config, model)
