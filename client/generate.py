@@ -398,6 +398,11 @@ def grpc_results(url: str, model: str, inputs: list, timeout_s: float) -> Iterat
             client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         except InferenceServerException as exc:  # the stream broke before the request went
             finished = True
+            try:  # its callback holds why (e.g. connection refused), the exception does not
+                _, cause = responses.get(timeout=1.0)
+            except queue.Empty:
+                cause = None
+            exc = cause if isinstance(cause, InferenceServerException) else exc
             raise GenerateError(grpc_status(exc), exc.message()) from None
         while not finished:
             try:

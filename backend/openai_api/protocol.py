@@ -213,9 +213,13 @@ def detokenize_body(body: Any, models: Container[str], tokenizer: Any) -> dict[s
     if tokenizer is None:
         raise RequestError("the frontend found no tokenizer for this model")
     ids = body.get("tokens")
-    if not isinstance(ids, list) or not all(_is_id(t) for t in ids):
+    if not isinstance(ids, list):
         raise RequestError("'tokens' must be a list of token ids", "tokens")
-    bad = [t for t in ids if t >= tokenizer.vocab_size]
+    for i, t in enumerate(ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            raise RequestError(f"'tokens' must be a list of token ids, tokens[{i}] is {t!r:.40}",
+                               "tokens")
+    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
         raise RequestError(f"token id {bad[0]} is outside the vocabulary "
                            f"[0, {tokenizer.vocab_size})", "tokens")

@@ -99,7 +99,10 @@ def to_chat(body: Any, store: ResponseStore) -> Conversion:
     history: list[dict[str, Any]] = []
     previous = body.get("previous_response_id")
     if previous is not None:
-        stored = store.get(previous) if isinstance(previous, str) else None
+        if not isinstance(previous, str):
+            raise RequestError(f"'previous_response_id' must be a string, got {previous!r:.40}",
+                               "previous_response_id")
+        stored = store.get(previous)
         if stored is None:
             raise RequestError(f"previous response {previous!r} not found (responses are "
                                f"kept in memory, the last {store.size})",
@@ -194,7 +197,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
-                        "content": output if isinstance(output, str) else _text(output, where)})
+                        "content": output if isinstance(output, str)
+                        else _text(output, where, "output")})
         else:
             raise RequestError(f"{where}: items of type {kind!r} are not supported (messages, "
                                "function_call, function_call_output, reasoning)", "input")
@@ -203,7 +207,8 @@ def input_messages(items: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, field: str = "content") -> str:
+    """A message's text: a string, or a list of text parts (`where.field` in errors)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -211,11 +216,11 @@ def _text(content: Any, where: str) -> str:
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in _TEXT_PARTS or not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content[{j}]: only text parts are supported, got "
+                raise RequestError(f"{where}.{field}[{j}]: only text parts are supported, got "
                                    f"{kind!r}", "input")
             texts.append(part["text"])
         return "".join(texts)
-    raise RequestError(f"{where}.content must be a string or a list of text parts", "input")
+    raise RequestError(f"{where}.{field} must be a string or a list of text parts", "input")
 
 
 def _string(item: Mapping[str, Any], name: str, where: str) -> str:

@@ -723,10 +723,30 @@ def _request_id(request: web.Request, body: Any) -> str | None:
 
 
 async def _body(request: web.Request) -> Any:
+    """The request's JSON; a 400 for a body that is not JSON, nests too deeply to parse, or
+    holds a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, but no text a tokenizer can
+    take)."""
     try:
-        return await request.json()
+        body = await request.json()
     except (ValueError, UnicodeDecodeError):
         raise RequestError("the request body is not valid JSON") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON too deeply") from None
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise RequestError("the request body holds a lone UTF-16 surrogate "
+                                   f"({value!r:.40}): not text") from None
+    return body
 
 
 async def list_models(request: web.Request) -> web.Response:

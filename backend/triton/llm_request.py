@@ -33,7 +33,7 @@ or [1, 1] depending on reshape):
   are padding, for the rows of a batch; none given, or a row of -1 only: every token);
   draft_input_ids [1, N] INT32 (TensorRT-LLM's name): the output the client expects; the
   engine drafts from it as speculative decoding does (`Request.prediction`), the output is
-  the model's either way;
+  the model's either way (trailing -1 entries are padding, for the rows of a batch);
   allotted_time_ms [1] UINT64 (TensorRT-LLM's): how long the request may take from its
   arrival; past it, it ends with finish_reason `timed_out` (what it generated is kept;
   checked between steps); 0 or absent: no limit;
@@ -191,9 +191,17 @@ def parse_request(inputs: Tensors, default_end_id: int | None, exclude_input: bo
         return_generation_logits=bool(scalar(inputs, "return_generation_logits", "b", False)),
         return_prompt_log_probs=bool(scalar(inputs, "return_prompt_log_probs", "b", False)),
         retention=retention_of(inputs),
-        prediction=int_vector(inputs, "draft_input_ids") or None,
+        prediction=_unpadded(int_vector(inputs, "draft_input_ids")) or None,
         allotted_time_ms=allotted_time_of(inputs),
     )
+
+
+def _unpadded(values: list[int] | None) -> list[int] | None:
+    """A row of a batched vector without its trailing -1 padding."""
+    end = len(values or ())
+    while end and values[end - 1] == -1:
+        end -= 1
+    return values[:end] if values else values
 
 
 # A day: more is surely a unit mistake (allotted_time_ms counts milliseconds)

@@ -248,3 +248,19 @@ def test_retention_inputs_in_tensorrt_llm_layout():
     with pytest.raises(RequestError, match="retention_token_range_starts must be an integer"):
         parse_request(tensors(retention_token_range_starts=np.array([[0.5]], np.float32)), EOS,
                       exclude_input=True)
+
+
+def test_draft_input_ids_rows_may_be_padded_with_minus_one():
+    """A batch's shorter drafts are padded with -1 at the end (as allowed_token_ids' rows);
+    the padding is not part of the prediction. No draft, or all padding: none."""
+    req = parse_request(tensors(draft_input_ids=np.array([[104, 105, -1, -1]], np.int32)),
+                        EOS, exclude_input=True)
+    assert req.prediction == [104, 105]
+    for row in ([[-1, -1]], np.zeros((1, 0), np.int32)):
+        req = parse_request(tensors(draft_input_ids=np.array(row, np.int32)), EOS,
+                            exclude_input=True)
+        assert req.prediction is None
+    # -1 inside a draft is not padding: the engine refuses it as an id outside the vocabulary
+    req = parse_request(tensors(draft_input_ids=np.array([[104, -1, 105]], np.int32)),
+                        EOS, exclude_input=True)
+    assert req.prediction == [104, -1, 105]

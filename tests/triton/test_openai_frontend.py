@@ -694,6 +694,13 @@ def test_response_format_json_schema_gives_json(sdk: openai.OpenAI):
 
 BAD = [
     ("/v1/completions", b"{not json", 400, "not valid JSON"),
+    # valid JSON, but no text: a lone surrogate (was a 500 from the tokenizer or encoder)
+    ("/v1/completions", b'{"model": "ensemble", "prompt": "a\\ud800"}', 400, "lone UTF-16"),
+    ("/v1/chat/completions", b'{"model": "ensemble", "messages": [{"role": "user", '
+     b'"content": "\\udfff"}]}', 400, "lone UTF-16"),
+    ("/tokenize", b'{"model": "ensemble", "prompt": "\\ud800"}', 400, "lone UTF-16"),
+    ("/v1/completions", b'{"model": "ensemble", "prompt": "x", "stop": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}", 400, "nests JSON too deeply"),  # was a 500 (RecursionError)
     ("/v1/completions", {"model": "ensemble", "prompt": "x", "n": 0}, 400, "'n' must be from 1"),
     ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "'nope' does not exist"),
     ("/v1/chat/completions", {"model": "ensemble", "messages": [{"role": "user"}]}, 400,

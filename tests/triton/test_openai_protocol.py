@@ -271,7 +271,9 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer():
             tokenize_body(body, MODELS, tok, chatml(), 2048)
         assert message in info.value.message
     for tokens, message in (([1, 999], "token id 999 is outside the vocabulary"),
-                            ("abc", "'tokens' must be a list of token ids")):
+                            ("abc", "'tokens' must be a list of token ids"),
+                            ([3, -1], r"token id -1 is outside the vocabulary \[0, "),
+                            ([3, "a"], r"tokens\[1\] is 'a'"), ([True], r"tokens\[0\] is True")):
         with pytest.raises(RequestError, match=message):
             detokenize_body({"model": "tiny", "tokens": tokens}, MODELS, tok)
 
