@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     stats = commands.add_parser(
         "stats", help="the prefix cache: hits by tier, pages, memory, prefetches, requests")
     stats.add_argument("--metrics-url", default=DEFAULT_METRICS_URL,
-                       help=f"the server's metrics port or page (default {DEFAULT_METRICS_URL})")
+                       help="the server's metrics address: a port (this host's), host:port, "
+                            f"a URL or the /metrics page (default {DEFAULT_METRICS_URL})")
     reset = commands.add_parser(
         "reset-cache", help="forget the cached prefixes on every tier (device, DRAM, SSD); "
                             "pages running requests hold stay")
@@ -435,10 +436,20 @@ def repository_models(client, http: bool) -> list[str]:
 def cmd_stats(args: argparse.Namespace) -> int:
     from client.metrics import cache_report, scrape
 
-    url = args.metrics_url if "://" in args.metrics_url else f"http://{args.metrics_url}"
-    url = url.rstrip("/").removesuffix("/metrics")  # the page's own address works too
+    url = metrics_base_url(args.metrics_url)
     print("\n".join(cache_report(scrape(url))))
     return 0
+
+
+def metrics_base_url(given: str) -> str:
+    """--metrics-url as given (a port, host:port, a URL, or the /metrics page's own address)
+    -> the http://host:port that `scrape` reads."""
+    url = given.strip()
+    if url.isdigit():  # a bare port: this host's
+        url = f"127.0.0.1:{url}"
+    url = url if "://" in url else f"http://{url}"
+    return url.rstrip("/").removesuffix("/metrics")
+
 
 
 def cmd_reset_cache(args: argparse.Namespace) -> int:

@@ -115,6 +115,6 @@ def cache_report(metrics: Metrics) -> list[str]:
         ended = by_label(metrics, "suffixreplay_unfinished_requests_total", "reason")
         preempted = total(metrics, "suffixreplay_preemptions_total") or 0
         lines.append(f"requests: {done:.0f} finished, {ended.get('cancelled', 0):.0f} "
-                     f"cancelled, {ended.get('failed', 0):.0f} failed; {preempted:.0f} "
-                     "preemptions")
+                     f"cancelled, {ended.get('timed_out', 0):.0f} timed out, "
+                     f"{ended.get('failed', 0):.0f} failed; {preempted:.0f} preemptions")
     return lines

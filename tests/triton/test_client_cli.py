@@ -164,9 +164,19 @@ def test_stats_reports_the_cache_as_requests_use_it(llm_server: ServerHandle):
     assert after["queried"] - before["queried"] >= asked - 2  # the last token is never looked up
     assert re.search(r"memory in use: device KV \d+\.\d MiB", text), text
     assert re.search(r"pages: \d+ total, \d+ used, [1-9]\d* cached", text), text
-    assert re.search(r"requests: \d+ finished", text), text
+    assert re.search(r"requests: \d+ finished, \d+ cancelled, \d+ timed out, \d+ failed",
+                     text), text
     assert re.search(r"device evictions: \d+ pages, \d+ of them above the default retention "
                      r"priority", text), text
+
+
+def test_metrics_url_forms():
+    from client.cli import metrics_base_url
+
+    for given in ("8002", "127.0.0.1:8002", "http://127.0.0.1:8002",
+                  "http://127.0.0.1:8002/metrics", " http://127.0.0.1:8002/ "):
+        assert metrics_base_url(given) == "http://127.0.0.1:8002", given
+    assert metrics_base_url("https://gpu7:9000/metrics") == "https://gpu7:9000"
 
 
 def test_stats_without_a_server_is_one_line_error():
