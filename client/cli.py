@@ -258,13 +258,19 @@ def print_stream(chunks: Iterator[Chunk], out: TextIO, err: TextIO) -> tuple[str
         perf = chunk.perf or perf
     out.write("\n")
     if ttft is not None:
-        shown = {k: v for k, v in counts.items() if k != "num_output_tokens"}
-        summary = " ".join(f"{k}={v}" for k, v in shown.items())
+        summary = _counts_summary([counts])
         if log_probs:
             summary += f" log_prob={sum(log_probs):.3f}"
         err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}, {summary}]\n")
     write_perf([perf], err)
     return text, counts
+
+
+def _counts_summary(rows: list[dict]) -> str:
+    """`key=value` of the prompt's counts but the output tokens (cached_tokens, ...); with
+    several prompts (a batch) each key's values by prompt, comma-separated."""
+    keys = [k for k in dict.fromkeys(k for row in rows for k in row) if k != "num_output_tokens"]
+    return " ".join(f"{k}=" + ",".join(str(row.get(k, "-")) for row in rows) for k in keys)
 
 
 def write_perf(perfs: list[dict], err: TextIO) -> None:
@@ -301,9 +307,10 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
     and each of a beam search's responses, whose rows are its beams so far), then writes them
     one after another, each under `--- <label> k ---`; TTFT and the output token count go to
     `err`, and with `log_probs` each row's summed log probability."""
-    texts, ttft, num_output, cum, perf = [""] * num, None, 0, [], {}
+    texts, ttft, num_output, cum, perf, counts = [""] * num, None, 0, [], {}, {}
     for chunk in chunks:
         ttft = chunk.elapsed_s if ttft is None else ttft
+        counts = chunk.counts or counts  # the prompt's: the same for every sequence
         whole = chunk.sequence_index == -1
         num_output = (0 if whole else num_output) + chunk.counts.get("num_output_tokens", 0)
         for k, text in enumerate(chunk.texts):
@@ -315,6 +322,8 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
         out.write(f"--- {label} {k} ---\n{text}\n")
     if ttft is not None:
         summary = f"ttft {ttft * 1000:.1f} ms, output tokens {num_output}"
+        if counts:
+            summary += ", " + _counts_summary([counts])
         if log_probs and cum:
             summary += ", log_probs " + " ".join(f"{v:.3f}" for v in cum)
         err.write(f"[{summary}]\n")
@@ -324,17 +333,21 @@ def print_sequences(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO,
 
 def print_batch(chunks: Iterator[Chunk], num: int, out: TextIO, err: TextIO) -> list[str]:
     """Collects each prompt's text of a batched request (by `batch_index`), then writes them
-    one after another under `--- prompt b ---`; TTFT (the first response's) and the output
-    tokens of all go to `err`."""
+    one after another under `--- prompt b ---`; TTFT (the first response's), the output
+    tokens of all and each prompt's counts (cached_tokens, ...) go to `err`."""
     texts, ttft, num_output = [""] * num, None, 0
+    counts: list[dict] = [{} for _ in range(num)]
     for chunk in chunks:
         ttft = chunk.elapsed_s if ttft is None else ttft
         texts[chunk.batch_index] += chunk.text
         num_output += chunk.counts.get("num_output_tokens", 0)
+        counts[chunk.batch_index] = chunk.counts or counts[chunk.batch_index]
     for b, text in enumerate(texts):
         out.write(f"--- prompt {b} ---\n{text}\n")
     if ttft is not None:
-        err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}]\n")
+        summary = _counts_summary(counts)
+        err.write(f"[ttft {ttft * 1000:.1f} ms, output tokens {num_output}"
+                  + (f", {summary}" if summary else "") + "]\n")
     return texts
 
 

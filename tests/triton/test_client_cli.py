@@ -81,6 +81,9 @@ def test_generate_several_sequences_prints_each(llm_server: ServerHandle):
         assert result.returncode == 0, result.stderr
         assert result.stdout == "".join(f"--- sequence {k} ---\n{t}\n"
                                         for k, t in enumerate(expected))
+        n = len(PROMPT.encode())  # the byte tokenizer
+        assert re.search(rf"output tokens \d+, num_input_tokens={n} cached_tokens=\d+",
+                         result.stderr), result.stderr
     assert len(set(expected)) == 3
 
 
@@ -196,7 +199,9 @@ def test_generate_several_prompts_sends_one_batch(llm_server: ServerHandle):
         assert result.returncode == 0, result.stderr
         assert result.stdout == "".join(f"--- prompt {b} ---\n{t}\n"
                                         for b, t in enumerate(expected))
-        assert re.search(r"\[ttft \d+\.\d ms, output tokens \d+\]", result.stderr)
+        sizes = ",".join(str(len(p.encode())) for p in prompts)  # the byte tokenizer
+        assert re.search(rf"\[ttft \d+\.\d ms, output tokens \d+, num_input_tokens={sizes} "
+                         r"cached_tokens=\d+,\d+", result.stderr), result.stderr
     refused = run_client("generate", *prompts, "-n", "2", "--url", llm_server.urls.grpc)
     assert refused.returncode == 1 and "one sequence each" in refused.stderr
 
