@@ -24,9 +24,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 # The real tritonserver on $(MODEL_REPO): 127.0.0.1 and ports 8000/8001/8002 unless BIND_ADDRESS,
-# HTTP_PORT, GRPC_PORT, METRICS_PORT say otherwise; Ctrl-C stops it.
+# HTTP_PORT, GRPC_PORT, METRICS_PORT say otherwise; Ctrl-C stops it. SERVE_ARGS: more
+# tritonserver flags, e.g. SERVE_ARGS="--log-verbose=1 --exit-timeout-secs=10".
+SERVE_ARGS ?=
 serve: $(STAMP)
-	$(PY) -m backend.triton.launcher --model-repository $(MODEL_REPO)
+	$(PY) -m backend.triton.launcher --model-repository $(MODEL_REPO) -- $(SERVE_ARGS)
 
 # The OpenAI-compatible frontend (/v1/completions, /v1/chat/completions) on OPENAI_PORT (9000),
 # in front of the server `make serve` started (its gRPC port: GRPC_PORT, 8001).

@@ -56,6 +56,25 @@ def _die_with_parent() -> None:
         ctypes.CDLL(libc_name, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def orphans_of_group(leader: int) -> list[int]:
+    """Processes still in the process group `leader` led, not its children: what a dead
+    leader left (its pid may since belong to another process, whose own children are
+    children of it and so not counted); zombies, which hold nothing, are not counted. Read
+    from /proc (Linux); [] elsewhere."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces and parentheses
+        fields = stat[stat.rfind(")") + 2:].split()
+        pid, ppid, pgrp = int(entry.parent.name), int(fields[1]), int(fields[2])
+        if pgrp == leader and pid != leader and ppid != leader and fields[0] not in "ZX":
+            found.append(pid)
+    return found
+
+
 class ServerHandle:
     """A started tritonserver. `wait_ready`, then use `urls`; `stop` returns its exit code."""
 
@@ -130,10 +149,22 @@ class ServerHandle:
             self.process.kill()
 
     def wait(self) -> int:
-        """Wait for exit; the exit code, or 128 + signal number as a shell reports it."""
+        """Wait for exit; the exit code, or 128 + signal number as a shell reports it.
+        Backend stubs the server left behind (it exits without stopping them when it fails
+        to start, e.g. a port taken, or is killed) are killed with it."""
         code = self.process.wait()
+        self._kill_left_behind()
         self._cleanup()
         return 128 - code if code < 0 else code
+
+    def _kill_left_behind(self) -> None:
+        """SIGKILL to what is left of the server's process group (its own session: the
+        server and the backend stubs it started), once the server is gone."""
+        for pid in orphans_of_group(self.process.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """SIGINT (Triton drains and unloads models), then SIGKILL after `timeout` seconds."""

@@ -151,3 +151,29 @@ def test_ready_means_the_metrics_page_is_served_too(llm_server):
     assert not half.is_ready()  # HTTP ready, metrics closed
     with pytest.raises(TimeoutError, match="not ready"):
         half.wait_ready(timeout=0.5, poll_s=0.1)
+
+
+def test_processes_a_dead_server_left_behind_are_killed_with_it(tmp_path):
+    """A server that dies without stopping its backend stubs (a port taken at start-up, a
+    crash) leaves them running in its process group, holding memory and ignoring SIGTERM:
+    `wait` kills them. Here a stand-in 'server' starts such a child and exits."""
+    from backend.triton.server import ServerHandle, ServerPorts, orphans_of_group
+
+    child = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "print(os.getpid(), flush=True); time.sleep(120)")  # its pid once it ignores
+    parent = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {child!r}])"
+    process = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE,
+                               start_new_session=True, text=True)
+    stub = int(process.stdout.readline())
+    process.stdout.close()
+    handle = ServerHandle(process, None, ServerPorts(1, 2, 3), "127.0.0.1", tmp_path / "w", None)
+    process.wait()  # reaped, as `is_alive` does when it sees the server gone
+    assert orphans_of_group(process.pid) == [stub]
+    os.kill(stub, signal.SIGTERM)  # ignored
+    time.sleep(0.2)
+    assert orphans_of_group(process.pid) == [stub]
+    handle.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and orphans_of_group(process.pid):
+        time.sleep(0.05)
+    assert orphans_of_group(process.pid) == []  # gone, or a zombie until init reaps it
