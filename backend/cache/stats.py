@@ -15,6 +15,9 @@ EXPLICIT = "explicit"
 WITH_PAGE = "with_page"
 # Dropped by a prefix cache reset (`PrefixStore.reset`).
 RESET = "reset"
+# Reported from the start (at 0): every reason's series exists before its first eviction.
+PAGE_EVICTION_REASONS = (CAPACITY, EXPLICIT, RESET)
+CHECKPOINT_EVICTION_REASONS = (CAPACITY, EXPLICIT, WITH_PAGE, RESET)
 
 
 @dataclass
@@ -50,11 +53,14 @@ class CacheStats:
             "hit_tokens": self.hit_tokens,
             "hit_tokens_by_tier": {t.name.lower(): self.hit_tokens_by_tier[t] for t in Tier},
             "pages_inserted": self.pages_inserted,
-            "page_evictions_by_reason": dict(self.page_evictions_by_reason),
+            "page_evictions_by_reason": {**dict.fromkeys(PAGE_EVICTION_REASONS, 0),
+                                         **self.page_evictions_by_reason},
             "pages_demoted": self.pages_demoted,
             "pages_promoted": self.pages_promoted,
             "checkpoints_inserted": self.checkpoints_inserted,
-            "checkpoint_evictions_by_reason": dict(self.checkpoint_evictions_by_reason),
+            "checkpoint_evictions_by_reason": {
+                **dict.fromkeys(CHECKPOINT_EVICTION_REASONS, 0),
+                **self.checkpoint_evictions_by_reason},
             "protected_pages_passed_over": self.protected_pages_passed_over,
             "retained_page_evictions": self.retained_page_evictions,
         }

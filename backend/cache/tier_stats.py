@@ -20,6 +20,10 @@ LAYOUT = "layout_mismatch"
 BAD_HEADER = "bad_header"
 MISSING = "missing"
 IO_ERROR = "io_error"
+# Reported from the start (at 0), so dashboards find every page reason's series before the
+# first reject; a checkpoint-state file's rejects are `state_<reason>` as they happen.
+CHUNK_REJECT_REASONS = (CHECKSUM, TORN, FOREIGN, SALT, TOKENS, LAYOUT, BAD_HEADER, MISSING,
+                        IO_ERROR)
 
 
 @dataclass
@@ -83,6 +87,7 @@ class TierStats:
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k != "chunk_rejects"}
-        out["chunk_rejects"] = dict(self.chunk_rejects)
+        out["chunk_rejects"] = {**dict.fromkeys(CHUNK_REJECT_REASONS, 0),
+                                **self.chunk_rejects}
         out["checksum_failures"] = self.checksum_failures
         return out

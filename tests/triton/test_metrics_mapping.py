@@ -67,3 +67,22 @@ def test_lora_adapters_by_name():
     assert got[("suffixreplay_lora_requests_total", (("adapter", "tutor"),))] == 5
     assert got[("suffixreplay_lora_requests_total", (("adapter", "v1.2"),))] == 0
     assert got[("suffixreplay_lora_running_requests", (("adapter", "tutor"),))] == 2
+
+
+def test_every_reason_series_exists_before_its_first_event():
+    """A fresh store's stats give each eviction and chunk-reject reason at 0 (dashboards and
+    rate() find the series from the start, not after the first eviction)."""
+    from backend.cache.stats import CHECKPOINT_EVICTION_REASONS, PAGE_EVICTION_REASONS, CacheStats
+    from backend.cache.tier_stats import CHUNK_REJECT_REASONS, TierStats
+
+    got = {(s.family, s.labels): s.value
+           for s in samples({"cache": CacheStats().as_dict(), "tiers": TierStats().as_dict()})}
+    for reason in PAGE_EVICTION_REASONS:
+        key = ("suffixreplay_evictions_total", (("tier", "device"), ("reason", reason)))
+        assert got[key] == 0, key
+    for reason in CHECKPOINT_EVICTION_REASONS:
+        assert got[("suffixreplay_checkpoint_evictions_total", (("reason", reason),))] == 0
+    for reason in CHUNK_REJECT_REASONS:
+        assert got[("suffixreplay_ssd_chunk_rejects_total", (("reason", reason),))] == 0
+    for tier in ("device", "host", "ssd"):
+        assert got[("suffixreplay_hit_tokens_total", (("tier", tier),))] == 0
