@@ -1087,7 +1087,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if len(args.kv_events) > len(args.triton_url):
         parser.error(f"{len(args.kv_events)} --kv-events for {len(args.triton_url)} "
                      "--triton-url")
+    if not Path(args.model_repository).is_dir():  # where the tokenizer is found
+        parser.error(f"--model-repository {args.model_repository}: no such folder")
     return args
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Exits with one line when `host:port` cannot be listened on (taken, not this host's),
+    before waiting for Triton, instead of a traceback after it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        for family, kind, proto, _, address in infos[:1]:
+            with socket.socket(family, kind, proto) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(address)
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port}: "
+                         f"{exc.strerror or exc}") from None
 
 
 async def _wait_ready(urls: Sequence[str], wait_s: float, model: str) -> None:
@@ -1118,7 +1136,16 @@ def main(argv: list[str] | None = None) -> None:
                               args.enable_cache_reset, args.enable_lora_updates,
                               args.triton_model, args.return_tokens_as_token_ids)
 
+    _check_port_free(args.host, args.port)
     print(f"OpenAI-compatible frontend on http://{args.host}:{args.port}/v1 -> Triton "
           f"{', '.join(args.triton_url)}", file=sys.stderr, flush=True)
-    web.run_app(build(), host=args.host, port=args.port, print=None,
-                handler_cancellation=True)
+    try:
+        web.run_app(build(), host=args.host, port=args.port, print=None,
+                    handler_cancellation=True)
+    except OSError as exc:  # taken between the check and the bind
+        import errno
+
+        if exc.errno not in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES):
+            raise
+        raise SystemExit(f"error: cannot listen on {args.host}:{args.port}: "
+                         f"{exc.strerror or exc}") from None

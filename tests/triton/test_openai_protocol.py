@@ -554,3 +554,28 @@ def test_chat_template_kwargs_reach_the_template():
     assert off.prompts == ["hi<think></think>"]  # `messages` itself cannot be replaced
     with pytest.raises(RequestError, match="'chat_template_kwargs' must be an object"):
         parse_chat({**body, "chat_template_kwargs": "x"}, MODELS, thinking)
+
+
+def test_frontend_command_line_errors_are_one_line(tmp_path, capsys):
+    """A mistyped --model-repository is refused (it would serve without a tokenizer); a port
+    in use is one line on stderr at start, not a traceback after Triton is ready."""
+    import socket
+    import subprocess
+    import sys
+
+    from backend.openai_api.server import parse_args
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--model-repository", str(tmp_path / "nope")])
+    assert info.value.code == 2 and "no such folder" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "backend.openai_api", "--model-repository", str(tmp_path),
+             "--triton-url", "127.0.0.1:1", "--wait-s", "1", "--port", str(port)],
+            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
