@@ -26,6 +26,7 @@ at the checkpoint.
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 import tempfile
@@ -115,6 +116,14 @@ def build(args: argparse.Namespace) -> Path:
              *(["compile"] if args.backend != "eager" else []), "repository"]
     params: dict[str, str] = {"dtype": args.dtype}
     adapters = lora_options(args.lora)
+    if args.device != "cpu" and args.backend != "aot":
+        raise BuildError(f"--device applies to --backend aot only (got --device {args.device} "
+                         f"with --backend {args.backend})")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise BuildError(f"--device must be cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise BuildError(f"--device {args.device}: CUDA is not available here (build on the "
+                         "GPU machine that will serve the engine)")
     if adapters and args.backend != "eager":
         raise BuildError(f"--lora needs --backend eager (a {args.backend} engine holds the "
                          "base model's weights only)")

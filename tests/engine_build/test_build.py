@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO, read_parameters
 from engine_build import build
@@ -108,3 +109,23 @@ def test_lora_adapters_are_checked_and_served(tmp_path, capsys):
                            *extra]) == 1
         assert message in capsys.readouterr().err
         assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "cuda"], "--device applies to --backend aot only"),
+    (["--backend", "aot", "--device", "gpu0"], "--device must be cpu, cuda or cuda:N"),
+])
+def test_device_mistakes_are_one_line_errors(tmp_path, capsys, args, message):
+    ckpt = _model_copy(tmp_path)
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"), *args]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "repo").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_aot_for_cuda_without_a_gpu_is_a_one_line_error(tmp_path, capsys):
+    ckpt = _model_copy(tmp_path)
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"), "--backend",
+                       "aot", "--device", "cuda"]) == 1
+    assert "CUDA is not available here" in capsys.readouterr().err
