@@ -20,6 +20,7 @@ max_queue_size counts a batch as one request.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
@@ -140,6 +141,11 @@ class HybridLlm:
                                             final=True))
         self.responder.close()
         self.metrics.close()
+        # Response senders left in reference cycles (a request's entry and its engine
+        # request's callback) are freed now, while the stub can still tear them down: freed
+        # by the interpreter's last collection, after the backend is gone, a sender that was
+        # asked is_cancelled() crashed the stub (SIGSEGV in ~ResponseSender).
+        gc.collect()
 
     # Requests -----------------------------------------------------------------------------
     def _submit(self, request: Any, sender: Any) -> None:

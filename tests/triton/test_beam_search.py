@@ -205,3 +205,23 @@ def test_bad_beam_requests_are_invalid_arg(llm_server: ServerHandle, options, me
     assert message in info.value.message
     assert llm_server.is_ready()
     assert idle_pool(llm_server)["held_by_requests"] == 0
+
+
+def test_a_server_that_served_a_beam_search_stops_cleanly(tmp_path):
+    """Stopping a server after a beam search (whose sender the cancellation watcher asked
+    while it ran) crashed hybrid_llm's stub at interpreter exit (SIGSEGV in
+    ~ResponseSender, freed by the last garbage collection after the backend was gone; the
+    server's exit status still 0). The model's finalize collects them first."""
+    from client.generate import GenerateParams, stream_grpc
+    from tests.triton.conftest import LLM_MODELS, LLM_PARAMS, launch
+
+    server = launch(LLM_MODELS, LLM_PARAMS, tmp_path)
+    try:
+        chunks = list(stream_grpc(server.urls.grpc, GenerateParams(
+            "Hi", max_tokens=8, beam_width=4), timeout_s=60))
+        assert chunks and chunks[-1].final
+    finally:
+        code = server.stop()
+    log = (tmp_path / "tritonserver.log").read_text(errors="replace")
+    assert "Segfault" not in log and "successfully unloaded 'hybrid_llm'" in log, log[-3000:]
+    assert code == 0
