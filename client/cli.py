@@ -464,7 +464,6 @@ def metrics_base_url(given: str) -> str:
     return url.rstrip("/").removesuffix("/metrics")
 
 
-
 def cmd_reset_cache(args: argparse.Namespace) -> int:
     counts = reset_prefix_cache(args.url, args.cache_salt)
     where = "every namespace" if args.cache_salt is None else f"cache_salt {args.cache_salt!r}"
