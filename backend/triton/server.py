@@ -173,6 +173,10 @@ class ServerHandle:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+        except BaseException:  # interrupted (a second Ctrl-C): not left half stopped
+            self.kill()
+            self.wait()
+            raise
         return self.wait()
 
     def _cleanup(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = "usage: python -m client.bench run [--quick | --full] [--in-process] [--out NAME]"
+USAGE = "usage: python -m client.bench run [--quick | --full] [--in-process] [--out NAME] [--force]"
 
 
 def main(argv: list[str]) -> int:

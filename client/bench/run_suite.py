@@ -125,11 +125,11 @@ class Runner:
         ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
         if self.in_process:
             for wl in workloads:
-                progress(wl.name, system)
                 config = engine_config(system, self.cfg, budget, self.k_max,
                                        Path(tempfile.mkdtemp(dir=ssd)))
                 out[wl.name], self.records[f"{wl.name}/{system}"] = measure_in_process(
                     self.model, config, wl)
+                progress(wl.name, (system,), {wl.name: {system: out[wl.name]}})
             return out
         from client.bench.serving import served_repository
 
@@ -140,13 +140,13 @@ class Runner:
             # pays lazy initialisation, which would land on one system's first measurement.
             run_served(srv.urls.grpc, _warmup())
             for wl in workloads:
-                progress(wl.name, system)
                 before = _counters(srv.urls.metrics)
                 t0 = time.perf_counter()
                 records = run_served(srv.urls.grpc, wl)
                 out[wl.name] = summarize(records, _metrics_delta(before, _counters(
                     srv.urls.metrics)), time.perf_counter() - t0)
                 self.records[f"{wl.name}/{system}"] = [_record_row(r) for r in records]
+                progress(wl.name, (system,), {wl.name: {system: out[wl.name]}})
         return out
 
     def run_interleaved(self, jobs: list[tuple[W.Workload, tuple[str, ...]]], budget: Budget,
@@ -165,7 +165,6 @@ class Runner:
             for wl, wl_systems in jobs:
                 engines = {}
                 for system in wl_systems:
-                    progress(wl.name, system)
                     ssd = Path(tempfile.mkdtemp(dir=self.work, prefix=f"{system}-"))
                     engines[system] = Engine(self.model, engine_config(
                         system, self.cfg, budget, self.k_max, ssd))
@@ -174,6 +173,7 @@ class Runner:
                     engine.store.assert_invariants()
                 out[wl.name] = self._keep(wl, records,
                                           {s: e.stats() for s, e in engines.items()})
+                progress(wl.name, wl_systems, {wl.name: out[wl.name]})
             return out
         with ExitStack() as stack:
             urls = {}
@@ -185,13 +185,12 @@ class Runner:
                 run_served(srv.urls.grpc, _warmup())
                 urls[system] = srv.urls
             for wl, wl_systems in jobs:
-                for system in wl_systems:
-                    progress(wl.name, system)
                 before = {s: _counters(urls[s].metrics) for s in wl_systems}
                 records = run_served_interleaved({s: urls[s].grpc for s in wl_systems}, wl)
                 out[wl.name] = self._keep(wl, records, {
                     s: _metrics_delta(before[s], _counters(urls[s].metrics))
                     for s in wl_systems})
+                progress(wl.name, wl_systems, {wl.name: out[wl.name]})
         return out
 
     def _keep(self, wl: W.Workload, records: dict[str, list], stats: dict[str, dict]) -> dict:
@@ -258,14 +257,38 @@ def _mean_ttft(s: dict, tag: str | None = None) -> float:
     return d.get("mean", float("nan"))
 
 
+def _mean_over_cuts(s: dict) -> float:
+    """Mean TTFT of the sweep's cut requests (tags d0, d64, ...; each cut as often)."""
+    means = [v["mean"] for t, v in s["ttft_ms_by_tag"].items() if t.startswith("d")]
+    return sum(means) / len(means) if means else float("nan")
+
+
 def _reduction(ours: float, base: float) -> float:
     return 1 - ours / base if base and not math.isnan(base) else float("nan")
+
+
+def _dump(path: Path, obj) -> None:
+    """JSON without NaN (not JSON: jq, browsers and most parsers reject it): null instead."""
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    path.write_text(json.dumps(clean(obj), indent=2, default=float, allow_nan=False) + "\n")
 
 
 def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(2)
     p = plan(not args.full)
-    out = RESULTS_ROOT / args.out
+    name = args.out or time.strftime(f"suite_{'full' if args.full else 'quick'}_%m%d_%H%M")
+    out = RESULTS_ROOT / name
+    if (out / "summary.json").exists() and not args.force:
+        raise SystemExit(f"{out} holds a finished run: pass another --out, or --force to "
+                         "replace it")
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-"))
     runner = Runner(Path(args.model), args.in_process, BRANCH_BUDGET, work)
@@ -285,18 +308,25 @@ def run(args: argparse.Namespace) -> dict:
         len(systems) for v in interleaved.values() for _, systems in v)
     bar = tqdm(total=total, desc="bench suite", unit="run")
 
-    def progress(workload: str, system: str) -> None:
-        bar.set_postfix(workload=workload, system=system)
-        bar.update(1)
-
     t0 = time.time()
+
+    def progress(workload: str, systems: tuple[str, ...], done: dict) -> None:
+        """After each finished run: its results, and what has finished so far on disk
+        (partial.json, records.json), so an interrupted run keeps its measurements."""
+        for wl_name, by_system in done.items():
+            results.setdefault(wl_name, {}).update(by_system)
+        bar.set_postfix(done=f"{workload}/{'+'.join(systems)}")
+        bar.update(len(systems))
+        _dump(out / "partial.json", {"date": time.strftime("%Y-%m-%d %H:%M"),
+                                     "wall_seconds": round(time.time() - t0, 1),
+                                     "results": results})
+        _dump(out / "records.json", runner.records)
+
     try:
         for budget, wl_jobs in interleaved.items():
-            for name, by_system in runner.run_interleaved(wl_jobs, budget, progress).items():
-                results.setdefault(name, {}).update(by_system)
+            runner.run_interleaved(wl_jobs, budget, progress)
         for (system, budget), workloads in groups.items():
-            for name, summary in runner.run_system(system, workloads, budget, progress).items():
-                results.setdefault(name, {})[system] = summary
+            runner.run_system(system, workloads, budget, progress)
     finally:
         if not args.in_process:
             from client.bench.serving import wait_for_stopped_servers
@@ -311,11 +341,13 @@ def run(args: argparse.Namespace) -> dict:
                     "mode": "in-process" if args.in_process else "tritonserver (gRPC)",
                     "quick": not args.full, "model": str(args.model), "k_max": runner.k_max,
                     "wall_seconds": round(time.time() - t0, 1), "results": results})
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
-    (out / "records.json").write_text(json.dumps(runner.records, default=float) + "\n")
+    _dump(out / "summary.json", summary)
+    _dump(out / "records.json", runner.records)
+    (out / "partial.json").unlink(missing_ok=True)
     from client.bench.report import write_report
 
     write_report(summary, out)
+    print(f"wrote {out}/summary.json, report.md and plots")
     return summary
 
 
@@ -394,8 +426,10 @@ def ratios(results: dict, p: dict) -> dict:
             key = f"checkpoint_distance_ttft_max_over_min_{system}"
             r[key] = max(ttfts) / min(ttfts)
         if SGLANG in sweep:  # SGLang keeps no state inside the document: every cut recomputes
+            # Over the cuts only: the warm-up requests (the whole document, uncached in its
+            # fresh namespace) cost every system the same.
             r["distance_sweep_ttft_reduction_vs_sglang"] = _reduction(
-                _mean_ttft(sweep["suffixreplay"]), _mean_ttft(sweep[SGLANG]))
+                _mean_over_cuts(sweep["suffixreplay"]), _mean_over_cuts(sweep[SGLANG]))
     caps = {int(k.split("_")[1].rstrip("x")): v for k, v in results.items()
             if k.startswith("capacity_")}
 
@@ -412,7 +446,7 @@ def ratios(results: dict, p: dict) -> dict:
     at4 = [v for f, v in ratios_by_factor.items() if f >= 4]
     r["capacity_throughput_ratio_vs_checkpoint"] = min(at4) if at4 else float("nan")
     rates = p["rates"]
-    moderate = f"rag_rate{rates[len(rates) // 2]:g}"
+    moderate = f"rag_rate{rates[len(rates) // 2]:g}" if rates else None
     if moderate in results:
         rag = results[moderate]
         # SCCache as in the PCR paper: DRAM + SSD tiers, no overlap, no prefetch (and no
@@ -434,35 +468,42 @@ def ratios(results: dict, p: dict) -> dict:
 
 def simulation(runner, jobs, results: dict) -> dict:
     """Fits the cost model on the closed-loop runs, validates the simulator against them and
-    projects to real model shapes on an H200 (stated assumptions)."""
+    projects to real model shapes on an H200 (stated assumptions). Validation is held out:
+    each workload is predicted by a cost model fitted on the other workloads' runs (the
+    in-sample error, fitted on all, is reported beside it)."""
     from backend.cache.accounting import CONFIG_DIR
     from backend.config import ModelConfig
 
-    rows = []
+    rows: dict[str, list[dict]] = {}  # by workload
     for key, records in runner.records.items():
         if key.startswith("rag"):
             continue  # queueing is not in the cost model
         for rec in records:
             if rec.get("error"):
                 continue
-            rows.append({"recomputed": rec["prompt_tokens"] - rec["cached_tokens"],
-                         "context": rec["prompt_tokens"], "anchors": rec["replayed_anchors"],
-                         "ttft": rec["ttft"], "e2el": rec["e2el"],
-                         "output_tokens": rec["output_tokens"]})
-    cost = simulator.CostModel.fit(rows)
+            rows.setdefault(key.split("/")[0], []).append({
+                "recomputed": rec["prompt_tokens"] - rec["cached_tokens"],
+                "context": rec["prompt_tokens"], "anchors": rec["replayed_anchors"],
+                "ttft": rec["ttft"], "e2el": rec["e2el"], "output_tokens": rec["output_tokens"]})
+    cost = simulator.CostModel.fit([r for rs in rows.values() for r in rs])
     shapes = simulator.shapes_of(runner.cfg, dtype_bytes=4, k_max=runner.k_max)
-    errors = {}
+    errors, in_sample = {}, {}
     for _, workload, systems, budget in jobs:
         if workload.name.startswith("rag"):
             continue
+        others = [r for name, rs in rows.items() if name != workload.name for r in rs]
+        held_out = simulator.CostModel.fit(others) if others else None
         for system in systems:
             if system not in ("nocache", "checkpoint", "suffixreplay"):
                 continue
             sim_sys = simulator.system_of(engine_config(system, runner.cfg, budget,
                                                         runner.k_max), shapes)
-            pred = simulator.simulate(workload, sim_sys, shapes, cost)["ttft_mean_s"] * 1000
             meas = results[workload.name][system]["ttft_ms"]["mean"]
-            errors[f"{workload.name}/{system}"] = abs(pred - meas) / meas
+            key = f"{workload.name}/{system}"
+            for model, into in ((cost, in_sample), (held_out, errors)):
+                if model is not None:
+                    pred = simulator.simulate(workload, sim_sys, shapes, model)["ttft_mean_s"]
+                    into[key] = abs(pred * 1000 - meas) / meas
     projection, pcr_vs_sccache, branch_reduction = {}, {}, {}
     # The papers' replay caps: k_max 512 for Qwen3.5-4B, 256 for Qwen3.6-27B; Nemotron-H-8B
     # (the second family: 24 Mamba2 layers with 4 MiB states, 4 attention layers) at 512, an
@@ -493,8 +534,11 @@ def simulation(runner, jobs, results: dict) -> dict:
                                     for u, v in proj["rag"].items()}
         projection[name] = proj
         branch_reduction[name] = _branch_reduction(proj)
-    mean_error = sum(errors.values()) / len(errors) if errors else float("nan")
-    return {"sim_validation_error": mean_error, "sim_validation_errors": errors,
+    def mean(d: dict) -> float:
+        return sum(d.values()) / len(d) if d else float("nan")
+
+    return {"sim_validation_error": mean(errors), "sim_validation_errors": errors,
+            "sim_validation_error_in_sample": mean(in_sample),
             "sim_cost_model": cost.__dict__, "sim_projection_h200": projection,
             "sim_projection_h200_pcr_ttft_speedup_vs_sccache": pcr_vs_sccache,
             "sim_projection_h200_branch_ttft_reduction_vs_checkpoint": branch_reduction}
@@ -548,7 +592,8 @@ def rag_projection(workload: W.Workload, shapes, cost) -> dict:
 
 
 def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:
-    """Recomputes the simulator part of a finished run from its records (no engine runs)."""
+    """Recomputes the ratio keys and the simulator part of a finished run from its results
+    and records (no engine runs)."""
     from types import SimpleNamespace
 
     from backend.config import ModelConfig
@@ -558,8 +603,9 @@ def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:
     runner = SimpleNamespace(cfg=cfg, k_max=summary["k_max"], budget=BRANCH_BUDGET,
                              records=json.loads((out / "records.json").read_text()))
     jobs = build_jobs(plan(not full), runner)
+    summary.update(ratios(summary["results"], plan(not full)))
     summary.update(simulation(runner, jobs, summary["results"]))
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=float) + "\n")
+    _dump(out / "summary.json", summary)
     from client.bench.report import write_report
 
     write_report(summary, out)
@@ -573,5 +619,8 @@ def main(argv: list[str] | None = None) -> dict:
     mode.add_argument("--full", action="store_true")
     p.add_argument("--in-process", action="store_true", help="no server: drive the engine here")
     p.add_argument("--model", default=str(DEFAULT_MODEL))
-    p.add_argument("--out", default="suite_quick")
+    p.add_argument("--out", help="folder under client/bench/results/ (default: "
+                   "suite_quick_MMDD_HHMM or suite_full_MMDD_HHMM)")
+    p.add_argument("--force", action="store_true",
+                   help="replace a finished run already in --out")
     return run(p.parse_args(argv))

@@ -12,6 +12,7 @@ server stopping in the background has exited.
 
 from __future__ import annotations
 
+import atexit
 import shutil
 import statistics
 import sys
@@ -39,12 +40,25 @@ READY_TIMEOUT_S = 300.0
 
 
 _stopping: list[threading.Thread] = []  # servers shutting down in the background
+_started: set[ServerHandle] = set()  # servers not yet stopped
 
 
 def wait_for_stopped_servers() -> None:
     """Returns once every server stopping in the background has exited."""
     while _stopping:
         _stopping.pop().join()
+
+
+@atexit.register
+def kill_unstopped_servers() -> None:
+    """Kills (with their backend stubs) the servers a run leaves behind when it is
+    interrupted: one whose background stop was cut short, or one the interrupt reached
+    mid-start. Their death signal alone would not do: it fires when the thread that started
+    the server ends, and a server already shutting down may ignore it."""
+    for server in list(_started):
+        server.kill()
+        server.wait()
+        _started.discard(server)
 
 
 @contextmanager
@@ -63,6 +77,7 @@ def served_repository(params: Mapping[str, str] | None = None,
         try:
             if server is not None:
                 server.stop()
+                _started.discard(server)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -81,6 +96,7 @@ def served_repository(params: Mapping[str, str] | None = None,
             log_path=Path(tmp) / "tritonserver.log",
             extra_args=["--model-control-mode=explicit", *loads],
         )
+        _started.add(server)
         server.wait_ready(READY_TIMEOUT_S)
         wait_for_stopped_servers()
         yield server

@@ -367,3 +367,83 @@ def test_suite_plans_build_valid_jobs(model, quick, tmp_path):
         for system in systems:
             config = engine_config(system, model.config, budget, 128, tmp_path / system)
             assert config.cache.num_kv_pages > budget.run_pages or system == "nocache"
+
+
+def _sweep_summary(warm_ms: float, cut_ms: dict[str, float]) -> dict:
+    tags = {"warm": {"mean": warm_ms, "p50": warm_ms}}
+    tags.update({t: {"mean": v, "p50": v} for t, v in cut_ms.items()})
+    every = [warm_ms, *cut_ms.values()]
+    return {"ttft_ms_by_tag": tags, "ttft_ms": {"mean": sum(every) / len(every)}}
+
+
+def test_distance_sweep_reduction_is_over_the_cuts_not_the_warm_ups():
+    """The warm-up requests (the whole document, uncached in each cut's namespace) cost every
+    system the same; the key compares the cuts."""
+    from client.bench.run_suite import ratios
+
+    sweep = {"suffixreplay": _sweep_summary(900.0, {"d0": 50.0, "d64": 50.0}),
+             "checkpoint": _sweep_summary(900.0, {"d0": 50.0, "d64": 150.0}),
+             SGLANG: _sweep_summary(900.0, {"d0": 100.0, "d64": 100.0})}
+    r = ratios({"distance_sweep": sweep}, {"rates": []})
+    assert r["distance_sweep_ttft_reduction_vs_sglang"] == pytest.approx(0.5)
+    assert r["checkpoint_distance_ttft_max_over_min_checkpoint"] == pytest.approx(3.0)
+    assert r["checkpoint_distance_ttft_max_over_min_suffixreplay"] == pytest.approx(1.0)
+
+
+def test_summary_json_has_no_nan(tmp_path):
+    """ITL of one-token requests is NaN: written as null, so strict JSON parsers read it."""
+    import json
+
+    from client.bench.report import _fmt
+    from client.bench.run_suite import _dump
+
+    _dump(tmp_path / "s.json", {"itl_ms": {"mean": float("nan")}, "x": [1.5, float("inf")]})
+    text = (tmp_path / "s.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+
+    def strict(token):
+        raise ValueError(token)
+
+    back = json.loads(text, parse_constant=strict)
+    assert back == {"itl_ms": {"mean": None}, "x": [1.5, None]}
+    assert _fmt(back["itl_ms"]["mean"]) == "n/a"
+
+
+def test_an_interrupted_suite_run_keeps_what_finished(tmp_path, monkeypatch):
+    """Each finished run is on disk (partial.json, records.json) as soon as it finishes: a
+    Ctrl-C or a timeout in a later run loses only that run. And a finished run is not
+    overwritten unless asked to."""
+    import argparse
+    import json
+
+    from client.bench import run_suite
+
+    tiny = {"branch_systems": ("checkpoint", "suffixreplay"), "sharegpt": dict(sessions=1,
+            turns=2), "agentic": [], "agentic_fanout": 2, "agentic_depth": 1,
+            "agentic_grow": 1, "rag": dict(num_chunks=4, num_queries=2, chunk_tokens=64),
+            "rates": [1.0], "sweep_step": 128, "sweep_doc_tokens": 640, "sweep_base": 256,
+            "sweep_repeats": 1, "capacity": [], "capacity_passes": 1,
+            "capacity_doc_tokens": 256}
+    monkeypatch.setattr(run_suite, "plan", lambda quick: tiny)
+    monkeypatch.setattr(run_suite, "RESULTS_ROOT", tmp_path)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_suite.Runner, "run_system", interrupted)  # RAG runs one by one
+    args = argparse.Namespace(full=False, in_process=True, model=str(MODEL_REPO / DEFAULT_MODEL),
+                              out="run", force=False)
+    with pytest.raises(KeyboardInterrupt):
+        run_suite.run(args)
+    out = tmp_path / "run"
+    assert not (out / "summary.json").exists()
+    partial = json.loads((out / "partial.json").read_text())["results"]
+    assert set(partial) == {"sharegpt", "distance_sweep"}  # the interleaved runs, all done
+    assert set(partial["sharegpt"]) == {"checkpoint", "suffixreplay"}
+    assert set(partial["distance_sweep"]) == set(run_suite.SWEEP_SYSTEMS)
+    records = json.loads((out / "records.json").read_text())
+    assert len(records["sharegpt/suffixreplay"]) == partial["sharegpt"]["suffixreplay"]["requests"]
+
+    (out / "summary.json").write_text("{}")  # a finished run
+    with pytest.raises(SystemExit, match="--force"):
+        run_suite.run(args)

@@ -177,3 +177,51 @@ def test_processes_a_dead_server_left_behind_are_killed_with_it(tmp_path):
     while time.monotonic() < deadline and orphans_of_group(process.pid):
         time.sleep(0.05)
     assert orphans_of_group(process.pid) == []  # gone, or a zombie until init reaps it
+
+
+def _deaf_server(tmp_path):
+    """A stand-in 'server' that ignores SIGINT and SIGTERM (as a tritonserver already
+    shutting down may), in its own session."""
+    from backend.triton.server import ServerHandle, ServerPorts
+
+    code = ("import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); "
+            "time.sleep(120)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                               start_new_session=True, text=True)
+    assert process.stdout.readline() == "up\n"
+    process.stdout.close()
+    return ServerHandle(process, None, ServerPorts(1, 2, 3), "127.0.0.1", tmp_path / "w", None)
+
+
+def test_a_stop_interrupted_by_ctrl_c_kills_the_server(tmp_path, monkeypatch):
+    """A second Ctrl-C while `stop` waits out the server's shutdown must not leave it
+    running: it is killed, then the interrupt goes on."""
+    handle = _deaf_server(tmp_path)
+    real_wait = handle.process.wait
+
+    def interrupted_wait(timeout=None):
+        if timeout is not None:  # the shutdown wait: Ctrl-C arrives
+            raise KeyboardInterrupt
+        return real_wait()
+
+    monkeypatch.setattr(handle.process, "wait", interrupted_wait)
+    with pytest.raises(KeyboardInterrupt):
+        handle.stop(timeout=30)
+    assert handle.process.poll() == -signal.SIGKILL
+
+
+def test_servers_a_benchmark_leaves_behind_are_killed_at_exit(tmp_path):
+    """`client.bench.serving` kills at interpreter exit the servers it started and did not
+    stop (an interrupted run: a background stop cut short, a start reached by Ctrl-C)."""
+    from client.bench import serving
+
+    handle = _deaf_server(tmp_path)
+    serving._started.add(handle)
+    try:
+        serving.kill_unstopped_servers()
+        assert handle.process.poll() == -signal.SIGKILL
+        assert handle not in serving._started
+    finally:
+        handle.kill()
+        serving._started.discard(handle)
