@@ -334,6 +334,8 @@ def run(args: argparse.Namespace) -> dict:
             wait_for_stopped_servers()
         # The systems' SSD tiers (up to a few GiB a run): nothing in them outlives the run.
         shutil.rmtree(work, ignore_errors=True)
+        if not any(out.iterdir()):  # interrupted before any run finished
+            out.rmdir()
     bar.close()
     summary = ratios(results, p)
     summary.update(simulation(runner, jobs, results))

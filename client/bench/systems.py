@@ -27,7 +27,8 @@ the distance sweep).
 
 In the checkpoint-based tiered systems the states tier with their pages (`state_tier.py`):
 a KV page in DRAM or on SSD is usable only with a saved state at or below it, so DRAM and
-SSD bytes are split between KV pages and checkpoint slots as the device bytes are.
+SSD bytes are split between KV pages and checkpoint slots as the device bytes are. In ours a
+DRAM slot holds a page's KV and its anchor block, so it has fewer slots for the same bytes.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
                        "checkpoint_prefill_chunk": str(SGLANG_PREFILL_CHUNK)})
     if system.startswith("pcr") or system in ("lmcache_like", "ours"):
         ssd = system != "pcr_dram" and ssd_dir is not None
-        host_pages = budget.host_pages
+        # The same DRAM bytes for every system: budget.host_pages KV pages' worth, shared
+        # with what the policy keeps beside the pages (anchor blocks tier with their page).
+        host_pages = budget.host_pages * page // (page + bytes_per_anchor_block(cfg, anchors))
         if policy == "checkpoint":  # the same DRAM / SSD bytes, shared with the states
             units = budget.host_pages * page // unit
             host_pages = units * group

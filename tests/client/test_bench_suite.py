@@ -74,6 +74,13 @@ def test_systems_spend_the_same_device_budget(model):
     assert configs["nocache"].cache.policy == "none" and configs["ours"].tiers.enable_prefetch
     assert not configs["lmcache_like"].tiers.enable_prefetch
     assert configs["lmcache_like"].tiers.enable_ssd and not configs["pcr_dram"].tiers.enable_ssd
+    # ... and the same DRAM bytes: a DRAM slot holds a page's KV and its anchor block (ours),
+    # or KV pages beside checkpoint slots (the checkpoint-based tiered systems).
+    dram = budget.host_pages * page
+    ours, pcr = configs["ours"].tiers, configs["pcr_full"].tiers
+    for spent in (ours.host_pages * (page + anchors),
+                  pcr.host_pages * page + pcr.host_checkpoint_slots * ckpt):
+        assert dram * 0.85 <= spent <= dram
 
 
 def test_branches_hit_deeper_with_suffix_replay_than_with_checkpoints(model):
