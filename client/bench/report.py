@@ -34,6 +34,11 @@ ALSO = {
                                                    "placement",
     "distance_sweep_ttft_reduction_vs_sglang": "distance sweep: TTFT reduction vs SGLang's "
                                                "placement",
+    "capacity_throughput_ratio_same_tiers_by_factor": "capacity: ours vs the checkpoint "
+                                                      "baseline over the same DRAM + SSD "
+                                                      "tiers (LMCache-like), by working set",
+    "capacity_throughput_ratio_device_only_by_factor": "capacity: suffix replay vs the "
+                                                       "checkpoint baseline, device only",
     "pcr_ttft_speedup_vs_device_only_checkpoint": "RAG: PCR TTFT speedup vs device-only "
                                                   "checkpoint",
     "ours_ttft_speedup_vs_nocache": "RAG: ours (suffix replay + PCR) TTFT speedup vs no cache",
@@ -57,6 +62,8 @@ def _fmt(x, spec: str = ".3f") -> str:
     """A number as `spec`; n/a for none (null in summary.json) or NaN."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "n/a"
+    if isinstance(x, dict):  # by working-set factor
+        return ", ".join(f"{k}x {_fmt(v, spec)}" for k, v in x.items())
     return format(x, spec) if isinstance(x, (int, float)) else str(x)
 
 

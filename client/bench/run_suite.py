@@ -71,8 +71,10 @@ SWEEP_SYSTEMS = ("checkpoint", SGLANG, "suffixreplay")
 # background after a request, which interleaving would hide in the next system's time.)
 INTERLEAVED_KINDS = ("sharegpt", "agentic", "sweep")
 # Capacity as in the papers: state checkpoints live in fixed device slots (SGLang, also with
-# its KV offloaded to DRAM: pcr_dram), anchors page with their KV through every tier (ours).
-CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "suffixreplay", "ours")
+# its KV offloaded to DRAM: pcr_dram), anchors page with their KV through every tier (ours);
+# and the checkpoint baseline over the same tiers as ours (lmcache_like: its states tier
+# with its pages, DRAM and SSD split between them), for the same-tiers ratio beside the key.
+CAPACITY_SYSTEMS = ("checkpoint", "pcr_dram", "lmcache_like", "suffixreplay", "ours")
 
 
 def plan(quick: bool) -> dict:
@@ -447,6 +449,9 @@ def ratios(results: dict, p: dict) -> dict:
     r["capacity_throughput_ratio_by_factor"] = ratios_by_factor
     r["capacity_throughput_ratio_device_only_by_factor"] = {
         f: steady(v["suffixreplay"]) / steady(v["checkpoint"]) for f, v in caps.items()}
+    r["capacity_throughput_ratio_same_tiers_by_factor"] = {
+        f: steady(v["ours"]) / steady(v["lmcache_like"]) for f, v in caps.items()
+        if "lmcache_like" in v}
     at4 = [v for f, v in ratios_by_factor.items() if f >= 4]
     r["capacity_throughput_ratio_vs_checkpoint"] = min(at4) if at4 else float("nan")
     rates = p["rates"]
