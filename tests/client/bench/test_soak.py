@@ -13,7 +13,10 @@ def test_system_parameters_put_the_tiers_under_a_small_device_budget(tmp_path):
     params = soak.server_params("ours", tmp_path)
     assert params["cache_policy"] == "suffixreplay"
     assert params["enable_ssd"] == "true" and params["ssd_path"] == str(tmp_path)
-    assert params["host_pages"] == str(soak.SOAK_BUDGET.host_pages)
+    # A DRAM slot holds its page's anchor block too: fewer pages than the budget's count,
+    # the same bytes (tests/client/test_bench_suite.py checks the bytes).
+    assert 0.85 * soak.SOAK_BUDGET.host_pages <= int(params["host_pages"]) \
+        < soak.SOAK_BUDGET.host_pages
     assert soak.server_params("checkpoint", tmp_path)["cache_policy"] == "checkpoint"
     assert soak.parse_args(["--system", "ours"]).out.name == "summary_ours.json"
     assert soak.parse_args([]).out.name == "summary.json"
