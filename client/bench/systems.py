@@ -61,6 +61,9 @@ class Budget:
     max_tokens_per_step: int = 512
 
 
+LIVE_STATE_SLOTS = 16  # suffix replay's resident states, where the budget spares them
+
+
 def bytes_per_page(cfg: ModelConfig, page_size: int, dtype_bytes: int = 4) -> int:
     return page_size * len(cfg.attention_layer_ids) * 2 * cfg.num_key_value_heads * \
         cfg.head_dim * dtype_bytes
@@ -93,8 +96,13 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
         policy, pages, slots = "none", 0, 4
     elif system in ("suffixreplay", "ours"):
         policy = "suffixreplay"
-        pages = budget.device_budget_bytes // (page + bytes_per_anchor_block(cfg, anchors))
-        slots = 16  # live-state snapshots
+        # Live-state snapshots (states resident at prompt ends: an optimisation, the anchors
+        # rebuild any state) come out of the same device budget: up to 16, at most an eighth
+        # of it (none under a budget too small to spare one).
+        state = bytes_per_checkpoint(cfg)
+        slots = min(LIVE_STATE_SLOTS, budget.device_budget_bytes // (8 * state))
+        pages = (budget.device_budget_bytes - slots * state) // (
+            page + bytes_per_anchor_block(cfg, anchors))
     else:
         policy = "checkpoint"
         units = budget.device_budget_bytes // unit
