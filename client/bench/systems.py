@@ -90,8 +90,8 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
     anchors = CacheConfig(page_size=ps, anchor_density=density).anchors_per_page
     # The checkpoint baseline's unit of memory: one checkpoint per interval, plus the KV
     # pages it covers (device, DRAM and SSD bytes are all split this way).
-    group = INTERVAL // ps
-    unit = group * page + bytes_per_checkpoint(cfg)
+    group, state = INTERVAL // ps, bytes_per_checkpoint(cfg)
+    unit = group * page + state
     if system == "nocache":
         policy, pages, slots = "none", 0, 4
     elif system in ("suffixreplay", "ours"):
@@ -99,7 +99,6 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
         # Live-state snapshots (states resident at prompt ends: an optimisation, the anchors
         # rebuild any state) come out of the same device budget: up to 16, at most an eighth
         # of it (none under a budget too small to spare one).
-        state = bytes_per_checkpoint(cfg)
         slots = min(LIVE_STATE_SLOTS, budget.device_budget_bytes // (8 * state))
         pages = (budget.device_budget_bytes - slots * state) // (
             page + bytes_per_anchor_block(cfg, anchors))
