@@ -145,7 +145,7 @@ class Admitter:
                 continue
             self.states.adopt(slot)
             node.state_slot = slot
-            node.state_access = tick
+            node.state_access, node.state_uses = tick, 0
             self.evictor.push_state(node)
             self.stats.checkpoints_inserted += 1
         return duplicates

@@ -27,6 +27,9 @@ class CacheConfig:
     of one page, one checkpoint slot covers the states of all linear layers.
     `num_anchor_blocks=None` means "as many as KV pages" under suffixreplay and 0 otherwise.
     `lookahead_window` is W of PCR's look-ahead LRU (0 = plain LRU).
+    `shadowed_states_first` (suffixreplay only): a live state with a deeper state on the
+    same inserted path is evicted before the others unless several lookups resumed from it
+    (`Evictor.shadow_states`); False is plain LRU over states.
     `max_cached_pages` caps the device KV pages the cache keeps for prefixes that no running
     request holds (None: the whole pool): the rest of the pool stays free for running
     requests, and a cache budget in bytes means what it says (benchmarks).
@@ -43,6 +46,7 @@ class CacheConfig:
     lookahead_window: int = 6
     anchor_density: float = 1 / 16
     max_cached_pages: int | None = None
+    shadowed_states_first: bool = True
 
     def __post_init__(self) -> None:
         if self.page_size < 1:

@@ -19,6 +19,11 @@ from backend.cache.radix import PageNode, RadixTree
 from backend.cache.retention import DEFAULT_PRIORITY, PagePriority, outlasts
 from backend.cache.stats import RESET, WITH_PAGE, CacheStats
 
+# A shadowed state's LRU stamp is its access stamp minus this (below every live stamp).
+SHADOWED = 1 << 62
+# Lookups resuming from a state that make it a branch point (never shadowed).
+SHARED_STATE_USES = 2
+
 
 class Evictor:
     """Evicts pages and checkpoints of one store (shares its tree, pools, policy and stats)."""
@@ -132,6 +137,29 @@ class Evictor:
         self.state_pool.free([node.state_slot])
         node.state_slot = None
         self.stats.checkpoint_evictions_by_reason[reason] += 1
+
+    def shadow_states(self, nodes: Sequence[PageNode]) -> int:
+        """The device states of `nodes` go before every other state of their priority when
+        slots run out (LRU among themselves), except the ones two lookups or more resumed
+        from since they were saved (branch points: a shared document, a tool tree's system
+        prompt). A lookup that resumes from a shadowed state makes it recent again
+        (`PrefixStore.match_prefix`). Returns how many were shadowed now."""
+        shadowed = 0
+        for node in nodes:
+            if node.state_slot is not None and node.state_uses < SHARED_STATE_USES \
+                    and node.state_access >= 0:
+                node.state_access -= SHADOWED
+                self.push_state(node)
+                shadowed += 1
+        self.stats.shadowed_states += shadowed
+        return shadowed
+
+    def resumed_from(self, node: PageNode) -> None:
+        node.state_uses += 1
+        if node.state_uses >= SHARED_STATE_USES and node.state_access < 0:
+            node.state_access += SHADOWED
+            if node.state_slot is not None:
+                self.push_state(node)
 
     def push_leaf(self, node: PageNode) -> None:
         """Puts `node` (back) in view of the page LRU if it is a candidate now."""

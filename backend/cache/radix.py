@@ -34,7 +34,9 @@ class PageNode:
         anchor_location: the fastest tier holding a copy (None = no copy, e.g. anchors under
         the checkpoint policy).
     state_slot: checkpoint slot holding all linear states at the page end (checkpoint policy,
-        or a live state under suffixreplay); state_access is its own LRU stamp.
+        or a live state under suffixreplay); state_access is its own LRU stamp (negative:
+        shadowed by a deeper state on its path, `Evictor.shadow_states`); state_uses counts
+        the lookups that found it as their deepest state since it was saved.
     lock_ref: number of running requests whose locked path contains this node.
     last_access: logical clock of the last match / insert through this node.
     protect_epoch: equals the store's epoch while a request in the look-ahead window needs it.
@@ -57,6 +59,7 @@ class PageNode:
         "anchor_location",
         "state_slot",
         "state_access",
+        "state_uses",
         "lock_ref",
         "last_access",
         "protect_epoch",
@@ -81,6 +84,7 @@ class PageNode:
         self.anchor_location: Tier | None = None
         self.state_slot: int | None = None
         self.state_access = 0
+        self.state_uses = 0
         self.lock_ref = 0
         self.last_access = 0
         self.protect_epoch = 0

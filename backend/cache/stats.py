@@ -36,6 +36,8 @@ class CacheStats:
     protected_pages_passed_over: int = 0
     # Device pages above the default retention priority evicted (nothing lower could go).
     retained_page_evictions: int = 0
+    # Live states made first to go by a deeper state on their path (`Evictor.shadow_states`).
+    shadowed_states: int = 0
 
     @property
     def hit_tokens(self) -> int:
@@ -63,4 +65,5 @@ class CacheStats:
                 **self.checkpoint_evictions_by_reason},
             "protected_pages_passed_over": self.protected_pages_passed_over,
             "retained_page_evictions": self.retained_page_evictions,
+            "shadowed_states": self.shadowed_states,
         }

@@ -24,7 +24,7 @@ from backend.cache.base import (
 )
 from backend.cache.checkpoint import checkpoint_positions, sglang_positions
 from backend.cache.config import CacheConfig
-from backend.cache.eviction import Evictor
+from backend.cache.eviction import SHADOWED, Evictor
 from backend.cache.policy import LookaheadLRU, is_evictable_leaf
 from backend.cache.pools import HeldIds, PagePool
 from backend.cache.radix import TOKEN_BYTES, PageNode, RadixTree, encode_tokens, normalize_salt
@@ -108,7 +108,9 @@ class PrefixStore:
         if last_state >= 0:
             node = nodes[last_state]
             checkpoint = StateCheckpoint(node, node.state_slot, (node.depth + 1) * self.page_size)
-            node.state_access = tick
+            # A shadowed state stays behind the others (recent among them) until requests
+            # resume from it (`resumed_from`).
+            node.state_access = tick if node.state_access >= 0 else tick - SHADOWED
             if node.state_slot is not None:
                 self.evictor.push_state(node)
         kv_pages, anchors = self._device_prefix(nodes)
@@ -248,6 +250,26 @@ class PrefixStore:
     def evict_checkpoints(self, num_slots: int) -> int:
         """Drops up to `num_slots` checkpoints (LRU; their KV pages stay)."""
         return self.evictor.evict_states(num_slots, EXPLICIT)
+
+    def shadow_states(self, nodes: Sequence[PageNode]) -> int:
+        """Suffix replay (with `shadowed_states_first`): the live states on the path `nodes`
+        (root child first) go first when slots run out, unless several lookups resumed from
+        them (`Evictor.shadow_states`); returns how many were shadowed. The engine calls it
+        for the path a request resumed from once the request saved a deeper state: any
+        prefix can be rebuilt by a replay, so a state is a shortcut, and a continuation of
+        that path needs the deeper one (a chat turn resumes from the previous turn's prompt
+        end, never again from the one before). Without it, sessions taking turns cycle
+        through an LRU of states: each turn keeps two or three and the one a session's next
+        turn needs is the first to go."""
+        if self.config.policy != "suffixreplay" or not self.config.shadowed_states_first:
+            return 0
+        _check_path(nodes)
+        return self.evictor.shadow_states(nodes)
+
+    def resumed_from(self, node: PageNode) -> None:
+        """A request loaded `node`'s state (the deepest of its match): counted, and a
+        shadowed state that requests keep resuming from is a branch point, recent again."""
+        self.evictor.resumed_from(node)
 
     # Allocation -------------------------------------------------------------------------
     def alloc_pages(

@@ -79,6 +79,7 @@ class CacheManager:
             self.num_live_state_hits += 1
         elif live is not None:
             self.executor.load_state(live, seq.run_slot)
+            self.store.resumed_from(match.checkpoint.node)
             self.num_live_state_hits += 1
         else:
             k = replay_budget(seq.num_computed, self.config.replay,
@@ -314,6 +315,9 @@ class CacheManager:
         self.store.free_state_slots(result.duplicate_state_slots)
         for p in states:
             del seq.pending_states[p]
+        if any(p > seq.cached_tokens for p in states):
+            # A state past the resume point: the one(s) resumed from go first from now on.
+            self.store.shadow_states(result.nodes[: seq.cached_tokens // self.page_size])
         self.store.lock(result.nodes)
         self.store.unlock(seq.locked_nodes)
         seq.locked_nodes = result.nodes

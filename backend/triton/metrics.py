@@ -195,6 +195,7 @@ SCALARS: tuple[tuple[str, tuple[tuple[str, str], ...], str], ...] = (
     ("suffixreplay_preemptions_total", (), "preemptions"),
     ("suffixreplay_prefix_cache_resets_total", (), "prefix_cache_resets"),
     ("suffixreplay_retained_evictions_total", (), "cache.retained_page_evictions"),
+    ("suffixreplay_shadowed_states_total", (), "cache.shadowed_states"),
 )
 # (family, fixed labels, label name, stats key of a {label value: count} dict)
 BY_LABEL: tuple[tuple[str, tuple[tuple[str, str], ...], str, str], ...] = (
