@@ -104,6 +104,11 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "priority could go (the retained pages outgrew the pool)",
         COUNTER,
     ),
+    "suffixreplay_shadowed_states_total": (
+        "Live states put first in line for eviction because a deeper state was saved on "
+        "their path (suffix replay: a chat turn's state once the next turn saved its own)",
+        COUNTER,
+    ),
     "suffixreplay_rejected_requests_total": (
         "Requests refused before queueing: the queue held max_queue_size requests", COUNTER),
     "suffixreplay_preemptions_total": (

@@ -59,6 +59,23 @@ def test_suffixreplay_counters_follow_cache_hits(llm_server: ServerHandle):
     assert value(m, "suffixreplay_kv_pages", state="cached", **MODEL) > 0
 
 
+def test_a_conversations_next_turn_shadows_the_state_it_resumed_from(llm_server: ServerHandle):
+    """The second turn resumes from the first prompt's live state and saves its own deeper
+    one: the first turn's state goes first from now on, counted in
+    suffixreplay_shadowed_states_total."""
+    def shadowed() -> float:
+        return value(scrape(llm_server), "suffixreplay_shadowed_states_total", **MODEL)
+
+    before = shadowed()
+    first = long_prompt("shadowed turn one", 200)  # one byte token a character
+    generate_http(llm_server.urls.http, GenerateParams(first, max_tokens=2, cache_salt="shadow"))
+    second = generate_http(llm_server.urls.http, GenerateParams(
+        first + long_prompt(" and the user's next message", 100), max_tokens=2,
+        cache_salt="shadow"))
+    assert second.counts["cached_tokens"] == 200 // 64 * 64
+    wait_until(lambda: shadowed() >= before + 1, 10, "the shadowed-states counter")
+
+
 def test_a_burst_of_one_prompt_counts_prefill_waits(llm_server: ServerHandle):
     # Three requests of one 1500-token prompt at once (3 prefill steps of 512 tokens): the
     # later ones wait for the first one's pages (share_running_prefills) and resume from them.

@@ -86,3 +86,24 @@ def test_every_reason_series_exists_before_its_first_event():
         assert got[("suffixreplay_ssd_chunk_rejects_total", (("reason", reason),))] == 0
     for tier in ("device", "host", "ssd"):
         assert got[("suffixreplay_hit_tokens_total", (("tier", tier),))] == 0
+
+
+def test_every_mapped_family_is_declared():
+    """Each family that a stats key maps to has its description and kind (EngineMetrics
+    creates the families from FAMILIES, and a sample of an undeclared one would stop the
+    refresh at it)."""
+    from backend.triton.metrics import BY_LABEL, SCALARS
+
+    mapped = {name for name, *_ in SCALARS} | {name for name, *_ in BY_LABEL}
+    assert mapped - set(FAMILIES) == set()
+
+
+def test_a_fresh_engines_cache_stats_give_every_cache_family():
+    """Each counter of CacheStats reaches its family, at 0 before any event (the shadowed
+    live states among them)."""
+    from backend.cache.stats import CacheStats
+
+    got = {s.family: s.value for s in samples({"cache": CacheStats().as_dict()})}
+    assert got["suffixreplay_shadowed_states_total"] == 0
+    assert got["suffixreplay_retained_evictions_total"] == 0
+    assert {s.family for s in samples({"cache": CacheStats().as_dict()})} <= set(FAMILIES)
