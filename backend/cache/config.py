@@ -27,9 +27,9 @@ class CacheConfig:
     of one page, one checkpoint slot covers the states of all linear layers.
     `num_anchor_blocks=None` means "as many as KV pages" under suffixreplay and 0 otherwise.
     `lookahead_window` is W of PCR's look-ahead LRU (0 = plain LRU).
-    `shadowed_states_first` (suffixreplay only): a live state with a deeper state on the
-    same inserted path is evicted before the others unless several lookups resumed from it
-    (`Evictor.shadow_states`); False is plain LRU over states.
+    `shadowed_states_first` (suffixreplay only): once a request saves a state past where it
+    resumed, the state it resumed from is evicted before the others unless two requests
+    resumed from it (`PrefixStore.shadow_states`); False is plain LRU over states.
     `max_cached_pages` caps the device KV pages the cache keeps for prefixes that no running
     request holds (None: the whole pool): the rest of the pool stays free for running
     requests, and a cache budget in bytes means what it says (benchmarks).

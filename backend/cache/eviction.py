@@ -21,7 +21,7 @@ from backend.cache.stats import RESET, WITH_PAGE, CacheStats
 
 # A shadowed state's LRU stamp is its access stamp minus this (below every live stamp).
 SHADOWED = 1 << 62
-# Lookups resuming from a state that make it a branch point (never shadowed).
+# Requests resuming from a state that make it a branch point (never shadowed).
 SHARED_STATE_USES = 2
 
 
@@ -140,10 +140,11 @@ class Evictor:
 
     def shadow_states(self, nodes: Sequence[PageNode]) -> int:
         """The device states of `nodes` go before every other state of their priority when
-        slots run out (LRU among themselves), except the ones two lookups or more resumed
+        slots run out (LRU among themselves), except the ones two requests or more resumed
         from since they were saved (branch points: a shared document, a tool tree's system
-        prompt). A lookup that resumes from a shadowed state makes it recent again
-        (`PrefixStore.match_prefix`). Returns how many were shadowed now."""
+        prompt). A lookup keeps a shadowed state shadowed (recent among the shadowed ones:
+        `PrefixStore.match_prefix`); the second request that resumes from it makes it
+        recent again (`resumed_from`). Returns how many were shadowed now."""
         shadowed = 0
         for node in nodes:
             if node.state_slot is not None and node.state_uses < SHARED_STATE_USES \
@@ -155,6 +156,8 @@ class Evictor:
         return shadowed
 
     def resumed_from(self, node: PageNode) -> None:
+        """A request loaded `node`'s state: counted; at SHARED_STATE_USES a shadowed state
+        is a branch point, recent again and never shadowed from now on."""
         node.state_uses += 1
         if node.state_uses >= SHARED_STATE_USES and node.state_access < 0:
             node.state_access += SHADOWED

@@ -35,8 +35,8 @@ class PageNode:
         the checkpoint policy).
     state_slot: checkpoint slot holding all linear states at the page end (checkpoint policy,
         or a live state under suffixreplay); state_access is its own LRU stamp (negative:
-        shadowed by a deeper state on its path, `Evictor.shadow_states`); state_uses counts
-        the lookups that found it as their deepest state since it was saved.
+        shadowed, `Evictor.shadow_states`); state_uses counts the requests that resumed from
+        it since it was saved (`Evictor.resumed_from`).
     lock_ref: number of running requests whose locked path contains this node.
     last_access: logical clock of the last match / insert through this node.
     protect_epoch: equals the store's epoch while a request in the look-ahead window needs it.
