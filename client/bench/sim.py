@@ -4,7 +4,9 @@ The cache is simulated at page granularity on the workload's real token ids: a p
 longest cached page-aligned prefix; the checkpoint baseline can only resume at a boundary that
 holds a checkpoint (every `interval` tokens and at prompt ends); suffix replay at any page
 boundary, paying the replay of k = min(ceil(f n), k_max) anchors per group, or none where it
-keeps a live state (prompt ends, replayed states; LRU over its slots) at the match end or,
+keeps a live state (prompt ends, replayed states; LRU over its slots, the states a request
+resumed from going first once it saved a deeper one, as `PrefixStore.shadow_states`) at
+the match end or,
 when recomputing the pages between is cheaper, a few pages short of it; no cache never hits.
 Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
 least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one,
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backend.cache.eviction import SHARED_STATE_USES
 from backend.replay.budget import ReplayConfig, recompute_is_cheaper, replay_budget
 from client.bench.workloads import Workload
 
@@ -88,6 +91,7 @@ class SimSystem:
     overlap: bool = False  # layer-wise: tier loads hide behind the step's compute
     prefetch: bool = False  # a queued request's SSD pages are read while it waits
     live_slots: int = 0  # suffix replay: live states kept (LRU) at prompt ends and replays
+    shadow_states: bool = True  # the engine's `shadowed_states_first`
     # The engine's replay-or-recompute rule (`ReplayConfig`) for a measured system's twin;
     # None: decided by the cost model (projections).
     replay: ReplayConfig | None = None
@@ -141,6 +145,52 @@ class _Tier:
         return evicted
 
 
+class _LiveStates(_Tier):
+    """Suffix replay's live-state slots: LRU, except that shadowed states (`shadow`) go
+    before the others, LRU among themselves, until a second request resumes from them
+    (`resumed`), as the engine's `Evictor.shadow_states` / `resumed_from`."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.cold: OrderedDict = OrderedDict()
+        self.uses: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.items or key in self.cold
+
+    def get(self, key) -> bool:
+        if key in self.cold:
+            self.cold.move_to_end(key)
+            return True
+        return super().get(key)
+
+    def put(self, key, size: int = 1) -> list:
+        if key in self:
+            self.get(key)
+            return []
+        evicted = []
+        while self.used + size > self.capacity and (self.cold or self.items):
+            k, s = (self.cold or self.items).popitem(last=False)
+            self.used -= s
+            self.uses.pop(k, None)
+            evicted.append((k, s))
+        if size <= self.capacity:
+            self.items[key] = size
+            self.used += size
+            self.uses[key] = 0
+        return evicted
+
+    def resumed(self, key) -> None:
+        self.uses[key] = self.uses.get(key, 0) + 1
+        if self.uses[key] >= SHARED_STATE_USES and key in self.cold:
+            self.items[key] = self.cold.pop(key)
+
+    def shadow(self, keys) -> None:
+        for key in keys:
+            if key in self.items and self.uses.get(key, 0) < SHARED_STATE_USES:
+                self.cold[key] = self.items.pop(key)
+
+
 def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostModel) -> dict:
     ps = shapes.page_size
     device, dram = _Tier(system.device_bytes), _Tier(system.dram_bytes)
@@ -149,7 +199,7 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
     slots = system.checkpoint_slots
     checkpoints = _Tier(slots if slots is not None else 1 << 62)
     kept: set = set()  # tiered checkpoint systems: the pages with a checkpoint (any tier)
-    live = _Tier(system.live_slots if system.policy == "suffixreplay" else 0)
+    live = _LiveStates(system.live_slots if system.policy == "suffixreplay" else 0)
     page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
     rows = []
     free_at = 0.0  # open loop: when the server finishes the prefill it is on
@@ -172,7 +222,9 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             del tiers[_resume_point(keys, len(tiers), live, shapes, cost, len(req.prompt),
                                     system.replay):]
             hit_pages = len(tiers)
-            if not live.get(keys[hit_pages - 1]):
+            if live.get(keys[hit_pages - 1]):
+                live.resumed(keys[hit_pages - 1])
+            else:
                 anchors = _replay_k(shapes, hit_pages) * shapes.groups
                 live.put(keys[hit_pages - 1], 1)  # the replayed state is kept
         hit_pages = len(tiers)
@@ -202,6 +254,8 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             continue
         if keys:
             live.put(keys[-1], 1)  # the state at the prompt's last page boundary
+            if system.shadow_states and len(keys) > len(tiers):  # past the resume point
+                live.shadow(keys[: len(tiers)])
         for i, key in enumerate(keys):  # insert every full page of the prompt
             for k, _size in device.put(key, page_bytes):
                 if isinstance(k, tuple):  # a checkpoint held in the byte budget
@@ -234,10 +288,10 @@ def _resume_point(keys: list, hit_pages: int, live: _Tier, shapes: Shapes, cost:
     at the end, or a replay there), or fewer when a live state short of the end makes
     recomputing the pages between cheaper than the replay (the engine's
     `recompute_is_cheaper` with `replay`'s constants, or by the simulator's cost model)."""
-    if keys[hit_pages - 1] in live.items:
+    if keys[hit_pages - 1] in live:
         return hit_pages
     for j in range(hit_pages - 1, 0, -1):
-        if keys[j - 1] in live.items:
+        if keys[j - 1] in live:
             k = _replay_k(shapes, hit_pages)
             extra = (hit_pages - j) * shapes.page_size
             if replay is not None:
@@ -272,7 +326,7 @@ def system_of(config, shapes: Shapes) -> SimSystem:
                      cache.num_checkpoint_slots, ssd,
                      overlap=tiers is not None and tiers.enable_overlap,
                      prefetch=tiers is not None and tiers.enable_prefetch, live_slots=live,
-                     replay=config.replay)
+                     shadow_states=cache.shadowed_states_first, replay=config.replay)
 
 
 def shapes_of(cfg, page_size: int = 64, dtype_bytes: int = 2, k_max: int = 512) -> Shapes:

@@ -207,6 +207,32 @@ def test_simulator_live_states_spare_replays(model):
     assert none["b2"] == none["b1"]
 
 
+def test_simulator_sessions_taking_turns_keep_their_states_as_the_engine_does(model):
+    """4 sessions x 4 turns in turn, 6 live slots (tests/engine/test_live_states.py's
+    shape): with shadowing, as the engine, every later turn resumes from its session's last
+    prompt end; without it (plain LRU) the sessions cycle through the slots and replay."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    page = shapes.page_size
+    history = [[(11 * s + 3 * i) % 251 for i in range(3 * page)] for s in range(4)]
+    reqs = []
+    for t in range(4):
+        for s in range(4):
+            prompt = history[s] + [(t * 31 + s * 7 + i) % 241 for i in range(page)]
+            reqs.append(W.BenchRequest(f"s{s}t{t}", prompt, 1, "turn" if t else "first"))
+            history[s] = prompt + [(t * 17 + s * 5 + i) % 239 for i in range(page)]
+    wl = W.Workload("turns", reqs)
+    cost = sim.CostModel(0.0, 1e-3, 0.0, 1e-3, 0.0)
+
+    def turn_ttft(shadow):
+        out = sim.simulate(wl, sim.SimSystem("suffixreplay", 1 << 30, live_slots=6,
+                                             shadow_states=shadow), shapes, cost)
+        return out["ttft_by_tag_s"]["turn"]
+
+    # Each later turn recomputes its reply and message (2 pages) and replays nothing.
+    assert turn_ttft(True) == pytest.approx(2 * page * 1e-3)
+    assert turn_ttft(False) > 2 * page * 1e-3 + 1e-4
+
+
 def _tier_workload(arrival=None):
     """Documents A, B, C, D (four 64-token pages each), then A again with a new page."""
     docs = [[(7 * d + i) % 251 for i in range(256)] for d in range(4)]
