@@ -145,7 +145,7 @@ class Admitter:
                 continue
             self.states.adopt(slot)
             node.state_slot = slot
-            node.state_access, node.state_uses = tick, 0
+            node.state_access, node.state_uses, node.state_shadowed = tick, 0, False
             self.evictor.push_state(node)
             self.stats.checkpoints_inserted += 1
         return duplicates

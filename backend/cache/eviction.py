@@ -19,8 +19,6 @@ from backend.cache.radix import PageNode, RadixTree
 from backend.cache.retention import DEFAULT_PRIORITY, PagePriority, outlasts
 from backend.cache.stats import RESET, WITH_PAGE, CacheStats
 
-# A shadowed state's LRU stamp is its access stamp minus this (below every live stamp).
-SHADOWED = 1 << 62
 # Requests resuming from a state that make it a branch point (never shadowed).
 SHARED_STATE_USES = 2
 
@@ -148,8 +146,8 @@ class Evictor:
         shadowed = 0
         for node in nodes:
             if node.state_slot is not None and node.state_uses < SHARED_STATE_USES \
-                    and node.state_access >= 0:
-                node.state_access -= SHADOWED
+                    and not node.state_shadowed:
+                node.state_shadowed = True
                 self.push_state(node)
                 shadowed += 1
         self.stats.shadowed_states += shadowed
@@ -159,8 +157,8 @@ class Evictor:
         """A request loaded `node`'s state: counted; at SHARED_STATE_USES a shadowed state
         is a branch point, recent again and never shadowed from now on."""
         node.state_uses += 1
-        if node.state_uses >= SHARED_STATE_USES and node.state_access < 0:
-            node.state_access += SHADOWED
+        if node.state_uses >= SHARED_STATE_USES and node.state_shadowed:
+            node.state_shadowed = False
             if node.state_slot is not None:
                 self.push_state(node)
 

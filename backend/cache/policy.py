@@ -1,8 +1,10 @@
 """Eviction order: PCR's look-ahead LRU over device leaves, and the checkpoint LRU.
 
 Both are min-heaps of `(stamp, seq, node)`, the stamp being (retention priority, access
-stamp) (`backend/cache/retention.py`), with lazy invalidation: an entry is valid only
-while the node is still a candidate and its stamp still equals the node's current stamp, so
+stamp) (`backend/cache/retention.py`; for checkpoints (priority, not shadowed, access): suffix
+replay's shadowed states go first, `Evictor.shadow_states`), with lazy invalidation: an
+entry is valid only while the node is still a candidate and its stamp still equals the node's
+current stamp, so
 re-touching a node just pushes a new entry and the old one is skipped when popped. Each
 eviction costs O(log N) amortized instead of a scan over all leaves.
 
@@ -20,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 from backend.cache.radix import PageNode
 
-_Entry = tuple[tuple[int, int], int, PageNode]
+_Entry = tuple[tuple[int, ...], int, PageNode]
 
 
 class _LazyHeap:
@@ -29,7 +31,7 @@ class _LazyHeap:
     def __init__(
         self,
         is_candidate: Callable[[PageNode], bool],
-        stamp_of: Callable[[PageNode], tuple[int, int]],
+        stamp_of: Callable[[PageNode], tuple[int, ...]],
         is_protected: Callable[[PageNode], bool],
     ) -> None:
         self._heap: list[_Entry] = []
@@ -103,7 +105,8 @@ class LookaheadLRU:
         )
         self.states = _LazyHeap(
             is_candidate=has_evictable_state,
-            stamp_of=lambda n: (n.priority, n.state_access),
+            # Shadowed states (suffix replay) before the others of their priority.
+            stamp_of=lambda n: (n.priority, not n.state_shadowed, n.state_access),
             is_protected=self.is_protected,
         )
 

@@ -34,9 +34,10 @@ class PageNode:
         anchor_location: the fastest tier holding a copy (None = no copy, e.g. anchors under
         the checkpoint policy).
     state_slot: checkpoint slot holding all linear states at the page end (checkpoint policy,
-        or a live state under suffixreplay); state_access is its own LRU stamp (negative:
-        shadowed, `Evictor.shadow_states`); state_uses counts the requests that resumed from
-        it since it was saved (`Evictor.resumed_from`).
+        or a live state under suffixreplay); state_access is its own LRU stamp;
+        state_shadowed puts it before the unshadowed states of its priority
+        (`Evictor.shadow_states`); state_uses counts the requests that resumed from it since
+        it was saved (`Evictor.resumed_from`).
     lock_ref: number of running requests whose locked path contains this node.
     last_access: logical clock of the last match / insert through this node.
     protect_epoch: equals the store's epoch while a request in the look-ahead window needs it.
@@ -59,6 +60,7 @@ class PageNode:
         "anchor_location",
         "state_slot",
         "state_access",
+        "state_shadowed",
         "state_uses",
         "lock_ref",
         "last_access",
@@ -84,6 +86,7 @@ class PageNode:
         self.anchor_location: Tier | None = None
         self.state_slot: int | None = None
         self.state_access = 0
+        self.state_shadowed = False
         self.state_uses = 0
         self.lock_ref = 0
         self.last_access = 0

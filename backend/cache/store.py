@@ -24,7 +24,7 @@ from backend.cache.base import (
 )
 from backend.cache.checkpoint import checkpoint_positions, sglang_positions
 from backend.cache.config import CacheConfig
-from backend.cache.eviction import SHADOWED, Evictor
+from backend.cache.eviction import Evictor
 from backend.cache.policy import LookaheadLRU, is_evictable_leaf
 from backend.cache.pools import HeldIds, PagePool
 from backend.cache.radix import TOKEN_BYTES, PageNode, RadixTree, encode_tokens, normalize_salt
@@ -108,9 +108,9 @@ class PrefixStore:
         if last_state >= 0:
             node = nodes[last_state]
             checkpoint = StateCheckpoint(node, node.state_slot, (node.depth + 1) * self.page_size)
-            # A shadowed state stays behind the others (recent among them) until requests
+            # A shadowed state stays shadowed (recent among the shadowed ones) until requests
             # resume from it (`resumed_from`).
-            node.state_access = tick if node.state_access >= 0 else tick - SHADOWED
+            node.state_access = tick
             if node.state_slot is not None:
                 self.evictor.push_state(node)
         kv_pages, anchors = self._device_prefix(nodes)

@@ -165,19 +165,20 @@ class _LiveStates(_Tier):
         return super().get(key)
 
     def put(self, key, size: int = 1) -> list:
-        if key in self:
-            self.get(key)
+        """As `_Tier.put`, the shadowed states evicted first."""
+        if key in self.cold:
+            self.cold.move_to_end(key)
             return []
         evicted = []
-        while self.used + size > self.capacity and (self.cold or self.items):
-            k, s = (self.cold or self.items).popitem(last=False)
+        while self.cold and key not in self.items and self.used + size > self.capacity:
+            k, s = self.cold.popitem(last=False)
             self.used -= s
-            self.uses.pop(k, None)
             evicted.append((k, s))
-        if size <= self.capacity:
-            self.items[key] = size
-            self.used += size
-            self.uses[key] = 0
+        evicted += super().put(key, size)
+        for k, _ in evicted:
+            self.uses.pop(k, None)
+        if key in self.items:
+            self.uses.setdefault(key, 0)
         return evicted
 
     def resumed(self, key) -> None:

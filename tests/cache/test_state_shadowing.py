@@ -59,12 +59,12 @@ def test_a_lookup_keeps_a_shadowed_state_first_until_requests_resume_from_it():
     assert store.shadow_states(deeper[:2]) == 1
     match = store.match_prefix(_seq(0, 2 * P) + [999] * P)  # its deepest state: path[1]
     assert match.checkpoint.node is path[1]
-    assert path[1].state_access < 0  # recent among the shadowed, still behind the others
+    assert path[1].state_shadowed  # recent among the shadowed, still behind the others
     store.resumed_from(path[1])
-    assert path[1].state_access < 0 and path[1].state_uses == 1
+    assert path[1].state_shadowed and path[1].state_uses == 1
     store.match_prefix(_seq(0, 2 * P) + [998] * P)
     store.resumed_from(path[1])  # a second request resumed from it: a branch point
-    assert path[1].state_access >= 0 and path[1].state_uses == 2
+    assert not path[1].state_shadowed and path[1].state_uses == 2
     assert store.shadow_states(deeper[:2]) == 0  # and it is not shadowed again
     store.evictor.evict_states(1, "capacity")
     assert other[1].state_slot is None and path[1].state_slot is not None
@@ -79,7 +79,7 @@ def test_a_new_state_in_a_freed_slot_starts_unshadowed_and_unused():
     store.evictor.evict_states(1, "capacity")
     again = _insert(store, _seq(0, 2 * P), [2 * P])
     assert again[1] is path[1] and path[1].state_slot is not None
-    assert path[1].state_access >= 0 and path[1].state_uses == 0
+    assert not path[1].state_shadowed and path[1].state_uses == 0
 
 
 @pytest.mark.parametrize("options", [dict(policy="checkpoint"),
@@ -89,7 +89,7 @@ def test_shadowing_is_suffix_replays_and_can_be_turned_off(options):
     store = make_store(**options)
     path = _insert(store, _seq(0), [2 * P, 4 * P])
     assert store.shadow_states(path[:2]) == 0
-    assert all(n.state_access >= 0 for n in _with_states(store).values())
+    assert not any(n.state_shadowed for n in _with_states(store).values())
     assert store.stats.shadowed_states == 0
 
 

@@ -84,7 +84,7 @@ def test_a_state_several_requests_resume_from_is_not_shadowed(model):
         out = engine.generate(doc + random_prompt(PAGE, vocab, seed=50 + q), GREEDY)
         assert out.cached_tokens == len(doc) and out.replayed_anchors == 0
     assert node.state_slot is not None and node.state_uses == 3
-    assert node.state_access >= 0  # shadowed after the first question, recent again since
+    assert not node.state_shadowed  # shadowed after the first question, recent again since
     assert engine.store.stats.shadowed_states == 1
     # The shadowing is suffix replay's: the checkpoint baseline's states keep plain LRU.
     ckpt = make_engine(model, policy="checkpoint", num_checkpoint_slots=SLOTS)
