@@ -300,8 +300,10 @@ class Engine:
             raise ValueError(f"retention must be a RetentionConfig, got "
                              f"{type(request.retention).__name__}")
         vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= int(t) < vocab]
-        if bad:
+        # (min / max first: the list is built only for the error, a 16K prompt's check in
+        # a third of the time)
+        if not 0 <= min(ids) <= max(ids) < vocab:
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         params = request.sampling
         if params.top_log_probs > vocab:

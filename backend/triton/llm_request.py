@@ -268,7 +268,7 @@ def prompt_of(inputs: Tensors) -> list[int]:
         )
     if length == 0:
         raise RequestError("the prompt is empty; it needs at least one token")
-    return [int(t) for t in ids[0, :length]]
+    return ids[0, :length].tolist()  # Python ints (a loop of int() is 20x slower)
 
 
 def sampling_of(inputs: Tensors, default_end_id: int | None, beam_width: int = 1

@@ -32,6 +32,30 @@ def test_ids_outside_the_vocabulary_are_rejected(engine, params, message):
     assert_no_leak(engine)
 
 
+@pytest.mark.parametrize("where", [0, 7, 19])
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_prompt_ids_outside_the_vocabulary_are_rejected(engine, where, bad):
+    """Anywhere in the prompt, below 0 or at the vocabulary's size: named in the error."""
+    vocab = engine.model_config.vocab_size
+    prompt = random_prompt(20, vocab, seed=4)
+    prompt[where] = vocab if bad == "vocab" else bad
+    with pytest.raises(ValueError) as exc:
+        engine.generate(prompt, SamplingParams(max_tokens=2))
+    assert f"token ids [{prompt[where]}] are outside the vocabulary [0, {vocab})" in str(exc.value)
+    assert_no_leak(engine)
+
+
+def test_numpy_prompt_ids_are_accepted(engine):
+    """An in-process caller's numpy ids (the served path converts them to ints) run as ints."""
+    np = pytest.importorskip("numpy")
+    prompt = random_prompt(20, engine.model_config.vocab_size, seed=5)
+    params = SamplingParams(max_tokens=4, top_k=1)
+    out = engine.generate(list(np.array(prompt, dtype=np.int64)), params)
+    ref = engine.generate(prompt, params)
+    assert out.finish_reason == "length" and out.new_token_ids == ref.new_token_ids
+    assert all(type(t) is int for t in out.new_token_ids)
+
+
 def test_end_id_minus_one_runs_to_max_tokens(engine):
     prompt = random_prompt(20, engine.model_config.vocab_size, seed=2)
     ref = engine.generate(prompt, SamplingParams(max_tokens=12, top_k=1, end_id=-1))
