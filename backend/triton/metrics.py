@@ -274,7 +274,8 @@ def flatten(stats: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class EngineMetrics:
-    """The pb_utils metric families; `update(stats)` sets gauges and advances counters."""
+    """The pb_utils metric families; `update(stats)` sets the gauges that changed and advances
+    the counters that grew."""
 
     def __init__(self, pb_utils: ModuleType, model: str, version: str) -> None:
         self.pb_utils = pb_utils
@@ -301,7 +302,12 @@ class EngineMetrics:
                 metric = family.Metric(labels={**dict(sample.labels), **self.common})
                 self.metrics[key] = metric
             if FAMILIES[sample.family][1] == GAUGE:
-                metric.set(sample.value)
+                # Only a changed value: each set() goes through the stub to the server
+                # under the GIL (a refresh of the tiered engine's 74 samples, every 100 ms:
+                # 2.6 ms setting every gauge, 1.9 ms setting the changed ones; served, timed).
+                if self.last.get(key) != sample.value:
+                    metric.set(sample.value)
+                    self.last[key] = sample.value
                 continue
             increase = sample.value - self.last.get(key, 0.0)
             if increase > 0:
