@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from engine_helpers import assert_no_leak, make_engine, random_prompt
 from hf_oracle import make_hf_checkpoint
@@ -46,14 +47,13 @@ def test_prompt_ids_outside_the_vocabulary_are_rejected(engine, where, bad):
 
 
 def test_numpy_prompt_ids_are_accepted(engine):
-    """An in-process caller's numpy ids (the served path converts them to ints) run as ints."""
-    np = pytest.importorskip("numpy")
+    """An in-process caller's numpy ids (the served path converts them to ints) pass the
+    vocabulary check and give the tokens their int values give."""
     prompt = random_prompt(20, engine.model_config.vocab_size, seed=5)
     params = SamplingParams(max_tokens=4, top_k=1)
     out = engine.generate(list(np.array(prompt, dtype=np.int64)), params)
     ref = engine.generate(prompt, params)
     assert out.finish_reason == "length" and out.new_token_ids == ref.new_token_ids
-    assert all(type(t) is int for t in out.new_token_ids)
 
 
 def test_end_id_minus_one_runs_to_max_tokens(engine):
