@@ -1,10 +1,17 @@
-"""`StateTier`: the checkpoint policy's saved states below the device slots (DRAM, then SSD).
+"""`StateTier`: saved states below the device slots (DRAM, then SSD): the checkpoint
+policy's checkpoints, or suffix replay's live states.
 
 Under the checkpoint policy a cached page is usable only up to the deepest page that has a
 saved state (every linear layer's recurrent and conv state at that page's end). KV pages
 demote to DRAM and SSD through `TieredBackend`; without this tier their states would be
 dropped with their device slot and a page found in DRAM or on SSD could never be resumed
 from. This is what a KV-tiering system (LMCache, PCR) must also keep for a hybrid model.
+Suffix replay needs no state to resume (its anchors rebuild one), but a live state that
+loses its device slot spills here too, when DRAM state slots are configured: a request whose
+match ends on its page loads it instead of replaying (`CacheManager.admit`; only at the
+match's end, `end_only`). A live state may be a replayed one, which holds only for the
+replay configuration that rebuilt it: that configuration is the files' `tag`, checked with
+the layout.
 
 Rules (all on the engine thread; I/O threads touch only files and the buffers given):
   - A checkpoint that loses its device slot (slot LRU, or its page leaves the device) is
@@ -14,7 +21,7 @@ Rules (all on the engine thread; I/O threads touch only files and the buffers gi
     leaves DRAM; it stays on SSD when its file is written, else it is forgotten.
   - SSD: at most `ssd_slots` files; the least recently used file goes first.
   - A read (queue-driven prefetch, or on demand at admission) checks the header (magic,
-    model fingerprint, salt, prefix hash, layout) and the payload's xxh3; any mismatch is a
+    model fingerprint, salt, prefix hash, layout and tag) and the payload's xxh3; any mismatch is a
     miss: the copy is forgotten and the file deleted. A cache may forget, never serve a
     wrong state.
   - Files are `<ssd_path>/states/<prefix hash>.<seq>.st` in the SSD chunk format
@@ -120,10 +127,15 @@ class StateTier:
     protection, stats); device: the executor's saved-state `StateSlots`."""
 
     def __init__(self, tiers, device, host_slots: int, ssd_dir: str | Path | None,
-                 ssd_slots: int, io: IOPool | None) -> None:
+                 ssd_slots: int, io: IOPool | None, tag: str = "",
+                 end_only: bool = False) -> None:
         self.tiers, self.stats = tiers, tiers.stats
         self.device = device
         self.layout = StateLayout(device)
+        # The header's layout field: the state's layout, plus `tag` (what else a file's state
+        # must have been saved under to be served: suffix replay's replay configuration).
+        self.text = self.layout.text + (f" {tag}" if tag else "")
+        self.end_only = end_only  # a request resumes only from a state at its match's end
         self.pool = PagePool(host_slots, "host state")
         self.host = aligned_empty(max(host_slots, 1) * self.layout.nbytes,
                                   cuda_present()).view(max(host_slots, 1), self.layout.nbytes)
@@ -136,7 +148,7 @@ class StateTier:
         self.ssd_slots = ssd_slots if ssd_dir is not None and io is not None else 0
         self.dir = Path(ssd_dir) / "states" if self.ssd_slots else None
         self.file_io = PosixChunkIO(o_direct=False)  # state rows are not 4 KiB-aligned
-        self.header_len = header_len_of(self.layout.text, tiers.layout.page_size)
+        self.header_len = header_len_of(self.text, tiers.layout.page_size)
         self.file_bytes = self.header_len + self.layout.nbytes
         self._seq = 0
         # Files found at start-up, by prefix hash: (seq, path), oldest first.
@@ -276,11 +288,16 @@ class StateTier:
         return True
 
     # Prefetch ---------------------------------------------------------------------------
+    def _candidates(self, nodes):
+        """The nodes whose state a request matching `nodes` may resume from, deepest first."""
+        return nodes[-1:] if self.end_only else reversed(nodes)
+
     def prefetch(self, nodes) -> int:
         """Starts reading the deepest state among `nodes` (a waiting request's matched
-        path) that is only on SSD; returns the reads started (0 or 1)."""
+        path; `end_only`: the last node's) that is only on SSD; returns the reads started
+        (0 or 1)."""
         self.reap()
-        for node in reversed(nodes):
+        for node in self._candidates(nodes):
             e = self.entries.get(node)
             if node.state_slot is not None or (e is not None and e.host_slot is not None):
                 return 0  # the deepest state is on the device or in DRAM already
@@ -300,7 +317,7 @@ class StateTier:
         one) while it is in flight, starting it if it is only on SSD; None when that state
         needs no read (on the device, in DRAM, or none)."""
         self.prefetch(nodes)
-        for node in reversed(nodes):
+        for node in self._candidates(nodes):
             e = self.entries.get(node)
             if node.state_slot is not None or (e is not None and e.host_slot is not None):
                 return None
@@ -371,7 +388,7 @@ class StateTier:
     # SSD --------------------------------------------------------------------------------
     def _expected(self, e: StateEntry) -> Expected:
         return Expected(self.tiers.fingerprint, self.tiers.salt_hash(e.node.salt),
-                        self.tiers.entry(e.node).prefix_hash, e.node.key, self.layout.text,
+                        self.tiers.entry(e.node).prefix_hash, e.node.key, self.text,
                         self.layout.nbytes, 0)
 
     def _write(self, e: StateEntry) -> None:
@@ -392,7 +409,7 @@ class StateTier:
         header = ChunkHeader(self.tiers.fingerprint, self.tiers.salt_hash(e.node.salt),
                              entry.prefix_hash, entry.parent_hash, e.node.depth,
                              self.tiers.layout.page_size, self.layout.nbytes, 0, 0,
-                             self.layout.text, e.node.key, self.header_len)
+                             self.text, e.node.key, self.header_len)
         payload = [memoryview(row.numpy())]  # stored unpadded
         e.write = self.io.submit(Priority.WRITEBACK, lambda: self.file_io.write_chunk(
             path, header, payload, payload))

@@ -72,8 +72,13 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         buffers: DeviceBuffers,
         io_pool: IOPool | None = None,
         chunk_io=None,
+        state_tag: str = "",
     ) -> None:
+        """state_tag: written into (and required of) every saved state's SSD header beside
+        its layout: suffix replay's live states may be replayed ones, which hold only for
+        the replay configuration that rebuilt them (`Engine` passes it)."""
         self.config, self.buffers = config, buffers
+        self.state_tag = state_tag
         self.layout = buffers.layout
         self.uses_anchors = self.layout.has_anchors
         self.stats = TierStats()
@@ -102,7 +107,7 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
                 self.pending_restore.setdefault(header.salt_hash, []).append((chunk, header))
             self.retention_log = RetentionLog(config.ssd_path, {
                 h.prefix_hash for items in self.pending_restore.values() for _, h in items})
-        self.states: StateTier | None = None  # checkpoint states (set up in attach)
+        self.states: StateTier | None = None  # saved states (set up in attach)
         threads = config.enable_overlap and not self.copies.is_cuda
         self._load_worker = TransferThread("kv-load") if threads else None
         self._offload_worker = TransferThread("kv-offload") if threads else None
@@ -125,13 +130,17 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
             )
         self.store = store
         cfg = self.config
-        if store.config.policy == "checkpoint" and cfg.host_checkpoint_slots:
+        policy = store.config.policy
+        if policy in ("checkpoint", "suffixreplay") and cfg.host_checkpoint_slots:
             if self.buffers.states is None:
                 raise ValueError("host_checkpoint_slots needs the executor's saved-state slots "
                                  "(DeviceBuffers(states=...))")
+            # Suffix replay resumes from a lower tier's state only at its match's end (a
+            # state short of it is worth a load only on the device: `_resume_short`).
             self.states = StateTier(self, self.buffers.states, cfg.host_checkpoint_slots,
                                     cfg.ssd_path if self.ssd is not None else None,
-                                    cfg.ssd_checkpoint_slots, self.io)
+                                    cfg.ssd_checkpoint_slots, self.io, tag=self.state_tag,
+                                    end_only=policy == "suffixreplay")
 
     def on_state_evict(self, node, slot: int) -> None:
         if self.states is not None:

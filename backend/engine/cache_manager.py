@@ -60,8 +60,10 @@ class CacheManager:
             n, live = len(nodes), None
         elif n and live is None and self.policy == "suffixreplay" and \
                 self.config.replay.live_state:
-            nodes, live = self._resume_short(match, nodes)
-            n = len(nodes)
+            restored = self._resume_at_end(seq, nodes[-1])
+            if not restored:
+                nodes, live = self._resume_short(match, nodes)
+                n = len(nodes)
         if self.sglang_placement and match.num_cached_pages > n:
             # KV cached past the deepest state: SGLang's branch point (where the "sglang"
             # placement saves this prompt's state, for the siblings that follow).
@@ -137,6 +139,20 @@ class CacheManager:
                 continue
             return self._relock(nodes, i + 1), True
         return self._relock(nodes, 0), False
+
+    def _resume_at_end(self, seq: Sequence, node) -> bool:
+        """Suffix replay, no live state at the match's end: a state saved at the usable
+        path's last node `node` anyway (its device slot where promotion cut the path short
+        of the match, else a copy a lower tier keeps: `state_tier.py`) is loaded into the
+        sequence's run slot instead of a replay. False: none (or a copy that failed its
+        checks, a miss)."""
+        if node.state_slot is not None:
+            self.executor.load_state(node.state_slot, seq.run_slot)
+        elif not (self.tiers is not None and self.tiers.load_state(
+                node, self.executor.run_states, seq.run_slot)):
+            return False
+        self.store.resumed_from(node)
+        return True
 
     def _resume_short(self, match, nodes: list) -> tuple[list, int | None]:
         """Suffix replay: the deepest live state on the locked usable path `nodes`, short of

@@ -163,10 +163,16 @@ class EngineConfig:
                                  "base model's weights only)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.tiers is not None and self.cache.policy != "checkpoint" and (
+        if self.tiers is not None and (
                 self.tiers.host_checkpoint_slots or self.tiers.ssd_checkpoint_slots):
-            raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots tier the states of "
-                             f"cache_policy 'checkpoint', not {self.cache.policy!r}")
+            if self.cache.policy == "none":
+                raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots tier the saved "
+                                 "states of cache_policy 'checkpoint' or 'suffixreplay' (its "
+                                 "live states), not 'none'")
+            if self.cache.policy == "suffixreplay" and not self.replay.live_state:
+                raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots under "
+                                 "cache_policy 'suffixreplay' tier its live states: they need "
+                                 "live_state on")
         if self.cache.anchor_density != self.replay.anchor_density:
             raise ValueError(
                 f"cache.anchor_density={self.cache.anchor_density} differs from "

@@ -130,7 +130,11 @@ class Engine:
         if self.config.tiers is not None:
             buffers = DeviceBuffers.from_executor(self.executor, cache_cfg.anchors_per_page,
                                                   with_anchors=cache_cfg.uses_anchors)
-            self.tiers = TieredBackend(self.config.tiers, buffers)
+            replay = self.config.replay
+            tag = "" if cache_cfg.policy != "suffixreplay" else (
+                f"replay:{replay.sampling}:{replay.anchor_density!r}:"
+                f"{replay.budget_fraction!r}:{replay.k_max}:{replay.anchor_dtype}")
+            self.tiers = TieredBackend(self.config.tiers, buffers, state_tag=tag)
         self.store = PrefixStore(cache_cfg, self.tiers)
         self.kv_events = None  # KvEventPublisher: the store's page events for routers
         if self.config.kv_events_endpoint:

@@ -214,15 +214,20 @@ def test_state_tier_parameters_are_checked(tmp_path):
         TierConfig(ssd_path=str(tmp_path), model_fingerprint="m", ssd_checkpoint_slots=4)
 
 
-def test_state_slots_below_the_device_are_for_the_checkpoint_policy_only():
+def test_state_slots_below_the_device_need_a_policy_that_saves_states():
     from backend.engine.config import EngineConfig
 
-    with pytest.raises(ValueError, match="tier the states of cache_policy 'checkpoint'"):
-        EngineConfig.from_params({"cache_policy": "suffixreplay", "host_pages": "8",
+    with pytest.raises(ValueError, match="not 'none'"):
+        EngineConfig.from_params({"cache_policy": "none", "host_pages": "8",
                                   "host_checkpoint_slots": "4"})
-    config = EngineConfig.from_params({"cache_policy": "checkpoint", "host_pages": "8",
-                                       "host_checkpoint_slots": "4", "max_cached_pages": "16"})
-    assert config.tiers.host_checkpoint_slots == 4 and config.cache.max_cached_pages == 16
+    with pytest.raises(ValueError, match="need live_state on"):
+        EngineConfig.from_params({"cache_policy": "suffixreplay", "host_pages": "8",
+                                  "host_checkpoint_slots": "4", "live_state": "false"})
+    for policy in ("checkpoint", "suffixreplay"):
+        config = EngineConfig.from_params({"cache_policy": policy, "host_pages": "8",
+                                           "host_checkpoint_slots": "4",
+                                           "max_cached_pages": "16"})
+        assert config.tiers.host_checkpoint_slots == 4 and config.cache.max_cached_pages == 16
 
 
 def test_start_up_keeps_the_newest_state_file_per_prefix_within_the_slot_limit(tmp_path):

@@ -184,6 +184,103 @@ def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
     engine.stop()
 
 
+def _live_state_engine(model, tmp_path, where: str, replay=None) -> Engine:
+    """Suffix replay with two live-state slots over a DRAM tier; `where` the spilled live
+    states may go: nowhere, DRAM, or DRAM staging SSD files."""
+    slots = {"none": dict(), "dram": dict(host_checkpoint_slots=16),
+             "ssd": dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16,
+                         ssd_path=str(tmp_path / "ssd"), model_fingerprint="m")}[where]
+    base = make_engine(model, replay=replay, num_kv_pages=24, max_tokens_per_step=200,
+                       num_checkpoint_slots=2)
+    return Engine(model, replace(base.config, tiers=TierConfig(host_pages=64, **slots)))
+
+
+@pytest.mark.parametrize("where", ["none", "dram", "ssd"])
+def test_suffix_replay_live_states_spill_below_the_device(model, tmp_path, where):
+    """Suffix replay with two live-state slots: the first prompt's state at its last page
+    boundary (192 tokens) loses its slot to the later prompts' and its pages go to DRAM.
+    With state slots below the device, a prompt that matches exactly those 192 tokens loads
+    the spilled state instead of replaying (the default budgeted replay is approximate: the
+    loaded state is the prefill's own) and decodes what a full prefill decodes; without
+    them it replays."""
+    engine = _live_state_engine(model, tmp_path, where)
+    prompts = [random_prompt(200, 97, seed=s) for s in range(30, 34)]
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    if engine.tiers.states is not None:
+        engine.tiers.drain()
+    branch = prompts[0][:192] + prompts[1][:30]
+    got = engine.generate(branch, GREEDY)
+    assert got.cached_tokens == 192
+    tiers = engine.stats()["tiers"]
+    if where == "none":
+        assert engine.tiers.states is None and got.replayed_anchors > 0
+    else:
+        assert got.replayed_anchors == 0
+        assert got.new_token_ids == _greedy(model, branch)
+        assert tiers["state_spills"] > 0
+        assert tiers["state_loads_host"] + tiers["state_loads_ssd"] == 1, tiers
+    if where == "ssd":
+        assert tiers["state_ssd_writes"] > 0 and tiers["ssd_reads"] > 0
+    assert_no_leak(engine)
+    engine.tiers.assert_invariants()
+    engine.stop()
+
+
+@pytest.mark.parametrize("change", ["same", "k_max", "flipped"])
+def test_spilled_live_state_files_hold_for_their_replay_configuration(model, tmp_path,
+                                                                      change):
+    """Suffix replay over SSD, restarted: the branch's pages and the live state file of its
+    match's end come back, and it loads that state instead of replaying. A live state may
+    be a replayed one, right only for the replay configuration that rebuilt it: restarted
+    with another k_max the file is refused (a header mismatch, deleted) and the branch
+    replays; a flipped file is a miss too. Tokens are checked against a full prefill
+    where the state is loaded (exact) and against a fresh engine of the restarted
+    configuration where it replays."""
+    replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8)
+    engine = _live_state_engine(model, tmp_path, "ssd", replay)
+    prompts = [random_prompt(200, 97, seed=s) for s in range(30, 34)]
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    engine.tiers.drain()
+    config = engine.config
+    engine.stop()
+    files = sorted((tmp_path / "ssd" / "states").iterdir())
+    assert files
+    if change == "flipped":
+        for f in files:
+            data = bytearray(f.read_bytes())
+            data[-1] ^= 0xFF  # the payload's last byte: the checksum catches it
+            f.write_bytes(bytes(data))
+    if change == "k_max":
+        config = replace(config, replay=replace(replay, k_max=4))
+    restarted = Engine(model, config)
+    branch = prompts[0][:192] + prompts[1][:30]
+    got = restarted.generate(branch, GREEDY)
+    stats = restarted.stats()["tiers"]
+    assert got.cached_tokens == 192 and stats["restored_state_files"] == len(files)
+    if change == "same":
+        assert got.replayed_anchors == 0
+        assert got.new_token_ids == _greedy(model, branch)
+        assert stats["state_loads_host"] + stats["state_loads_ssd"] == 1, stats
+    else:
+        assert got.replayed_anchors > 0
+        reason = "state_checksum" if change == "flipped" else "state_layout_mismatch"
+        assert stats["chunk_rejects"].get(reason, 0) >= 1, stats["chunk_rejects"]
+        # What that replay gives: the same anchors (prompts[0]'s prefill) replayed by an
+        # engine that keeps no live state.
+        fresh = make_engine(model, replay=replace(config.replay, live_state=False),
+                            num_kv_pages=24, max_tokens_per_step=200)
+        fresh.generate(prompts[0], GREEDY)
+        again = fresh.generate(branch, GREEDY)
+        assert again.replayed_anchors == got.replayed_anchors
+        assert got.new_token_ids == again.new_token_ids
+        fresh.stop()
+    assert_no_leak(restarted)
+    restarted.tiers.assert_invariants()
+    restarted.stop()
+
+
 @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "flipped"])
 def test_checkpoint_states_survive_restart(model, tmp_path, corrupt):
     """Checkpoint policy with SSD tiers, restarted: the branch's KV pages come back from SSD

@@ -66,6 +66,10 @@ CONFIGS = {
     "checkpoint+spec": dict(policy="checkpoint", interval=32, num_checkpoint_slots=12,
                             spec=True),
     "replay+tiers+spec": dict(replay=ReplayConfig.exact(), tiers=True, spec=True),
+    # Two live-state slots on the device, the states that lose theirs spilled to DRAM /
+    # SSD state slots and loaded back where a match ends on their page.
+    "replay+state-tiers": dict(replay=ReplayConfig.exact(), num_checkpoint_slots=2,
+                               tiers=dict(host_checkpoint_slots=2, ssd_checkpoint_slots=8)),
 }
 # Seeds moved for coverage: the default one's workload on some family never hits a page in
 # the DRAM tier (`_check` asks it to), as checked for every family with the seed used (re-
@@ -273,6 +277,9 @@ def _check(engine: Engine, model, config: str, outcomes: dict[str, Outcome],
         if engine.tiers is not None:
             assert stats["cache"]["hit_tokens_by_tier"]["host"] > 0, stats["cache"]
             assert engine.tiers.ssd is None or stats["tiers"]["ssd_reads"] > 0, stats["tiers"]
+            if engine.tiers.states is not None:  # states loaded back from below the device
+                tiers = stats["tiers"]
+                assert tiers["state_loads_host"] + tiers["state_loads_ssd"] > 0, tiers
         if engine.config.speculative_method != "none":  # drafts kept and drafts rejected
             assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"], stats
     if engine.tiers is not None:
