@@ -90,16 +90,19 @@ def plan(quick: bool) -> dict:
                 # The document ends two pages past the last cut (1024 + 256): each cut's
                 # warm-up costs 1408 tokens, not 2048, which pays for more repeats.
                 "rates": [1.5, 3.0, 6.0], "sweep_step": 64, "sweep_doc_tokens": 1408,
-                "sweep_base": 1024, "sweep_repeats": 8,
-                # Capacity: two repeat passes (16 requests; one pass of 8 moved the key
-                # 2.0-4.7 from run to run).
-                "capacity": [4], "capacity_passes": 3, "capacity_doc_tokens": 1024}
+                # 16 repeats a cut: the key is the max / min of five per-cut medians, and a
+                # cut's TTFTs spread with CV 0.15-0.20 on this host (a bare matrix-product
+                # loop varies as much), so eight repeats read up to 1.22 on a flat cost.
+                "sweep_base": 1024, "sweep_repeats": 16,
+                # Capacity: four repeat passes (32 requests; one pass of 8 moved the key
+                # 2.0-4.7 from run to run, two 2.0-3.6).
+                "capacity": [4], "capacity_passes": 5, "capacity_doc_tokens": 1024}
     return {"sharegpt": dict(sessions=8, turns=8), "agentic": [5_000, 16_000],
             "agentic_fanout": 3, "agentic_depth": 2, "agentic_grow": 3,
             "rag": dict(num_chunks=96, num_queries=48),
             "rates": [0.5, 1.0, 2.0, 4.0, 8.0], "sweep_step": 32, "sweep_doc_tokens": 1408,
-            "sweep_base": 1024, "sweep_repeats": 8,
-            "capacity": [2, 4, 6, 8], "capacity_passes": 3, "capacity_doc_tokens": 1024}
+            "sweep_base": 1024, "sweep_repeats": 16,
+            "capacity": [2, 4, 6, 8], "capacity_passes": 5, "capacity_doc_tokens": 1024}
 
 
 def k_max_of(model_dir: Path) -> int:

@@ -11,7 +11,9 @@ when recomputing the pages between is cheaper, a few pages short of it; no cache
 Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
 least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one,
 and an SSD tier behind DRAM what DRAM evicts. (In the tiers checkpoints ride with their pages,
-as `state_tier.py` keeps them: a hit's resume checkpoint loads from its page's tier.)
+as `state_tier.py` keeps them: a hit's resume checkpoint loads from its page's tier; suffix
+replay's live states that lose their slot spill to DRAM / SSD state slots where the system
+has them, and a hit whose match ends on one loads it instead of replaying.)
 
 TTFT of a request = overhead + prefill of the recomputed tokens (linear in tokens and in
 tokens x context for attention) + replay of the anchors + loading tier-resident KV (and the
@@ -91,6 +93,10 @@ class SimSystem:
     overlap: bool = False  # layer-wise: tier loads hide behind the step's compute
     prefetch: bool = False  # a queued request's SSD pages are read while it waits
     live_slots: int = 0  # suffix replay: live states kept (LRU) at prompt ends and replays
+    # Suffix replay with state tiers: the live states that lose their device slot, kept in
+    # DRAM (LRU) and then on SSD, loaded by a hit whose match ends on their page.
+    live_dram_slots: int = 0
+    live_ssd_slots: int = 0
     shadow_states: bool = True  # the engine's `shadowed_states_first`
     # The engine's replay-or-recompute rule (`ReplayConfig`) for a measured system's twin;
     # None: decided by the cost model (projections).
@@ -150,10 +156,17 @@ class _LiveStates(_Tier):
     before the others, LRU among themselves, until a second request resumes from them
     (`resumed`), as the engine's `Evictor.shadow_states` / `resumed_from`."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, dram: int = 0, ssd: int = 0) -> None:
         super().__init__(capacity)
         self.cold: OrderedDict = OrderedDict()
         self.uses: dict = {}
+        # Where evicted states spill (slots): DRAM, then SSD (staged through DRAM, as in
+        # `state_tier.py`: nothing reaches SSD without DRAM slots).
+        self.below = {"dram": _Tier(dram), "ssd": _Tier(ssd)}
+
+    def lower(self, key) -> str | None:
+        """The lower tier holding `key`'s state ("dram" / "ssd"), touched; None: none."""
+        return next((name for name, tier in self.below.items() if tier.get(key)), None)
 
     def __contains__(self, key) -> bool:
         return key in self.items or key in self.cold
@@ -177,6 +190,9 @@ class _LiveStates(_Tier):
         evicted += super().put(key, size)
         for k, _ in evicted:
             self.uses.pop(k, None)
+        spilled = evicted
+        for tier in self.below.values():  # down the state tiers; off the last: gone
+            spilled = [e for k, s in spilled for e in tier.put(k, s)]
         if key in self.items:
             self.uses.setdefault(key, 0)
         return evicted
@@ -200,7 +216,9 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
     slots = system.checkpoint_slots
     checkpoints = _Tier(slots if slots is not None else 1 << 62)
     kept: set = set()  # tiered checkpoint systems: the pages with a checkpoint (any tier)
-    live = _LiveStates(system.live_slots if system.policy == "suffixreplay" else 0)
+    replays = system.policy == "suffixreplay"
+    live = _LiveStates(system.live_slots if replays else 0, system.live_dram_slots,
+                       system.live_ssd_slots)
     page_bytes = shapes.kv_page + (shapes.anchor_page if system.policy == "suffixreplay" else 0)
     rows = []
     free_at = 0.0  # open loop: when the server finishes the prefill it is on
@@ -218,16 +236,19 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                 while tiers and not (keys[len(tiers) - 1] in kept if tiered
                                      else checkpoints.get(keys[len(tiers) - 1])):
                     tiers.pop()
-        anchors = 0
+        anchors, state_from = 0, None
         if system.policy == "suffixreplay" and tiers:
-            del tiers[_resume_point(keys, len(tiers), live, shapes, cost, len(req.prompt),
-                                    system.replay):]
-            hit_pages = len(tiers)
-            if live.get(keys[hit_pages - 1]):
-                live.resumed(keys[hit_pages - 1])
-            else:
-                anchors = _replay_k(shapes, hit_pages) * shapes.groups
-                live.put(keys[hit_pages - 1], 1)  # the replayed state is kept
+            end = keys[len(tiers) - 1]
+            # A live state a lower tier kept at the match's end is loaded, not replayed.
+            if end in live or (state_from := live.lower(end)) is None:
+                del tiers[_resume_point(keys, len(tiers), live, shapes, cost,
+                                        len(req.prompt), system.replay):]
+                hit_pages = len(tiers)
+                if live.get(keys[hit_pages - 1]):
+                    live.resumed(keys[hit_pages - 1])
+                else:
+                    anchors = _replay_k(shapes, hit_pages) * shapes.groups
+                    live.put(keys[hit_pages - 1], 1)  # the replayed state is kept
         hit_pages = len(tiers)
         cached = hit_pages * ps
         recomputed = len(req.prompt) - cached
@@ -235,6 +256,8 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
         read = {t: tiers.count(t) * shapes.kv_page for t in ("dram", "ssd")}
         if system.policy == "checkpoint" and tiers and tiers[-1] in read:
             read[tiers[-1]] += shapes.checkpoint  # the resume state, from its page's tier
+        if state_from is not None:
+            read[state_from] += shapes.checkpoint  # suffix replay's live state, from below
         dram_load = read["dram"] / cost.dram_bytes_per_s
         ssd_load = read["ssd"] / cost.ssd_bytes_per_s
         wait = 0.0
@@ -323,11 +346,14 @@ def system_of(config, shapes: Shapes) -> SimSystem:
     ssd = tiers.ssd_bytes if tiers is not None and tiers.uses_ssd else 0
     pages = cache.num_kv_pages if cache.max_cached_pages is None else cache.max_cached_pages
     live = cache.num_checkpoint_slots if config.replay.live_state else 0
+    spill = tiers is not None and cache.policy == "suffixreplay" and live
     return SimSystem(cache.policy, pages * page, dram, cache.checkpoint_interval,
                      cache.num_checkpoint_slots, ssd,
                      overlap=tiers is not None and tiers.enable_overlap,
                      prefetch=tiers is not None and tiers.enable_prefetch, live_slots=live,
-                     shadow_states=cache.shadowed_states_first, replay=config.replay)
+                     shadow_states=cache.shadowed_states_first, replay=config.replay,
+                     live_dram_slots=tiers.host_checkpoint_slots if spill else 0,
+                     live_ssd_slots=tiers.ssd_checkpoint_slots if spill and ssd else 0)
 
 
 def shapes_of(cfg, page_size: int = 64, dtype_bytes: int = 2, k_max: int = 512) -> Shapes:

@@ -18,7 +18,7 @@ once they finish within the budget.
 | lmcache_like | checkpoints | device + DRAM + SSD, no prefetch, no look-ahead, no overlap |
 | pcr_overlap | checkpoints | + layer-wise overlap |
 | pcr_full | checkpoints | + queue-driven prefetch + look-ahead eviction (full PCR) |
-| ours | anchors + replay | full PCR |
+| ours | anchors + replay (live states also below the device) | full PCR |
 
 `sglang` is the checkpoint baseline's memory with SGLang's own placement (its mamba radix
 cache with the extra buffer): one state per 8192-token prefill chunk, at the request's branch
@@ -28,7 +28,10 @@ the distance sweep).
 In the checkpoint-based tiered systems the states tier with their pages (`state_tier.py`):
 a KV page in DRAM or on SSD is usable only with a saved state at or below it, so DRAM and
 SSD bytes are split between KV pages and checkpoint slots as the device bytes are. In ours a
-DRAM slot holds a page's KV and its anchor block, so it has fewer slots for the same bytes.
+DRAM slot holds a page's KV and its anchor block, so it has fewer slots for the same bytes,
+and where its device budget spares live states, up to an eighth of its DRAM (and of its SSD
+budget) keeps the live states that lose their device slot: a prompt whose match ends on such
+a page loads its state instead of replaying.
 """
 
 from __future__ import annotations
@@ -130,6 +133,17 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
             params["host_checkpoint_slots"] = str(units)
             if ssd:
                 params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // unit)
+        elif slots:  # live states that lose their device slot spill below it, as the
+            # checkpoint systems' states do, from the same bytes: up to an eighth of DRAM
+            # (and of the SSD budget), as on the device
+            host_bytes = budget.host_pages * page
+            spill = host_bytes // (8 * state)
+            if spill:
+                host_pages = (host_bytes - spill * state) // (
+                    page + bytes_per_anchor_block(cfg, anchors))
+                params["host_checkpoint_slots"] = str(spill)
+                if ssd:
+                    params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // (8 * state))
         params.update({
             "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes),
             # O_DIRECT (probed): SSD-tier reads come from the disk, not the page cache.

@@ -79,9 +79,11 @@ def test_systems_spend_the_same_device_budget(model):
     assert configs["lmcache_like"].tiers.enable_ssd and not configs["pcr_dram"].tiers.enable_ssd
     # ... and the same DRAM bytes: a DRAM slot holds a page's KV and its anchor block (ours),
     # or KV pages beside checkpoint slots (the checkpoint-based tiered systems).
+    # Ours also spills its live states below the device, into up to an eighth of DRAM.
     dram = budget.host_pages * page
     ours, pcr = configs["ours"].tiers, configs["pcr_full"].tiers
-    for spent in (ours.host_pages * (page + anchors),
+    assert 0 < ours.host_checkpoint_slots * ckpt <= dram / 8 and ours.ssd_checkpoint_slots
+    for spent in (ours.host_pages * (page + anchors) + ours.host_checkpoint_slots * ckpt,
                   pcr.host_pages * page + pcr.host_checkpoint_slots * ckpt):
         assert dram * 0.85 <= spent <= dram
 
@@ -338,6 +340,28 @@ def test_rag_queries_retrieve_their_source_chunk():
     text = bytes(wl.requests[0].prompt)
     first = corpus.chunks[corpus.queries[0][1][0]]
     assert text.startswith(b"<doc>\n" + first)
+
+
+@pytest.mark.parametrize("below", ["none", "dram", "ssd"])
+def test_simulator_suffix_replay_loads_spilled_live_states(model, below):
+    """One device live slot, documents A-D, then A again (its pages on SSD by then): A's
+    state at its end (256) lost its slot to B's. Without state slots below the device,
+    "again" replays (26 anchors); with three DRAM slots it loads A's state from DRAM; with
+    two, A's state went on to SSD (behind C's and D's) and is read with A's pages."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    page = shapes.kv_page + shapes.anchor_page
+    cost = sim.CostModel(0.0, 1e-3, 0.0, 1e-3, 0.0, dram_bytes_per_s=1e12,
+                         ssd_bytes_per_s=(4 * shapes.kv_page + shapes.checkpoint) / 0.1)
+    dram, ssd = {"none": (0, 0), "dram": (3, 0), "ssd": (2, 8)}[below]
+    system = sim.SimSystem("suffixreplay", 4 * page, 4 * shapes.kv_page, 256, None,
+                           100 * shapes.kv_page, live_slots=1, live_dram_slots=dram,
+                           live_ssd_slots=ssd)
+    got = sim.simulate(_tier_workload(), system, shapes, cost)["ttft_by_tag_s"]["again"]
+    pages = 0.1 * 4 * shapes.kv_page / (4 * shapes.kv_page + shapes.checkpoint)  # A's pages
+    want = {"none": 0.064 + 2 * math.ceil(0.05 * 256) * 1e-3 + pages,
+            "dram": 0.064 + pages + shapes.checkpoint / 1e12,
+            "ssd": 0.064 + 0.1}[below]
+    assert math.isclose(got, want), (got, want)
 
 
 def test_capacity_anchors_page_through_the_tiers_and_checkpoints_do_not(model, tmp_path):
