@@ -149,22 +149,36 @@ def test_int8_anchors_tier_with_their_pages(model, tmp_path, where):
     engine.stop()
 
 
+def _state_tiers(where: str, tmp_path) -> TierConfig:
+    """A DRAM tier of 64 pages; the saved states that lose their device slot go `where`:
+    nowhere, 16 DRAM slots, or one DRAM slot staging 16 SSD files."""
+    slots = {"none": dict(), "dram": dict(host_checkpoint_slots=16),
+             "ssd": dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16,
+                         ssd_path=str(tmp_path / "ssd"), model_fingerprint="m")}[where]
+    return TierConfig(host_pages=64, **slots)
+
+
+def _cache_prompts(engine: Engine, seeds) -> list[list[int]]:
+    """A 200-token prompt per seed, generated in turn (the earlier ones' pages and states
+    pushed down the tiers by the later ones); returns the prompts once the state writes
+    are done."""
+    prompts = [random_prompt(200, 97, seed=s) for s in seeds]
+    for p in prompts:
+        engine.generate(p, GREEDY)
+    if engine.tiers.states is not None:
+        engine.tiers.drain()
+    return prompts
+
+
 @pytest.mark.parametrize("where", ["none", "dram", "ssd"])
 def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
     """Checkpoint policy over the tiers: the branch's pages were pushed to DRAM and their
     checkpoint slots reclaimed; with state slots below the device it resumes at the deepest
     checkpoint (128 of its 150 shared tokens) and decodes what a full prefill decodes."""
-    slots = {"none": dict(), "dram": dict(host_checkpoint_slots=16),
-             "ssd": dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16,
-                         ssd_path=str(tmp_path / "ssd"), model_fingerprint="m")}[where]
     base = make_engine(model, policy="checkpoint", num_kv_pages=24, max_tokens_per_step=200,
                        num_checkpoint_slots=3)
-    engine = Engine(model, replace(base.config, tiers=TierConfig(host_pages=64, **slots)))
-    prompts = [random_prompt(200, 97, seed=s) for s in range(20, 24)]
-    for p in prompts:
-        engine.generate(p, GREEDY)
-    if engine.tiers.states is not None:
-        engine.tiers.drain()
+    engine = Engine(model, replace(base.config, tiers=_state_tiers(where, tmp_path)))
+    prompts = _cache_prompts(engine, range(20, 24))
     branch = prompts[0][:150] + prompts[1][:30]
     want = _greedy(model, branch)
     got = engine.generate(branch, GREEDY)
@@ -185,14 +199,10 @@ def test_checkpoint_states_tier_with_their_pages(model, tmp_path, where):
 
 
 def _live_state_engine(model, tmp_path, where: str, replay=None) -> Engine:
-    """Suffix replay with two live-state slots over a DRAM tier; `where` the spilled live
-    states may go: nowhere, DRAM, or DRAM staging SSD files."""
-    slots = {"none": dict(), "dram": dict(host_checkpoint_slots=16),
-             "ssd": dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16,
-                         ssd_path=str(tmp_path / "ssd"), model_fingerprint="m")}[where]
+    """Suffix replay with two live-state slots over `_state_tiers(where)`."""
     base = make_engine(model, replay=replay, num_kv_pages=24, max_tokens_per_step=200,
                        num_checkpoint_slots=2)
-    return Engine(model, replace(base.config, tiers=TierConfig(host_pages=64, **slots)))
+    return Engine(model, replace(base.config, tiers=_state_tiers(where, tmp_path)))
 
 
 @pytest.mark.parametrize("where", ["none", "dram", "ssd"])
@@ -204,11 +214,7 @@ def test_suffix_replay_live_states_spill_below_the_device(model, tmp_path, where
     loaded state is the prefill's own) and decodes what a full prefill decodes; without
     them it replays."""
     engine = _live_state_engine(model, tmp_path, where)
-    prompts = [random_prompt(200, 97, seed=s) for s in range(30, 34)]
-    for p in prompts:
-        engine.generate(p, GREEDY)
-    if engine.tiers.states is not None:
-        engine.tiers.drain()
+    prompts = _cache_prompts(engine, range(30, 34))
     branch = prompts[0][:192] + prompts[1][:30]
     got = engine.generate(branch, GREEDY)
     assert got.cached_tokens == 192
@@ -239,10 +245,7 @@ def test_spilled_live_state_files_hold_for_their_replay_configuration(model, tmp
     configuration where it replays."""
     replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8)
     engine = _live_state_engine(model, tmp_path, "ssd", replay)
-    prompts = [random_prompt(200, 97, seed=s) for s in range(30, 34)]
-    for p in prompts:
-        engine.generate(p, GREEDY)
-    engine.tiers.drain()
+    prompts = _cache_prompts(engine, range(30, 34))
     config = engine.config
     engine.stop()
     files = sorted((tmp_path / "ssd" / "states").iterdir())
