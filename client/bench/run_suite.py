@@ -90,10 +90,11 @@ def plan(quick: bool) -> dict:
                 # The document ends two pages past the last cut (1024 + 256): each cut's
                 # warm-up costs 1408 tokens, not 2048, which pays for more repeats.
                 "rates": [1.5, 3.0, 6.0], "sweep_step": 64, "sweep_doc_tokens": 1408,
-                # 16 repeats a cut: the key is the max / min of five per-cut medians, and a
+                # 12 repeats a cut: the key is the max / min of five per-cut medians, and a
                 # cut's TTFTs spread with CV 0.15-0.20 on this host (a bare matrix-product
-                # loop varies as much), so eight repeats read up to 1.22 on a flat cost.
-                "sweep_base": 1024, "sweep_repeats": 16,
+                # loop varies as much), so eight repeats read up to 1.22 on a flat cost
+                # (16 read 1.06 and 1.15 but took the quick run to 522-561 s).
+                "sweep_base": 1024, "sweep_repeats": 12,
                 # Capacity: four repeat passes (32 requests; one pass of 8 moved the key
                 # 2.0-4.7 from run to run, two 2.0-3.6).
                 "capacity": [4], "capacity_passes": 5, "capacity_doc_tokens": 1024}
