@@ -21,9 +21,9 @@ Rules (all on the engine thread; I/O threads touch only files and the buffers gi
     leaves DRAM; it stays on SSD when its file is written, else it is forgotten.
   - SSD: at most `ssd_slots` files; the least recently used file goes first.
   - A read (queue-driven prefetch, or on demand at admission) checks the header (magic,
-    model fingerprint, salt, prefix hash, layout and tag) and the payload's xxh3; any mismatch is a
-    miss: the copy is forgotten and the file deleted. A cache may forget, never serve a
-    wrong state.
+    model fingerprint, salt, prefix hash, layout and tag) and the payload's xxh3; any
+    mismatch is a miss: the copy is forgotten and the file deleted. A cache may forget,
+    never serve a wrong state.
   - Files are `<ssd_path>/states/<prefix hash>.<seq>.st` in the SSD chunk format
     (`chunk_format.py`: the same header, with the state's layout in place of a page's, and
     the state as the payload), written and read through `PosixChunkIO`.

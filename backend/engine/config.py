@@ -169,6 +169,10 @@ class EngineConfig:
                 raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots tier the saved "
                                  "states of cache_policy 'checkpoint' or 'suffixreplay' (its "
                                  "live states), not 'none'")
+            if self.cache.num_checkpoint_slots < 1:
+                raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots keep the states "
+                                 "that leave the device's state slots: num_checkpoint_slots "
+                                 "must be >= 1")
             if self.cache.policy == "suffixreplay" and not self.replay.live_state:
                 raise ValueError("host_checkpoint_slots / ssd_checkpoint_slots under "
                                  "cache_policy 'suffixreplay' tier its live states: they need "

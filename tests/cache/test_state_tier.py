@@ -220,6 +220,9 @@ def test_state_slots_below_the_device_need_a_policy_that_saves_states():
     with pytest.raises(ValueError, match="not 'none'"):
         EngineConfig.from_params({"cache_policy": "none", "host_pages": "8",
                                   "host_checkpoint_slots": "4"})
+    with pytest.raises(ValueError, match="num_checkpoint_slots must be >= 1"):
+        EngineConfig.from_params({"cache_policy": "suffixreplay", "host_pages": "8",
+                                  "host_checkpoint_slots": "4", "num_checkpoint_slots": "0"})
     with pytest.raises(ValueError, match="need live_state on"):
         EngineConfig.from_params({"cache_policy": "suffixreplay", "host_pages": "8",
                                   "host_checkpoint_slots": "4", "live_state": "false"})
