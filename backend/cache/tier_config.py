@@ -21,8 +21,9 @@ class TierConfig:
     workers. o_direct: use O_DIRECT where the filesystem accepts it (probed). use_kvikio:
     allow the KvikIO backend where `probe_kvikio()` finds a GPU and libcufile.
     host_checkpoint_slots / ssd_checkpoint_slots: DRAM slots and SSD files for the saved
-    states of the checkpoint policy (`state_tier.py`); 0 / 0: states stay on the device and a
-    checkpoint is lost with its device slot.
+    states that leave the device's state slots (`state_tier.py`): the checkpoint policy's
+    checkpoints, or suffix replay's live states; 0 / 0: states stay on the device and a state
+    is lost with its device slot.
     model_fingerprint: identifies the weights and dtype (`fingerprint_model_dir`); SSD chunks
     of another fingerprint are foreign and never served. The SSD tier is on when
     `enable_ssd` and `ssd_path` is set (the default config is DRAM only).

@@ -62,8 +62,8 @@ class TierStats:
     prefetch_misses: int = 0  # on SSD only when needed: a foreground read
     prefetch_wait_seconds: float = 0.0  # engine time spent waiting for reads (admission)
     deferred_admissions: int = 0  # steps a request stayed queued for its reads while others ran
-    # checkpoint states (checkpoint policy, `state_tier.py`)
-    state_spills: int = 0  # device checkpoints copied to DRAM when their slot was reclaimed
+    # saved states below the device (checkpoints, suffix replay's live states: `state_tier.py`)
+    state_spills: int = 0  # device states copied to DRAM when their slot was reclaimed
     state_spills_skipped: int = 0  # no DRAM state slot could be freed: the state was lost
     state_host_evictions: int = 0  # DRAM state copies released (kept on SSD if written)
     state_ssd_writes: int = 0

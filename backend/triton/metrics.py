@@ -89,7 +89,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         GAUGE,
     ),
     "suffixreplay_checkpoint_state_tier_total": (
-        "Checkpoint states below the device (checkpoint policy), by event",
+        "Saved states below the device (checkpoints; suffix replay's live states), by event",
         COUNTER,
     ),
     "suffixreplay_checksum_failures_total": ("SSD chunks rejected by their checksum", COUNTER),
