@@ -131,25 +131,25 @@ class CacheManager:
         state (a device slot, else a lower tier) is loaded into the sequence's run slot; the
         path is cut there. Returns (path, whether a state was loaded)."""
         for i in range(len(nodes) - 1, -1, -1):
-            node = nodes[i]
-            if node.state_slot is not None:
-                self.executor.load_state(node.state_slot, seq.run_slot)
-            elif not (self.tiers is not None and self.tiers.load_state(
-                    node, self.executor.run_states, seq.run_slot)):
-                continue
-            return self._relock(nodes, i + 1), True
+            if self._load_saved_state(seq, nodes[i]):
+                return self._relock(nodes, i + 1), True
         return self._relock(nodes, 0), False
+
+    def _load_saved_state(self, seq: Sequence, node) -> bool:
+        """Loads `node`'s saved state (its device slot, else a copy a lower tier keeps:
+        `state_tier.py`) into the sequence's run slot; False: none, or a copy that failed
+        its checks (a miss)."""
+        if node.state_slot is not None:
+            self.executor.load_state(node.state_slot, seq.run_slot)
+            return True
+        return self.tiers is not None and self.tiers.load_state(
+            node, self.executor.run_states, seq.run_slot)
 
     def _resume_at_end(self, seq: Sequence, node) -> bool:
         """Suffix replay, no live state at the match's end: a state saved at the usable
         path's last node `node` anyway (its device slot where promotion cut the path short
-        of the match, else a copy a lower tier keeps: `state_tier.py`) is loaded into the
-        sequence's run slot instead of a replay. False: none (or a copy that failed its
-        checks, a miss)."""
-        if node.state_slot is not None:
-            self.executor.load_state(node.state_slot, seq.run_slot)
-        elif not (self.tiers is not None and self.tiers.load_state(
-                node, self.executor.run_states, seq.run_slot)):
+        of the match, else a lower tier's copy) is loaded instead of a replay."""
+        if not self._load_saved_state(seq, node):
             return False
         self.store.resumed_from(node)
         return True

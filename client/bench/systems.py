@@ -125,22 +125,22 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
     if system.startswith("pcr") or system in ("lmcache_like", "ours"):
         ssd = system != "pcr_dram" and ssd_dir is not None
         # The same DRAM bytes for every system: budget.host_pages KV pages' worth, shared
-        # with what the policy keeps beside the pages (anchor blocks tier with their page).
-        host_pages = budget.host_pages * page // (page + bytes_per_anchor_block(cfg, anchors))
+        # with what the policy keeps beside the pages.
+        host_bytes = budget.host_pages * page
         if policy == "checkpoint":  # the same DRAM / SSD bytes, shared with the states
-            units = budget.host_pages * page // unit
+            units = host_bytes // unit
             host_pages = units * group
             params["host_checkpoint_slots"] = str(units)
             if ssd:
                 params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // unit)
-        elif slots:  # live states that lose their device slot spill below it, as the
-            # checkpoint systems' states do, from the same bytes: up to an eighth of DRAM
-            # (and of the SSD budget), as on the device
-            host_bytes = budget.host_pages * page
-            spill = host_bytes // (8 * state)
+        else:  # anchor blocks tier with their page; the live states that lose their device
+            # slot (where the device budget spares any) spill below it, as the checkpoint
+            # systems' states do: up to an eighth of DRAM and of the SSD budget, as on the
+            # device
+            spill = host_bytes // (8 * state) if slots else 0
+            host_pages = (host_bytes - spill * state) // (
+                page + bytes_per_anchor_block(cfg, anchors))
             if spill:
-                host_pages = (host_bytes - spill * state) // (
-                    page + bytes_per_anchor_block(cfg, anchors))
                 params["host_checkpoint_slots"] = str(spill)
                 if ssd:
                     params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // (8 * state))

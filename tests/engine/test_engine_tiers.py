@@ -330,11 +330,13 @@ def test_checkpoint_states_survive_restart(model, tmp_path, corrupt):
     restarted.stop()
 
 
-def _restarted_over_ssd(model, tmp_path, policy: str, seeds) -> tuple[Engine, list]:
+def _restarted_over_ssd(model, tmp_path, policy: str, seeds,
+                        states: bool | None = None) -> tuple[Engine, list]:
     """An engine with one I/O thread restarted over an SSD tier that holds the prompts of
-    `seeds` (checkpoint policy: with their states): (engine, prompts)."""
-    slots = dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16) if policy == "checkpoint" \
-        else {}
+    `seeds` (with their saved states where `states`, by default under the checkpoint
+    policy): (engine, prompts)."""
+    states = policy == "checkpoint" if states is None else states
+    slots = dict(host_checkpoint_slots=1, ssd_checkpoint_slots=16) if states else {}
     tiers = TierConfig(host_pages=64, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
                        ssd_bytes=1 << 30, io_threads=1, **slots)
     base = make_engine(model, policy=policy, num_kv_pages=24, max_tokens_per_step=200,
@@ -358,6 +360,18 @@ def _collecting(engine: Engine, outputs: dict):
     return submit
 
 
+def _one_running(engine: Engine, seed: int):
+    """(submit, outputs, other): `_collecting`'s submit after a 100-token request "other"
+    was submitted and stepped until it decodes (prefilled: it decodes from here on)."""
+    outputs: dict = {}
+    submit = _collecting(engine, outputs)
+    other = random_prompt(100, 97, seed=seed)
+    submit("other", other)
+    while not outputs["other"]:
+        engine.step()
+    return submit, outputs, other
+
+
 def _hold_disk(engine: Engine) -> threading.Event:
     """Occupies the engine's one I/O thread until the returned event is set."""
     disk = threading.Event()
@@ -374,12 +388,7 @@ def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, t
     on (the engine thread does not wait for the disk); then it is scheduled with every page
     served from DRAM, no SSD read on demand, and decodes what a full prefill decodes."""
     engine, prompts = _restarted_over_ssd(model, tmp_path, policy, range(40, 44))
-    outputs: dict = {}
-    submit = _collecting(engine, outputs)
-    other = random_prompt(100, 97, seed=45)
-    submit("other", other)
-    while not outputs["other"]:
-        engine.step()  # prefilled: it decodes from here on
+    submit, outputs, other = _one_running(engine, seed=45)
     disk = _hold_disk(engine)
     branch = prompts[0][:150] + prompts[1][:30]
     submit("branch", branch)
@@ -404,17 +413,35 @@ def test_a_request_whose_pages_are_on_ssd_waits_queued_while_others_run(model, t
     engine.stop()
 
 
+def test_a_spilled_live_state_is_prefetched_while_its_request_waits(model, tmp_path):
+    """Suffix replay restarted over SSD with state slots: a request that matches exactly a
+    cached prompt's 192 tokens, arriving while another request runs, has that prompt's live
+    state read by the queue-driven prefetch (no read on demand), loads it instead of
+    replaying and decodes what a full prefill decodes."""
+    engine, prompts = _restarted_over_ssd(model, tmp_path, "suffixreplay", range(40, 44),
+                                          states=True)
+    submit, outputs, other = _one_running(engine, seed=45)
+    branch = prompts[0][:192] + prompts[1][:30]
+    submit("branch", branch)
+    while engine.has_work:
+        engine.step()
+    stats = engine.stats()
+    tiers = stats["tiers"]
+    assert tiers["state_prefetch_started"] >= 1 and tiers["state_prefetch_misses"] == 0, tiers
+    assert tiers["state_loads_host"] == 1 and tiers["state_loads_ssd"] == 0, tiers
+    assert stats["replayed_anchors"] == 0, stats
+    assert outputs["branch"] == _greedy(model, branch)
+    assert_no_leak(engine)
+    engine.tiers.assert_invariants()
+    engine.stop()
+
+
 def test_a_request_queued_for_its_reads_can_be_cancelled(model, tmp_path):
     """Two branches wait queued for a held disk; one is cancelled there. The other is served
     once the disk frees, the cancelled one's pages stay cached (a later request hits all of
     them), and nothing leaks."""
     engine, prompts = _restarted_over_ssd(model, tmp_path, "suffixreplay", range(60, 64))
-    outputs: dict = {}
-    submit = _collecting(engine, outputs)
-    other = random_prompt(100, 97, seed=65)
-    submit("other", other)
-    while not outputs["other"]:
-        engine.step()
+    submit, outputs, other = _one_running(engine, seed=65)
     disk = _hold_disk(engine)
     branches = [prompts[0][:150] + prompts[1][:30], prompts[2][:150] + prompts[3][:30]]
     submit("b0", branches[0])
