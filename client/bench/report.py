@@ -74,11 +74,28 @@ def _met(value, op: str, goal: float) -> str:
 
 
 def ratio_table(summary: dict) -> str:
-    lines = ["| key | measured | goal | met | paper |", "| --- | --- | --- | --- | --- |"]
+    """The goal keys; beside each, its 90% bootstrap interval over the run's requests
+    (`intervals.py`; "-" for the keys that get none) and what the interval says of the goal:
+    met or missed by the whole interval, or the goal within it (within the run's noise)."""
+    lines = ["| key | measured | 90% interval | goal | met | against the interval | paper |",
+             "| --- " * 7 + "|"]
+    intervals = summary.get("key_intervals") or {}
     for key, (op, goal, paper) in GOALS.items():
         v = summary.get(key, float("nan"))
-        lines.append(f"| `{key}` | {_fmt(v)} | {op} {goal} | {_met(v, op, goal)} | {paper} |")
+        iv = intervals.get(key)
+        span = f"{_fmt(iv[0])} to {_fmt(iv[1])}" if iv else "-"
+        lines.append(f"| `{key}` | {_fmt(v)} | {span} | {op} {goal} | {_met(v, op, goal)} | "
+                     f"{_against(iv, op, goal)} | {paper} |")
     return "\n".join(lines)
+
+
+def _against(interval, op: str, goal: float) -> str:
+    """"met" / "missed" when the whole interval meets / misses the goal, else "within noise";
+    "-" without an interval."""
+    if not interval:
+        return "-"
+    met = [_met(x, op, goal) == "yes" for x in interval]
+    return "met" if all(met) else "missed" if not any(met) else "within noise"
 
 
 def system_table(results: dict, workload: str) -> str:

@@ -28,6 +28,7 @@ from backend.model import load_model
 from client.bench import sim as simulator
 from client.bench import workloads as W
 from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
+from client.bench.intervals import key_intervals
 from client.bench.suite import (
     measure_in_process,
     run_in_process_interleaved,
@@ -346,6 +347,7 @@ def run(args: argparse.Namespace) -> dict:
             out.rmdir()
     bar.close()
     summary = ratios(results, p)
+    summary["key_intervals"] = key_intervals(runner.records, summary, p["rates"])
     summary.update(simulation(runner, jobs, results))
     summary.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": "2-core CPU, no GPU",
                     "mode": "in-process" if args.in_process else "tritonserver (gRPC)",
@@ -617,6 +619,7 @@ def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:
                              records=json.loads((out / "records.json").read_text()))
     jobs = build_jobs(plan(not full), runner)
     summary.update(ratios(summary["results"], plan(not full)))
+    summary["key_intervals"] = key_intervals(runner.records, summary, plan(not full)["rates"])
     summary.update(simulation(runner, jobs, summary["results"]))
     _dump(out / "summary.json", summary)
     from client.bench.report import write_report

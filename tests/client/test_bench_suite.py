@@ -507,3 +507,34 @@ def test_an_interrupted_suite_run_keeps_what_finished(tmp_path, monkeypatch):
     (out / "summary.json").write_text("{}")  # a finished run
     with pytest.raises(SystemExit, match="--force"):
         run_suite.run(args)
+
+
+def test_a_finished_suite_run_writes_intervals_beside_its_keys(tmp_path, monkeypatch):
+    """A whole (tiny, in-process) run: summary.json holds each ratio key with its bootstrap
+    interval from the run's own records, and report.md places the goal against it."""
+    import argparse
+    import json
+
+    from client.bench import run_suite
+
+    tiny = {"branch_systems": ("checkpoint", "suffixreplay"), "sharegpt": dict(sessions=3,
+            turns=4), "agentic": [], "agentic_fanout": 2, "agentic_depth": 1,
+            "agentic_grow": 1, "rag": dict(num_chunks=4, num_queries=4, chunk_tokens=64),
+            "rates": [4.0], "sweep_step": 128, "sweep_doc_tokens": 640, "sweep_base": 256,
+            "sweep_repeats": 1, "capacity": [], "capacity_passes": 1,
+            "capacity_doc_tokens": 256}
+    monkeypatch.setattr(run_suite, "plan", lambda quick: tiny)
+    monkeypatch.setattr(run_suite, "RESULTS_ROOT", tmp_path)
+    args = argparse.Namespace(full=False, in_process=True, model=str(MODEL_REPO / DEFAULT_MODEL),
+                              out="run", force=False)
+    run_suite.run(args)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    intervals = summary["key_intervals"]
+    assert set(intervals) == {"branching_ttft_reduction_vs_checkpoint_sharegpt",
+                              "pcr_ttft_speedup_vs_sccache", "pcr_ttft_speedup_vs_nocache"}
+    for key, (lo, hi) in intervals.items():
+        assert lo <= summary[key] <= hi, key  # ratios of means: the key lies within
+    report = (tmp_path / "run" / "report.md").read_text()
+    lo, hi = intervals["pcr_ttft_speedup_vs_sccache"]
+    assert f"| `pcr_ttft_speedup_vs_sccache` | {summary['pcr_ttft_speedup_vs_sccache']:.3f} | " \
+           f"{lo:.3f} to {hi:.3f} | >= 1.3 |" in report
