@@ -181,7 +181,11 @@ def write_report(summary: dict, out: Path) -> Path:
              f"{summary['date']}, {summary['machine']}, {summary['mode']}, model "
              f"`{Path(summary['model']).name}`, k_max {summary['k_max']}, "
              f"{summary['wall_seconds']:.0f} s.", "", "## Ratios (issue 8)", "",
-             ratio_table(summary), "", "Also measured:", "", also_table(summary), "",
+             ratio_table(summary), "",
+             "90% interval: the key recomputed over 2000 resamples of this run's requests "
+             "(`client/bench/intervals.py`; only for ratios of means). Against the interval: "
+             "met or missed by all of it, or the goal within it (within this run's noise).",
+             "", "Also measured:", "", also_table(summary), "",
              "Simulator validation error per run: "
              + ", ".join(f"{k} {_fmt(v, '.2f')}"
                          for k, v in summary["sim_validation_errors"].items()),
