@@ -350,6 +350,7 @@ def run(args: argparse.Namespace) -> dict:
     summary["key_intervals"] = key_intervals(runner.records, summary, p["rates"])
     summary.update(simulation(runner, jobs, results))
     summary.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": "2-core CPU, no GPU",
+                    "plan": p,
                     "mode": "in-process" if args.in_process else "tritonserver (gRPC)",
                     "quick": not args.full, "model": str(args.model), "k_max": runner.k_max,
                     "wall_seconds": round(time.time() - t0, 1), "results": results})
@@ -606,25 +607,52 @@ def rag_projection(workload: W.Workload, shapes, cost) -> dict:
     return out
 
 
-def resimulate(out: Path, model_dir: Path, full: bool = False) -> dict:
-    """Recomputes the ratio keys and the simulator part of a finished run from its results
-    and records (no engine runs)."""
+def resimulate(out: Path, model_dir: Path | None = None, full: bool | None = None) -> dict:
+    """Recomputes the ratio keys, their intervals, the simulator part and report.md of a
+    finished run from its results and records (no engine runs), with the plan the run
+    stored (runs before it was stored: the current plan of their kind, or `full`'s).
+    model_dir: the run's model (default: the one the run names, if it is here; else the
+    default model)."""
     from types import SimpleNamespace
 
     from backend.config import ModelConfig
 
     summary = json.loads((out / "summary.json").read_text())
+    if model_dir is None:
+        named = Path(summary.get("model", ""))
+        model_dir = named if (named / "config.json").exists() else Path(DEFAULT_MODEL)
+    if full is None:
+        full = summary.get("quick") is False
+    p = summary.get("plan") or plan(not full)
     cfg = ModelConfig.from_file(model_dir / "config.json")
     runner = SimpleNamespace(cfg=cfg, k_max=summary["k_max"], budget=BRANCH_BUDGET,
                              records=json.loads((out / "records.json").read_text()))
-    jobs = build_jobs(plan(not full), runner)
-    summary.update(ratios(summary["results"], plan(not full)))
-    summary["key_intervals"] = key_intervals(runner.records, summary, plan(not full)["rates"])
+    jobs = build_jobs(p, runner)
+    summary.update(ratios(summary["results"], p))
+    summary["key_intervals"] = key_intervals(runner.records, summary, p["rates"])
     summary.update(simulation(runner, jobs, summary["results"]))
     _dump(out / "summary.json", summary)
     from client.bench.report import write_report
 
     write_report(summary, out)
+    return summary
+
+
+def report_main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(
+        prog="python -m client.bench report",
+        description="Recompute a finished suite run's keys, intervals, simulator and report.md "
+                    "from its summary.json and records.json (no engine runs).")
+    p.add_argument("run", help="the run's folder, or its name under client/bench/results/")
+    p.add_argument("--model", help="the run's model folder (default: the one the run names)")
+    args = p.parse_args(argv)
+    out = Path(args.run)
+    if not (out / "summary.json").exists():
+        out = RESULTS_ROOT / args.run
+    if not (out / "summary.json").exists() or not (out / "records.json").exists():
+        raise SystemExit(f"{args.run}: no finished run there (summary.json and records.json)")
+    summary = resimulate(out, Path(args.model) if args.model else None)
+    print(f"rewrote {out}/summary.json, report.md and plots")
     return summary
 
 

@@ -538,3 +538,21 @@ def test_a_finished_suite_run_writes_intervals_beside_its_keys(tmp_path, monkeyp
     lo, hi = intervals["pcr_ttft_speedup_vs_sccache"]
     assert f"| `pcr_ttft_speedup_vs_sccache` | {summary['pcr_ttft_speedup_vs_sccache']:.3f} | " \
            f"{lo:.3f} to {hi:.3f} | >= 1.3 |" in report
+
+    # `python -m client.bench report` recomputes all of it from the run's files, with the
+    # plan the run stored (not today's).
+    from client.bench.__main__ import main
+
+    monkeypatch.undo()
+    out = tmp_path / "run"
+    (out / "report.md").unlink()
+    stripped = {k: v for k, v in summary.items() if k not in ("key_intervals",
+                                                             "sim_validation_error")}
+    (out / "summary.json").write_text(json.dumps(stripped))
+    assert main(["report", str(out)]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert again["key_intervals"] == intervals
+    assert again["sim_validation_error"] == pytest.approx(summary["sim_validation_error"])
+    assert (out / "report.md").read_text() == report
+    with pytest.raises(SystemExit, match="no finished run"):
+        main(["report", str(tmp_path / "nothing")])
