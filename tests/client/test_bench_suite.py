@@ -469,12 +469,10 @@ def test_summary_json_has_no_nan(tmp_path):
     assert _fmt(back["itl_ms"]["mean"]) == "n/a"
 
 
-def test_an_interrupted_suite_run_keeps_what_finished(tmp_path, monkeypatch):
-    """Each finished run is on disk (partial.json, records.json) as soon as it finishes: a
-    Ctrl-C or a timeout in a later run loses only that run. And a finished run is not
-    overwritten unless asked to."""
+def _tiny_suite(monkeypatch, tmp_path, **changes):
+    """A plan of a few requests a workload (`changes` on top), results under `tmp_path`;
+    returns the arguments of an in-process run of it named "run"."""
     import argparse
-    import json
 
     from client.bench import run_suite
 
@@ -483,16 +481,27 @@ def test_an_interrupted_suite_run_keeps_what_finished(tmp_path, monkeypatch):
             "agentic_grow": 1, "rag": dict(num_chunks=4, num_queries=2, chunk_tokens=64),
             "rates": [1.0], "sweep_step": 128, "sweep_doc_tokens": 640, "sweep_base": 256,
             "sweep_repeats": 1, "capacity": [], "capacity_passes": 1,
-            "capacity_doc_tokens": 256}
+            "capacity_doc_tokens": 256, **changes}
     monkeypatch.setattr(run_suite, "plan", lambda quick: tiny)
     monkeypatch.setattr(run_suite, "RESULTS_ROOT", tmp_path)
+    return argparse.Namespace(full=False, in_process=True,
+                              model=str(MODEL_REPO / DEFAULT_MODEL), out="run", force=False)
+
+
+def test_an_interrupted_suite_run_keeps_what_finished(tmp_path, monkeypatch):
+    """Each finished run is on disk (partial.json, records.json) as soon as it finishes: a
+    Ctrl-C or a timeout in a later run loses only that run. And a finished run is not
+    overwritten unless asked to."""
+    import json
+
+    from client.bench import run_suite
+
+    args = _tiny_suite(monkeypatch, tmp_path)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(run_suite.Runner, "run_system", interrupted)  # RAG runs one by one
-    args = argparse.Namespace(full=False, in_process=True, model=str(MODEL_REPO / DEFAULT_MODEL),
-                              out="run", force=False)
     with pytest.raises(KeyboardInterrupt):
         run_suite.run(args)
     out = tmp_path / "run"
@@ -512,22 +521,14 @@ def test_an_interrupted_suite_run_keeps_what_finished(tmp_path, monkeypatch):
 def test_a_finished_suite_run_writes_intervals_beside_its_keys(tmp_path, monkeypatch):
     """A whole (tiny, in-process) run: summary.json holds each ratio key with its bootstrap
     interval from the run's own records, and report.md places the goal against it."""
-    import argparse
     import json
 
     from client.bench import run_suite
 
-    tiny = {"branch_systems": ("checkpoint", "suffixreplay"), "sharegpt": dict(sessions=3,
-            turns=4), "agentic": [], "agentic_fanout": 2, "agentic_depth": 1,
-            "agentic_grow": 1, "rag": dict(num_chunks=4, num_queries=4, chunk_tokens=64),
-            "rates": [4.0], "sweep_step": 128, "sweep_doc_tokens": 640, "sweep_base": 256,
-            "sweep_repeats": 1, "capacity": [], "capacity_passes": 1,
-            "capacity_doc_tokens": 256}
-    monkeypatch.setattr(run_suite, "plan", lambda quick: tiny)
-    monkeypatch.setattr(run_suite, "RESULTS_ROOT", tmp_path)
-    args = argparse.Namespace(full=False, in_process=True, model=str(MODEL_REPO / DEFAULT_MODEL),
-                              out="run", force=False)
-    run_suite.run(args)
+    # Branch requests (4) and RAG queries (4) enough to resample.
+    run_suite.run(_tiny_suite(monkeypatch, tmp_path, sharegpt=dict(sessions=3, turns=4),
+                              rag=dict(num_chunks=4, num_queries=4, chunk_tokens=64),
+                              rates=[4.0]))
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     intervals = summary["key_intervals"]
     assert set(intervals) == {"branching_ttft_reduction_vs_checkpoint_sharegpt",
