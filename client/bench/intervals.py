@@ -36,14 +36,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from client.bench.suite import reduction
+
+# The capacity key: ours against the checkpoint systems at working sets of at least this
+# many times the device pool (issue 8; `run_suite.ratios` takes the smallest ratio of them).
+CAPACITY_KEY_FACTOR = 4
 BRANCHING_WORKLOADS = ("agentic16k", "agentic5k", "sharegpt")
 LEVELS = (5.0, 95.0)
 
 
-def _ok(rows: list[dict], tag: str | None = None, prefix: str | None = None) -> list[dict]:
-    return [r for r in rows if not r.get("error")
-            and (tag is None or r["tag"] == tag)
-            and (prefix is None or r["tag"].startswith(prefix))]
+def _ok(rows: list[dict], tag: str | None = None) -> list[dict]:
+    return [r for r in rows if not r.get("error") and (tag is None or r["tag"] == tag)]
 
 
 def _paired(records: dict, workload: str, systems: tuple[str, ...], field: str,
@@ -75,15 +78,11 @@ def _paired_interval(values: np.ndarray, stat: Callable[[np.ndarray], float],
     return _interval([stat(values[:, rng.integers(0, m, m)]) for _ in range(n)])
 
 
-def _reduction(ours: float, base: float) -> float:
-    return 1 - ours / base if base else float("nan")
-
-
 def _branching(records: dict, workload: str, rng, n: int) -> list[float] | None:
     values = _paired(records, workload, ("suffixreplay", "checkpoint"), "ttft", tag="branch")
     if values is None:
         return None
-    return _paired_interval(values, lambda v: _reduction(v[0].mean(), v[1].mean()), rng, n)
+    return _paired_interval(values, lambda v: reduction(v[0].mean(), v[1].mean()), rng, n)
 
 
 def _throughput(e2el: np.ndarray) -> float:
@@ -98,10 +97,11 @@ def _scaled(draws: list[float], point: float, key: float) -> list[float] | None:
 
 
 def _capacity(records: dict, factors: list[int], key: float, rng, n: int) -> list[float] | None:
-    """Ours over the better checkpoint system at each factor >= 4, the smallest of them."""
+    """Ours over the better checkpoint system at each factor from CAPACITY_KEY_FACTOR on,
+    the smallest of them."""
     per_factor = []
     for f in factors:
-        if f < 4:
+        if f < CAPACITY_KEY_FACTOR:
             continue
         e2el = {}
         for system in ("ours", "checkpoint", "pcr_dram"):
@@ -134,11 +134,11 @@ def _rag(records: dict, moderate: str, rng, n: int) -> dict[str, list[float] | N
     return out
 
 
-def key_intervals(records: dict[str, list[dict]], summary: dict, rates: list[float],
-                  n: int = 2000, seed: int = 0) -> dict[str, list[float] | None]:
-    """{goal key: [5th, 95th percentile]} for the keys `summary` holds (None where the run
-    has too few requests behind a key). records: `Runner.records` ({"workload/system": per-
-    request rows}); rates: the plan's RAG rates (the key's moderate rate is the middle one)."""
+def key_intervals(records: dict[str, list[dict]], summary: dict, n: int = 2000,
+                  seed: int = 0) -> dict[str, list[float] | None]:
+    """{goal key: [5th, 95th percentile]} for the keys `summary` (`run_suite.ratios`) holds
+    (None where the run has too few requests behind a key). records: `Runner.records`
+    ({"workload/system": per-request rows})."""
     rng = np.random.default_rng(seed)
     out: dict[str, list[float] | None] = {}
     for workload in BRANCHING_WORKLOADS:
@@ -150,6 +150,7 @@ def key_intervals(records: dict[str, list[dict]], summary: dict, rates: list[flo
         factors = [int(f) for f in summary.get("capacity_throughput_ratio_by_factor", {})]
         out["capacity_throughput_ratio_vs_checkpoint"] = _capacity(records, factors, key,
                                                                    rng, n)
-    if rates and "pcr_ttft_speedup_vs_sccache" in summary:
-        out.update(_rag(records, f"rag_rate{rates[len(rates) // 2]:g}", rng, n))
+    rate = summary.get("rag_moderate_rate")  # the RAG keys' rate
+    if rate is not None:
+        out.update(_rag(records, f"rag_rate{rate:g}", rng, n))
     return out

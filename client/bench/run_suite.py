@@ -28,9 +28,10 @@ from backend.model import load_model
 from client.bench import sim as simulator
 from client.bench import workloads as W
 from client.bench.common import DEFAULT_MODEL, RESULTS_ROOT
-from client.bench.intervals import key_intervals
+from client.bench.intervals import CAPACITY_KEY_FACTOR, key_intervals
 from client.bench.suite import (
     measure_in_process,
+    reduction,
     run_in_process_interleaved,
     run_served,
     run_served_interleaved,
@@ -272,10 +273,6 @@ def _mean_over_cuts(s: dict) -> float:
     return sum(means) / len(means) if means else float("nan")
 
 
-def _reduction(ours: float, base: float) -> float:
-    return 1 - ours / base if base and not math.isnan(base) else float("nan")
-
-
 def _dump(path: Path, obj) -> None:
     """JSON without NaN (not JSON: jq, browsers and most parsers reject it): null instead."""
     def clean(x):
@@ -347,7 +344,7 @@ def run(args: argparse.Namespace) -> dict:
             out.rmdir()
     bar.close()
     summary = ratios(results, p)
-    summary["key_intervals"] = key_intervals(runner.records, summary, p["rates"])
+    summary["key_intervals"] = key_intervals(runner.records, summary)
     summary.update(simulation(runner, jobs, results))
     summary.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": "2-core CPU, no GPU",
                     "plan": p,
@@ -424,10 +421,10 @@ def ratios(results: dict, p: dict) -> dict:
                       ("sharegpt", "branching_ttft_reduction_vs_checkpoint_sharegpt")):
         if name in results:
             res = results[name]
-            r[key] = _reduction(_mean_ttft(res["suffixreplay"], "branch"),
+            r[key] = reduction(_mean_ttft(res["suffixreplay"], "branch"),
                                 _mean_ttft(res["checkpoint"], "branch"))
             if SGLANG in res:
-                r[f"branching_ttft_reduction_vs_sglang_{name}"] = _reduction(
+                r[f"branching_ttft_reduction_vs_sglang_{name}"] = reduction(
                     _mean_ttft(res["suffixreplay"], "branch"), _mean_ttft(res[SGLANG], "branch"))
     sweep = results.get("distance_sweep")
     if sweep:
@@ -441,7 +438,7 @@ def ratios(results: dict, p: dict) -> dict:
         if SGLANG in sweep:  # SGLang keeps no state inside the document: every cut recomputes
             # Over the cuts only: the warm-up requests (the whole document, uncached in its
             # fresh namespace) cost every system the same.
-            r["distance_sweep_ttft_reduction_vs_sglang"] = _reduction(
+            r["distance_sweep_ttft_reduction_vs_sglang"] = reduction(
                 _mean_over_cuts(sweep["suffixreplay"]), _mean_over_cuts(sweep[SGLANG]))
     caps = {int(k.split("_")[1].rstrip("x")): v for k, v in results.items()
             if k.startswith("capacity_")}
@@ -459,7 +456,7 @@ def ratios(results: dict, p: dict) -> dict:
     r["capacity_throughput_ratio_same_tiers_by_factor"] = {
         f: steady(v["ours"]) / steady(v["lmcache_like"]) for f, v in caps.items()
         if "lmcache_like" in v}
-    at4 = [v for f, v in ratios_by_factor.items() if f >= 4]
+    at4 = [v for f, v in ratios_by_factor.items() if f >= CAPACITY_KEY_FACTOR]
     r["capacity_throughput_ratio_vs_checkpoint"] = min(at4) if at4 else float("nan")
     rates = p["rates"]
     moderate = f"rag_rate{rates[len(rates) // 2]:g}" if rates else None
@@ -474,9 +471,9 @@ def ratios(results: dict, p: dict) -> dict:
         r["ours_ttft_speedup_vs_nocache"] = _mean_ttft(rag["nocache"]) / _mean_ttft(rag["ours"])
         r["pcr_ttft_speedup_vs_nocache"] = _mean_ttft(rag["nocache"]) / _mean_ttft(
             rag["pcr_full"])
-        r["rag_p99_e2el_reduction_vs_lmcache_like"] = _reduction(
+        r["rag_p99_e2el_reduction_vs_lmcache_like"] = reduction(
             rag["pcr_full"]["e2el_ms"]["p99"], rag["lmcache_like"]["e2el_ms"]["p99"])
-        r["rag_p99_e2el_reduction_vs_lmcache_like_ours"] = _reduction(
+        r["rag_p99_e2el_reduction_vs_lmcache_like_ours"] = reduction(
             rag["ours"]["e2el_ms"]["p99"], rag["lmcache_like"]["e2el_ms"]["p99"])
         r["rag_moderate_rate"] = rates[len(rates) // 2]
     return r
@@ -629,7 +626,7 @@ def resimulate(out: Path, model_dir: Path | None = None, full: bool | None = Non
                              records=json.loads((out / "records.json").read_text()))
     jobs = build_jobs(p, runner)
     summary.update(ratios(summary["results"], p))
-    summary["key_intervals"] = key_intervals(runner.records, summary, p["rates"])
+    summary["key_intervals"] = key_intervals(runner.records, summary)
     summary.update(simulation(runner, jobs, summary["results"]))
     _dump(out / "summary.json", summary)
     from client.bench.report import write_report

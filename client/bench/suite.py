@@ -10,6 +10,7 @@ Both record per request: TTFT, end-to-end latency, inter-token latencies, cached
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import threading
 import time
@@ -58,6 +59,11 @@ class Record:
             if out.finish_reason == "error":
                 self.error = "error"
         return out.finished
+
+
+def reduction(ours: float, base: float) -> float:
+    """1 - ours / base: the share of `base` that `ours` saves (NaN without a base)."""
+    return 1 - ours / base if base and not math.isnan(base) else float("nan")
 
 
 def percentile(values: list[float], q: float) -> float:

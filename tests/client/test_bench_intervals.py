@@ -30,7 +30,7 @@ def test_paired_branch_requests_keep_their_shared_noise_out_of_the_interval():
     reduction is that factor in every resample, however much the requests differ."""
     base = np.random.default_rng(1).lognormal(-2.5, 0.8, 40)
     records = {"sharegpt/checkpoint": _rows(base), "sharegpt/suffixreplay": _rows(0.7 * base)}
-    out = key_intervals(records, {BRANCH: 0.3}, rates=[])
+    out = key_intervals(records, {BRANCH: 0.3})
     assert out[BRANCH] == pytest.approx([0.3, 0.3])
 
 
@@ -42,7 +42,7 @@ def test_branch_interval_brackets_the_key_and_narrows_with_more_requests():
         ours = base * rng.lognormal(np.log(0.8), 0.3, n)
         records = {"sharegpt/checkpoint": _rows(base), "sharegpt/suffixreplay": _rows(ours)}
         key = 1 - ours.mean() / base.mean()
-        lo, hi = key_intervals(records, {BRANCH: key}, rates=[])[BRANCH]
+        lo, hi = key_intervals(records, {BRANCH: key})[BRANCH]
         assert lo < key < hi
         return [lo, hi]
 
@@ -57,13 +57,13 @@ def test_only_requests_every_system_answered_and_only_branches_count():
     ours = _rows([0.09, 2.5, 0.15, 0.2, 7.0]) + _rows([1.0], tag="turn", start=10)  # r4: alone
     ours[0]["error"] = "timed out"  # (0.09: not half of its pair's)
     records = {"sharegpt/checkpoint": ck, "sharegpt/suffixreplay": ours}
-    assert key_intervals(records, {BRANCH: 0.5}, rates=[])[BRANCH] == pytest.approx([0.5, 0.5])
+    assert key_intervals(records, {BRANCH: 0.5})[BRANCH] == pytest.approx([0.5, 0.5])
 
 
 def test_too_few_requests_give_no_interval_and_missing_keys_none_at_all():
     records = {"sharegpt/checkpoint": _rows([0.1]), "sharegpt/suffixreplay": _rows([0.05])}
-    assert key_intervals(records, {BRANCH: 0.5}, rates=[]) == {BRANCH: None}
-    assert key_intervals(records, {}, rates=[]) == {}
+    assert key_intervals(records, {BRANCH: 0.5}) == {BRANCH: None}
+    assert key_intervals(records, {}) == {}
 
 
 def test_capacity_interval_is_the_service_time_ratio_scaled_to_the_key():
@@ -73,12 +73,12 @@ def test_capacity_interval_is_the_service_time_ratio_scaled_to_the_key():
     records = {f"capacity_4x/{s}": _rows(v, "repeat", "e2el") for s, v in rows.items()}
     records["capacity_4x/ours"] += _rows([3.0] * 8, "first", "e2el", start=8)  # first pass
     summary = {CAPACITY: 3.8, "capacity_throughput_ratio_by_factor": {"4": 3.8}}
-    assert key_intervals(records, summary, rates=[])[CAPACITY] == pytest.approx([3.8, 3.8])
+    assert key_intervals(records, summary)[CAPACITY] == pytest.approx([3.8, 3.8])
 
     rng = np.random.default_rng(3)
     noisy = {s: np.array(v) * rng.lognormal(0, 0.2, 8) for s, v in rows.items()}
     records.update({f"capacity_4x/{s}": _rows(v, "repeat", "e2el") for s, v in noisy.items()})
-    lo, hi = key_intervals(records, summary, rates=[])[CAPACITY]
+    lo, hi = key_intervals(records, summary)[CAPACITY]
     assert lo < 3.8 < hi and hi - lo > 0.2
 
 
@@ -89,17 +89,18 @@ def test_capacity_takes_the_smallest_ratio_over_the_factors_from_4x():
             records[f"capacity_{f}x/{system}"] = _rows([e2el] * 4, "repeat", "e2el")
     summary = {CAPACITY: 2.0, "capacity_throughput_ratio_by_factor": {2: 8.0, 4: 4.0, 8: 2.0}}
     # 8x sets the key (2.0); the 2x ratio (8.0) is no part of it: the interval is the key's.
-    assert key_intervals(records, summary, rates=[])[CAPACITY] == pytest.approx([2.0, 2.0])
+    assert key_intervals(records, summary)[CAPACITY] == pytest.approx([2.0, 2.0])
     del records["capacity_8x/pcr_dram"]
-    assert key_intervals(records, summary, rates=[])[CAPACITY] is None
+    assert key_intervals(records, summary)[CAPACITY] is None
 
 
 def test_rag_speedups_pair_the_moderate_rates_queries():
     q = np.random.default_rng(4).lognormal(-2, 1.0, 12)
     records = _rag(q, 1.25 * q, 2.0 * q)
     records["rag_rate6/pcr_full"] = _rows(100 * q, "rag")  # another rate: not the key's
-    summary = {SCCACHE: 1.25, NOCACHE: 2.0, "rag_p99_e2el_reduction_vs_lmcache_like": 0.1}
-    out = key_intervals(records, summary, rates=[1.5, 3.0, 6.0])
+    summary = {SCCACHE: 1.25, NOCACHE: 2.0, "rag_p99_e2el_reduction_vs_lmcache_like": 0.1,
+               "rag_moderate_rate": 3.0}
+    out = key_intervals(records, summary)
     assert out[SCCACHE] == pytest.approx([1.25, 1.25])
     assert out[NOCACHE] == pytest.approx([2.0, 2.0])
     # No interval for the P99 key (an extreme statistic: module docstring).
