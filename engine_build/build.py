@@ -1,4 +1,5 @@
-"""Builds a Triton model repository that serves a hybrid checkpoint (Qwen3.5 or Nemotron-H).
+"""Builds a Triton model repository that serves a hybrid checkpoint (Qwen3.5, Qwen3-Next or
+Nemotron-H).
 
     python -m engine_build.build --model CKPT --repo OUT                    # eager (default)
     python -m engine_build.build --model CKPT --repo OUT --backend aot      # AOTInductor engine
@@ -176,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="Hugging Face-format checkpoint directory")
     p.add_argument("--repo", required=True, help="model repository to write")
     p.add_argument("--backend", choices=("eager", "aot", "tensorrt"), default="eager")
-    p.add_argument("--device", default="cpu", help="aot: cpu or cuda")
+    p.add_argument("--device", default="cpu", help="aot: cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--engine-dir", default="aot", help="aot: engine folder inside --model")
     p.add_argument("--calibrate", action="store_true",
