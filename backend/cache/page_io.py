@@ -39,6 +39,9 @@ class PageLayout(NamedTuple):
     hidden_size: int = 0
     anchor_dtype: str = "float32"
     anchor_scales: bool = False  # int8 anchors: one fp32 scale per row, before the rows
+    # Where a page's anchors lie ("dense_tail" / "uniform"): the same bytes mean other token
+    # positions under another sampling, so a chunk written under one is a miss under another.
+    anchor_sampling: str = ""
 
     @property
     def kv_shape(self) -> tuple[int, ...]:
@@ -80,10 +83,12 @@ class PageLayout(NamedTuple):
 
     def describe(self) -> str:
         """Canonical text of the layout, stored in every SSD chunk header (`anchor_scales`
-        only where set, so layouts without it read as they were written before it)."""
+        and `anchor_sampling` only where set, so layouts without them read as they were
+        written before them)."""
         fields = self._asdict()
-        if not fields["anchor_scales"]:
-            del fields["anchor_scales"]
+        for optional in ("anchor_scales", "anchor_sampling"):
+            if not fields[optional]:
+                del fields[optional]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
@@ -134,7 +139,9 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 class DeviceBuffers:
     """Reads and writes one page's KV (all layers) and one anchor block in the engine's
     buffers. k, v: per attention layer `[P * page_size, Hkv, Dh]`; anchors: `[G, B * a, D]`
-    or None (no SuffixReplay anchors); anchor_scales: `[G, B * a]` fp32 for int8 anchors."""
+    or None (no SuffixReplay anchors); anchor_scales: `[G, B * a]` fp32 for int8 anchors;
+    anchor_sampling: where the anchors lie in their page (part of the layout the SSD tier
+    checks: `PageLayout.anchor_sampling`)."""
 
     def __init__(
         self,
@@ -145,6 +152,7 @@ class DeviceBuffers:
         anchors_per_page: int = 0,
         states: Any = None,
         anchor_scales: torch.Tensor | None = None,
+        anchor_sampling: str = "",
     ) -> None:
         if not k or len(k) != len(v):
             raise ValueError(f"need one k and one v per attention layer, got {len(k)}, {len(v)}")
@@ -177,15 +185,17 @@ class DeviceBuffers:
             hidden_size=anchors.shape[2] if anchors is not None else 0,
             anchor_dtype=_dtype_name(anchors.dtype) if anchors is not None else "float32",
             anchor_scales=self.anchor_scales is not None,
+            anchor_sampling=anchor_sampling if anchors is not None else "",
         )
 
     @classmethod
-    def from_executor(cls, executor: Any, anchors_per_page: int, with_anchors: bool = True):
+    def from_executor(cls, executor: Any, anchors_per_page: int, with_anchors: bool = True,
+                      anchor_sampling: str = ""):
         """From a `TorchExecutor` (its `kv` PagedKV, `anchors` tensor and saved states)."""
         anchors = executor.anchors if with_anchors and anchors_per_page > 0 else None
         return cls(executor.kv.k, executor.kv.v, executor.kv.page_size, anchors, anchors_per_page,
                    getattr(executor, "saved_states", None),
-                   getattr(executor, "anchor_scales", None))
+                   getattr(executor, "anchor_scales", None), anchor_sampling)
 
     @property
     def num_pages(self) -> int:

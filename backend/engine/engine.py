@@ -128,9 +128,10 @@ class Engine:
         self.model_config = self.executor.config
         self.tiers = None
         if self.config.tiers is not None:
-            buffers = DeviceBuffers.from_executor(self.executor, cache_cfg.anchors_per_page,
-                                                  with_anchors=cache_cfg.uses_anchors)
             replay = self.config.replay
+            buffers = DeviceBuffers.from_executor(self.executor, cache_cfg.anchors_per_page,
+                                                  with_anchors=cache_cfg.uses_anchors,
+                                                  anchor_sampling=replay.sampling)
             tag = "" if cache_cfg.policy != "suffixreplay" else (
                 f"replay:{replay.sampling}:{replay.anchor_density!r}:"
                 f"{replay.budget_fraction!r}:{replay.k_max}:{replay.anchor_dtype}")

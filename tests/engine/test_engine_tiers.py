@@ -95,6 +95,40 @@ def test_ssd_tier_survives_restart(model, tmp_path):
     restarted.stop()
 
 
+@pytest.mark.parametrize("sampling", ["dense_tail", "uniform"])
+def test_anchors_written_under_another_sampling_are_a_miss(model, tmp_path, sampling):
+    """A page's anchor block holds the hidden states at its sampled positions: the same bytes
+    read under the other sampling would be taken for other positions and replay a state no
+    configuration computes. Restarted with the other `sampling`, the SSD chunks are refused
+    (their layout names the sampling) and the branch is prefilled in full; restarted with the
+    same one (first: a miss writes the branch's pages again, under its own layout), they are
+    hits."""
+    other = {"dense_tail": "uniform", "uniform": "dense_tail"}[sampling]
+    cfg = TierConfig(host_pages=12, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m1",
+                     ssd_bytes=1 << 30)
+
+    def engine(sampling):
+        replay = ReplayConfig(anchor_density=0.25, budget_fraction=1.0, k_max=8,
+                              live_state=False, sampling=sampling)
+        base = make_engine(model, replay=replay, num_kv_pages=24, max_tokens_per_step=200)
+        return Engine(model, replace(base.config, tiers=cfg))
+
+    prompts = _fill_ssd(engine(sampling), range(20, 24))
+    branch = prompts[0][:150] + prompts[1][:30]
+    for reader, hit in ((sampling, True), (other, False)):
+        restarted = engine(reader)
+        got = restarted.generate(branch, GREEDY)
+        stats = restarted.stats()["tiers"]
+        if hit:
+            assert got.cached_tokens == 144 and got.replayed_anchors > 0
+        else:
+            assert got.cached_tokens == 0 and got.replayed_anchors == 0
+            assert stats["chunk_rejects"].get("layout_mismatch", 0) > 0, stats["chunk_rejects"]
+            assert got.new_token_ids == _greedy(model, branch)
+        assert_no_leak(restarted)
+        restarted.stop()
+
+
 def test_hit_counters_count_the_pages_a_request_used(model, tmp_path):
     """Pages stage from SSD through DRAM: with 4 DRAM slots a restarted engine can use 4 of
     the branch's 9 cached pages (the rest is recomputed, with the same tokens). The hit
