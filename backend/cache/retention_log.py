@@ -12,10 +12,15 @@ and priorities already expired, are skipped: a cache may forget, never mistake o
 another, since the prefix hash names the page and its whole prefix in its namespace) and
 rewritten with what is left; when it grows to several times its live entries it is rewritten
 again. A restored page takes its logged priority for the rest of its duration.
+
+The log is best-effort, as the SSD tier's chunks are: where a write fails (a full disk, the
+directory gone) it warns once, counts the failure (`write_errors`) and goes on; the priority
+still holds in this process, and a restart may forget it.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Container
@@ -27,6 +32,8 @@ FILE_NAME = "retention.log"
 COMPACT_MIN_LINES = 4096  # rewrite once the file holds this many lines and ...
 COMPACT_FACTOR = 4  # ... this many times its live entries
 
+log = logging.getLogger(__name__)
+
 
 class RetentionLog:
     def __init__(self, directory: str | Path, on_disk: Container[bytes] | None = None,
@@ -37,6 +44,7 @@ class RetentionLog:
         self.clock = clock
         self.entries: dict[bytes, tuple[int, float | None]] = {}
         self.skipped = 0  # lines that did not parse (a torn last line, a foreign file)
+        self.write_errors = 0  # appends and rewrites that failed (OSError)
         self._read()
         if on_disk is not None:
             self.entries = {k: v for k, v in self.entries.items() if k in on_disk}
@@ -50,8 +58,12 @@ class RetentionLog:
                 return
         else:
             self.entries[prefix_hash] = (priority, expires)
-        with open(self.path, "a") as f:
-            f.write(_line(prefix_hash, priority, expires))
+        try:
+            with open(self.path, "a") as f:
+                f.write(_line(prefix_hash, priority, expires))
+        except OSError as error:
+            self._failed("appending to", error)
+            return
         self.lines += 1
         if self.lines >= COMPACT_MIN_LINES and self.lines >= COMPACT_FACTOR * len(self.entries):
             self._rewrite()
@@ -95,10 +107,24 @@ class RetentionLog:
         live = {k: v for k, v in self.entries.items() if v[1] is None or v[1] > now}
         self.entries = live
         tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.writelines(_line(k, p, e) for k, (p, e) in live.items())
-        os.replace(tmp, self.path)
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(_line(k, p, e) for k, (p, e) in live.items())
+            os.replace(tmp, self.path)
+        except OSError as error:
+            self._failed("rewriting", error)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return
         self.lines = len(live)
+
+    def _failed(self, doing: str, error: OSError) -> None:
+        if not self.write_errors:
+            log.warning("retention log: %s %s failed (%r); priorities set from now on may "
+                        "not survive a restart, serving goes on", doing, self.path, error)
+        self.write_errors += 1
 
 
 def _line(prefix_hash: bytes, priority: int, expires: float | None) -> str:

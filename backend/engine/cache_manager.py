@@ -340,21 +340,26 @@ class CacheManager:
         seq.num_tree_pages = num_pages
 
     def release(self, seq: Sequence, cache: bool) -> None:
-        """Frees what the sequence holds; with `cache`, its computed pages are inserted."""
+        """Frees what the sequence holds; with `cache`, its computed pages are inserted. The
+        sequence lets go of everything before any of it is freed, so a release that fails
+        partway (and the cancel that follows it) never frees a page twice."""
         if cache:
             self.insert(seq, seq.num_computed)
         private = seq.page_table[seq.num_tree_pages:]
         anchors = seq.anchor_blocks[seq.num_tree_pages:] if self.store.uses_anchors else []
-        self.store.free_pages(private, anchors)
-        self.store.free_state_slots(list(seq.pending_states.values()))
-        if seq.locked_nodes:
-            retention = seq.request.retention
-            if retention is None:
-                retention = self.session_retention if seq.request.session_id \
-                    else DEFAULT_RETENTION
-            self.store.retain(seq.locked_nodes, retention.page_priorities(
-                len(seq.locked_nodes), self.page_size, seq.num_prompt_tokens))
-        self.store.unlock(seq.locked_nodes)
-        self.store.trim()
+        states, locked = list(seq.pending_states.values()), seq.locked_nodes
         seq.page_table, seq.anchor_blocks, seq.locked_nodes = [], [], []
         seq.pending_states, seq.num_tree_pages, seq.live_position = {}, 0, None
+        try:
+            self.store.free_pages(private, anchors)
+            self.store.free_state_slots(states)
+            if locked:
+                retention = seq.request.retention
+                if retention is None:
+                    retention = self.session_retention if seq.request.session_id \
+                        else DEFAULT_RETENTION
+                self.store.retain(locked, retention.page_priorities(
+                    len(locked), self.page_size, seq.num_prompt_tokens))
+        finally:
+            self.store.unlock(locked)
+            self.store.trim()

@@ -477,7 +477,11 @@ class Engine:
         for seq in list(self.scheduler.running) + list(self.scheduler.waiting):
             if seq.beam is not None and seq is not seq.beam.leader:
                 continue  # a beam of a beam search: cancelled with its leader
-            self.scheduler.cancel(seq)
+            try:
+                self.scheduler.cancel(seq)
+            except Exception:  # its request still ends; the engine goes on
+                log.exception("releasing request %s after a failed step failed",
+                              seq.request.request_id)
             outputs.append(seq.output([], True, "error", error=message))
         self.num_failed += len(outputs)
         return outputs

@@ -662,13 +662,17 @@ class Scheduler:
         return reason
 
     def _finish(self, seq: Sequence) -> None:
-        if self.drafter is not None:
-            self.drafter.learn(seq)
-        self.cache.release(seq, cache=True)
-        self.running.remove(seq)
-        self.free_slots.append(seq.run_slot)
-        seq.status = SeqStatus.FINISHED
-        self.num_finished += 1
+        """A finished sequence (its last output is out) leaves the batch, also where its
+        cache work fails (the step's failure then ends the others)."""
+        try:
+            if self.drafter is not None:
+                self.drafter.learn(seq)
+            self.cache.release(seq, cache=True)
+        finally:
+            self.running.remove(seq)
+            self.free_slots.append(seq.run_slot)
+            seq.status = SeqStatus.FINISHED
+            self.num_finished += 1
 
     def time_out(self, seq: Sequence) -> RequestOutput:
         """Ends `seq` at its deadline as `cancel` does, with finish_reason "timed_out", but
@@ -699,9 +703,12 @@ class Scheduler:
         if seq.beam is not None and seq.status is SeqStatus.RUNNING:
             self._release_beams(seq.beam, cache=False)
         elif seq.status is SeqStatus.RUNNING:
-            self.cache.release(seq, cache=cache)
-            self.running.remove(seq)
-            self.free_slots.append(seq.run_slot)
+            try:
+                self.cache.release(seq, cache=cache)
+            finally:  # out of the batch whatever the release did
+                self.running.remove(seq)
+                self.free_slots.append(seq.run_slot)
+                seq.status = SeqStatus.FINISHED
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED

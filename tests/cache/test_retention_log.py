@@ -63,3 +63,28 @@ def test_without_an_ssd_tier_nothing_is_logged(tmp_path):
     store.retain(path, [(90, None), (90, None)])
     assert tiers.retention_log is None and not (tmp_path / FILE_NAME).exists()
     tiers.close()
+
+
+def test_a_log_that_cannot_be_written_is_forgotten_not_raised(tmp_path, monkeypatch, caplog):
+    """The SSD directory removed (or the disk full) under a running engine: appends and
+    rewrites fail, the log warns once and counts them, and the priorities still hold in this
+    process (a restart may forget them, as it may forget a chunk)."""
+    import backend.cache.retention_log as module
+
+    monkeypatch.setattr(module, "COMPACT_MIN_LINES", 4)
+    directory = tmp_path / "ssd"
+    directory.mkdir()
+    log = RetentionLog(directory)
+    key = bytes(range(16))
+    log.record(key, 80, None)
+    directory.joinpath(FILE_NAME).unlink()
+    directory.rmdir()
+    with caplog.at_level("WARNING", logger=module.__name__):
+        for priority in range(81, 90):  # appends fail; past 4 lines a rewrite is tried too
+            log.record(key, priority, None)
+    assert log.write_errors == 9
+    assert log.lookup(key) == (89, None)
+    assert len([r for r in caplog.records if "retention log" in r.message]) == 1
+    directory.mkdir()  # writable again: the next change is logged
+    log.record(key, 95, None)
+    assert RetentionLog(directory).lookup(key) == (95, None)

@@ -5,6 +5,7 @@ session_priority); outputs stay those of a cold engine."""
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -94,3 +95,77 @@ def test_session_settings_are_checked():
         EngineConfig(session_priority=101)
     with pytest.raises(ValueError, match="session_retention_s must be >= 0 seconds"):
         EngineConfig(session_retention_s=-1.0)
+
+
+def _two_requests(engine, vocab, retention):
+    """A long request and a short one with `retention`, submitted together and stepped to
+    their ends (the short one finishes, and is released, while the long one runs)."""
+    from backend.engine import SamplingParams
+
+    outs = {}
+
+    def keep(out):
+        if out.finished:
+            outs[out.request_id] = out
+
+    engine.submit(Request("long", random_prompt(120, vocab, seed=50),
+                          SamplingParams(max_tokens=20, top_k=1), on_output=keep))
+    engine.submit(Request("short", random_prompt(120, vocab, seed=51),
+                          SamplingParams(max_tokens=2, top_k=1), on_output=keep,
+                          retention=retention))
+    for _ in range(200):
+        if not engine.has_work:
+            break
+        engine.step()
+    return outs
+
+
+def test_retention_with_the_ssd_directory_gone_serves_on(model, tmp_path):
+    """The SSD directory removed under a running engine: a request with a retention priority
+    finishes and is released as any other (its priority cannot be logged for a restart),
+    the request running beside it goes on, nothing leaks. (Before, the log's OSError escaped
+    the release, and the failed step's cleanup freed the same pages again, which killed the
+    engine's step.)"""
+    from backend.cache.tier_config import TierConfig
+
+    vocab = model.config.vocab_size
+    base = make_engine(model, num_kv_pages=32, max_tokens_per_step=128)
+    engine = Engine(model, replace(base.config, tiers=TierConfig(
+        host_pages=8, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m", ssd_bytes=1 << 30)))
+    engine.generate(random_prompt(100, vocab, seed=1), GREEDY)
+    engine.tiers.drain()
+    shutil.rmtree(tmp_path / "ssd")
+    outs = _two_requests(engine, vocab, RetentionConfig(ranges=(RetentionRange(0, None, 90),)))
+    assert {rid: o.finish_reason for rid, o in outs.items()} == {"long": "length",
+                                                                  "short": "length"}
+    assert engine.num_failed == 0
+    assert engine.tiers.retention_log.write_errors > 0
+    engine.tiers.drain()
+    assert_no_leak(engine)
+    engine.stop()
+
+
+def test_a_release_that_fails_partway_never_frees_twice(model, monkeypatch):
+    """Cache work that raises after a request's final output (here: setting its pages'
+    retention) fails the step: the requests still running end with an error, as a failed
+    step's do; the finished one's pages are freed once, nothing leaks, and the engine serves
+    the next request."""
+    vocab = model.config.vocab_size
+    engine = make_engine(model, num_kv_pages=32, max_tokens_per_step=128)
+    real = engine.store.retain
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.store, "retain", fails_once)
+    outs = _two_requests(engine, vocab, RetentionConfig(ranges=(RetentionRange(0, None, 90),)))
+    assert outs["short"].finish_reason == "length"
+    assert outs["long"].finish_reason == "error" and "injected" in outs["long"].error
+    assert_no_leak(engine)
+    after = engine.generate(random_prompt(60, vocab, seed=52), GREEDY)
+    assert after.finish_reason == "length"
+    assert_no_leak(engine)
