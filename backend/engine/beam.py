@@ -28,6 +28,18 @@ from backend.engine.request import BeamOutput, SamplingParams
 from backend.engine.sampling import finish_reason
 
 
+def length_normalized(score: float, length: int, penalty: float) -> float:
+    """A hypothesis' score: its summed log probabilities / length ** length_penalty (as
+    transformers'). A divisor beyond the float range (an extreme length_penalty) counts as
+    infinite or as the smallest float, so the score saturates (0 or -inf) instead of
+    raising."""
+    try:
+        divisor = length ** penalty
+    except OverflowError:
+        divisor = math.inf
+    return score / max(divisor, math.ulp(0.0))
+
+
 @dataclass
 class Hypothesis:
     tokens: list[int]  # generated ids, the end id included when it ended the beam
@@ -74,7 +86,7 @@ class BeamSearch:
         total = log_probs.float() + torch.tensor(self.scores, dtype=torch.float32)[:, None]
         top, index = torch.topk(total.flatten(), min(2 * W, n * V))
         length = self.num_generated + 1
-        penalty = length ** self.params.length_penalty
+        penalty = self.params.length_penalty
 
         def with_log_prob(parent: int, token: int) -> list[float]:
             """The parent's log probabilities and, where recorded, the token's."""
@@ -101,7 +113,8 @@ class BeamSearch:
                 continue
             if rank < W and self.improvable and not full:
                 added.append(Hypothesis(history, with_log_prob(parent, token),
-                                        score / penalty, reason, with_logits(parent)))
+                                        length_normalized(score, length, penalty), reason,
+                                        with_logits(parent)))
         if added:
             merged = self.finished + added  # stable: on equal scores the earlier one stays
             self.finished = sorted(merged, key=lambda h: -h.score)[:W]
@@ -110,7 +123,7 @@ class BeamSearch:
         self.logits = [with_logits(p) for p, _, _ in nxt]
         self.scores = [s for _, _, s in nxt]
         if len(self.finished) == W and nxt:
-            best = self.scores[0] / penalty
+            best = length_normalized(self.scores[0], length, penalty)
             self.improvable = self.improvable and best > self.finished[-1].score
         self.done = (not nxt or not self.improvable
                      or (len(self.finished) == W and self.params.early_stopping))
@@ -120,15 +133,17 @@ class BeamSearch:
         """The running beams so far, best first (what a streamed beam search sends at each
         step): their ids, log probabilities (where recorded), scores at their current length
         and finish_reason "". Their logits are not copied (the final outputs carry them)."""
-        penalty = max(1, self.num_generated) ** self.params.length_penalty
-        return [BeamOutput(list(h), list(lp), float(sum(lp)), s / penalty, "")
+        length, penalty = max(1, self.num_generated), self.params.length_penalty
+        return [BeamOutput(list(h), list(lp), float(sum(lp)),
+                           length_normalized(s, length, penalty), "")
                 for h, lp, s in zip(self.histories, self.log_probs, self.scores)]
 
     def outputs(self) -> list[BeamOutput]:
         """The finished beams, best first (the running ones, as `length`, where none
         finished)."""
         hyps = self.finished or [
-            Hypothesis(h, lp, s / max(1, len(h)) ** self.params.length_penalty, "length", lg)
+            Hypothesis(h, lp, length_normalized(s, max(1, len(h)), self.params.length_penalty),
+                       "length", lg)
             for h, lp, s, lg in zip(self.histories, self.log_probs, self.scores, self.logits)]
         outs = []
         for h in hyps:

@@ -38,6 +38,7 @@ Rules (TensorRT-LLM semantics where it has them):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
@@ -187,7 +188,7 @@ def sample(
         raise ValueError(f"sample got {B} rows of logits but {len(masks)} masks")
     if repeats is not None and len(repeats) != B:
         raise ValueError(f"sample got {B} rows of logits but {len(repeats)} repeat bans")
-    logits = logits.float().clone()
+    raw, logits = logits, logits.float().clone()
     for i, p in enumerate(params):
         row = logits[i]
         adjust_logits(row, p, counts[i] if counts is not None else None)
@@ -198,6 +199,15 @@ def sample(
             mask.apply(row)
         mask_constrained(row, p, output_lens[i], history, banned,
                          constrained=mask is not None)
+        if (p.logit_bias or p.penalized) and not settle(row):
+            # the bias and penalties left no token: the other rules without them
+            row.copy_(raw[i])
+            if mask is not None:
+                mask.apply(row)
+            mask_constrained(row, p, output_lens[i], history, banned,
+                             constrained=mask is not None)
+            if not settle(row):
+                row.copy_(raw[i])
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -222,12 +232,24 @@ def adjusted_log_probs(
     """Beam search's scores: the log-softmax [B, V] (fp32) of logits [B, V] after the logit
     bias, the penalties, min_tokens, bad words and repeated n-grams (as `sample` changes
     them; no temperature, top-k or top-p)."""
-    logits = logits.float().clone()
+    raw, logits = logits, logits.float().clone()
     for i, p in enumerate(params):
         adjust_logits(logits[i], p, counts[i] if counts is not None else None)
         mask_constrained(logits[i], p, output_lens[i], histories[i],
                          repeats[i] if repeats is not None else ())
+        if (p.logit_bias or p.penalized) and not settle(logits[i]):
+            logits[i] = raw[i]
     return torch.log_softmax(logits, dim=-1)
+
+
+def settle(row: torch.Tensor) -> bool:
+    """In place on one row of adjusted logits [V] (float32): extreme biases and penalties
+    (finite, as accepted) can push logits past the float range. A NaN (inf - inf) bans its
+    token and +inf becomes the largest float (still the likeliest, and softmax stays
+    defined). False where no token is left (the caller falls back to the model's logits):
+    one request's values never fail the step its batch shares."""
+    torch.nan_to_num_(row, nan=-math.inf, posinf=torch.finfo(row.dtype).max, neginf=-math.inf)
+    return bool(torch.isfinite(row).any())
 
 
 def mask_constrained(row: torch.Tensor, params: SamplingParams, output_len: int,
@@ -289,7 +311,10 @@ def filtered_probs(
     top_p = torch.tensor([p.top_p if p.top_p < 1 else 2.0 for p in params], device=device)
     top_p = top_p.unsqueeze(1)
     # stable: equal logits keep id order, so the kept set matches argmax's tie-breaking.
-    sorted_logits, order = torch.sort(logits / temperature, dim=-1, descending=True, stable=True)
+    # (logits near the float range, as `settle` leaves extreme biases, stay finite)
+    scaled = torch.nan_to_num(logits / temperature, nan=-math.inf,
+                              posinf=torch.finfo(logits.dtype).max, neginf=-math.inf)
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     ranks = torch.arange(V, device=device).expand(N, V)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)

@@ -7,6 +7,7 @@ preemption (the search restarts) and cancellation, without leaking a page or a s
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -307,4 +308,29 @@ def test_searches_the_engine_cannot_hold_are_refused(family_model):
         engine.submit(Request("wide", prompt, SamplingParams(max_tokens=8, beam_width=5)))
     with pytest.raises(ValueError, match="the pool holds 16"):
         engine.submit(Request("long", prompt, SamplingParams(max_tokens=60, beam_width=4)))
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("penalty", [1100.0, 300.0, -1e30])
+def test_an_extreme_length_penalty_saturates_instead_of_failing(engine, penalty):
+    """length ** length_penalty beyond the float range (OverflowError; or 0.0, then a
+    division by zero) ended the step, and with it every request in the batch: the score now
+    saturates. A greedy request decoding beside the search keeps its tokens."""
+    plain = SamplingParams(max_tokens=24, top_k=1)
+    alone = engine.generate(PROMPTS[0], plain).new_token_ids
+    outs = {"plain": [], "beam": []}
+    engine.submit(Request("lp-plain", PROMPTS[0], plain, on_output=outs["plain"].append))
+    engine.submit(Request("lp-beam", PROMPTS[0], SamplingParams(
+        max_tokens=16, beam_width=2, length_penalty=penalty, end_id=10),
+        on_output=outs["beam"].append))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        assert steps < 500
+    assert [t for o in outs["plain"] for t in o.new_token_ids] == alone
+    final = outs["beam"][-1]
+    assert final.finished and final.finish_reason in ("length", "stop", "eos")
+    assert len(final.beams) == 2 and not any(math.isnan(b.score) for b in final.beams)
+    assert all(b.finish_reason in ("length", "stop", "eos") for b in final.beams)
     assert_no_leak(engine)

@@ -227,3 +227,44 @@ def test_allowed_token_ids_are_checked(engine, options, message):
     with pytest.raises(ValueError, match=message):
         engine.generate(PROMPT, SamplingParams(**options))
     assert_no_leak(engine)
+
+
+# Accepted (finite) values that push logits past float32's range: 3e38 + 3e38 is inf.
+EXTREME = {
+    "bias": SamplingParams(max_tokens=6, temperature=0.5, seed=1,
+                           logit_bias=((97, 3e38), (98, 3e38))),
+    "bias-greedy": SamplingParams(max_tokens=6, top_k=1, logit_bias=((97, 3e38), (98, 3e38))),
+    "frequency": SamplingParams(max_tokens=6, temperature=0.7, seed=2,
+                                frequency_penalty=-3e38),
+    "repetition": SamplingParams(max_tokens=6, temperature=0.7, seed=3,
+                                 repetition_penalty=1e-38),
+    "presence-bans-all": SamplingParams(max_tokens=6, temperature=0.7, seed=4,
+                                        presence_penalty=3e38, logit_bias=((97, -3e38),)),
+}
+
+
+@pytest.mark.parametrize("name", EXTREME)
+def test_extreme_biases_and_penalties_never_fail_the_batch(engine, name):
+    """A request whose bias or penalties overflow its logits decodes beside a plain greedy
+    one in the same steps: both run to max_tokens, the plain one's tokens are those it gets
+    alone, and a +inf logit wins (the two 3e38-biased tokens are the only ones drawn). (Before,
+    torch.multinomial raised on the row's inf / nan and the failed step ended both.)"""
+    plain = SamplingParams(max_tokens=24, top_k=1)
+    alone = engine.generate(PROMPT, plain).new_token_ids
+    outs: dict[str, list] = {"plain": [], name: []}
+    engine.submit(Request("extreme-plain", PROMPT, plain, on_output=outs["plain"].append))
+    engine.submit(Request(f"extreme-{name}", PROMPT, EXTREME[name],
+                          on_output=outs[name].append))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        assert steps < 500
+    assert [o.finish_reason for o in outs["plain"] if o.finished] == ["length"]
+    assert [o.finish_reason for o in outs[name] if o.finished] == ["length"]
+    assert [t for o in outs["plain"] for t in o.new_token_ids] == alone
+    tokens = [t for o in outs[name] for t in o.new_token_ids]
+    assert len(tokens) == 6
+    if name.startswith("bias"):
+        assert set(tokens) <= {97, 98}
+    assert_no_leak(engine)
