@@ -144,6 +144,8 @@ def check_salt(salt: str | None) -> None:
     """ValueError for a client's cache_salt that could name another namespace: one holding
     the NUL that starts `LORA_SEP` ("s\\x00lora:a" would be adapter a's prefixes under salt
     s, served to a base-model request)."""
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cache_salt must be a str, got {type(salt).__name__}")
     if salt and "\x00" in salt:
         raise ValueError("cache_salt must not contain NUL characters (\\x00)")
 

@@ -80,7 +80,10 @@ class SsdStore:
         o_direct: bool = True,
     ) -> None:
         self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file there, no permission, a read-only file system
+            raise ValueError(f"the SSD tier's folder {self.dir} cannot be used: {exc}") from None
         self.budget_bytes = budget_bytes
         self.layout = layout
         self.layout_text = layout.describe()

@@ -154,7 +154,11 @@ class StateTier:
         # Files found at start-up, by prefix hash: (seq, path), oldest first.
         self.found: OrderedDict[bytes, tuple[int, str]] = OrderedDict()
         if self.dir is not None:
-            self.dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise ValueError(f"the SSD tier's state folder {self.dir} cannot be used: "
+                                 f"{exc}") from None
             self._scan()
 
     def _scan(self) -> None:

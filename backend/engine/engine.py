@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from array import array
 from collections import deque
 from dataclasses import replace
 from pathlib import Path
@@ -305,6 +306,10 @@ class Engine:
             raise ValueError(f"retention must be a RetentionConfig, got "
                              f"{type(request.retention).__name__}")
         vocab = self.model_config.vocab_size
+        try:  # integers (a float would pass the range check and fail the batch's step)
+            array("i", ids)
+        except (TypeError, OverflowError) as exc:
+            raise ValueError(f"token ids must be int32 integers: {exc}") from None
         # (min / max first: the list is built only for the error; a 16K prompt's check
         # 0.9 -> 0.4 ms)
         if not 0 <= min(ids) <= max(ids) < vocab:

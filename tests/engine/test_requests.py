@@ -46,6 +46,45 @@ def test_prompt_ids_outside_the_vocabulary_are_rejected(engine, where, bad):
     assert_no_leak(engine)
 
 
+def test_float_prompt_ids_are_refused_at_submit_not_in_the_batch(engine):
+    """Float ids pass a range check: refused at submit, they no longer reach the step,
+    where they failed every request of the batch (a plain one beside them included)."""
+    from backend.engine import Request
+
+    vocab = engine.model_config.vocab_size
+    outs = []
+    engine.submit(Request("plain", random_prompt(60, vocab, seed=6),
+                          SamplingParams(max_tokens=8, top_k=1), on_output=outs.append))
+    with pytest.raises(ValueError, match="token ids must be int32 integers"):
+        engine.submit(Request("floats", [1.0, 2.0, 3.0], SamplingParams(max_tokens=2)))
+    while engine.has_work:
+        engine.step()
+    assert [o.finish_reason for o in outs if o.finished] == ["length"]
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("salt", [5, b"bytes"])
+def test_a_cache_salt_that_is_not_text_is_refused(engine, salt):
+    with pytest.raises(ValueError, match="cache_salt must be a str"):
+        engine.generate([1, 2, 3], SamplingParams(max_tokens=2), cache_salt=salt)
+    with pytest.raises(ValueError, match="cache_salt must be a str"):
+        engine.reset_prefix_cache(cache_salt=salt, every_salt=False)
+    assert_no_leak(engine)
+
+
+def test_an_ssd_folder_that_is_a_file_is_a_clear_error(engine, tmp_path):
+    from dataclasses import replace
+
+    from backend.cache.tier_config import TierConfig
+    from backend.engine import Engine
+
+    (tmp_path / "ssd").write_text("not a folder")
+    tiers = TierConfig(host_pages=4, ssd_path=str(tmp_path / "ssd"), model_fingerprint="m",
+                       ssd_bytes=1 << 20)
+    with pytest.raises(ValueError, match="folder .*ssd cannot be used"):
+        Engine(engine.model, replace(engine.config, tiers=tiers))
+
+
 def test_numpy_prompt_ids_are_accepted(engine):
     """An in-process caller's numpy ids (the served path converts them to ints) pass the
     vocabulary check and give the tokens their int values give."""
