@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -151,6 +152,9 @@ class HybridLlm:
     def _submit(self, request: Any, sender: Any) -> None:
         inputs = request_inputs(request)
         if is_stop(inputs):
+            if not request.request_id():  # as TensorRT-LLM: a stop names what it stops
+                raise RequestError("a request id must be provided to stop a request "
+                                   "(stop = true)")
             self._stop(request.request_id())
             self.responder.send_now(Outgoing(sender, final=True))
             return
@@ -176,7 +180,10 @@ class HybridLlm:
                 any(parsed.sampling.guide is not None for parsed in items):
             raise RequestError("guided decoding is off on this model (parameter "
                                "guided_decoding_backend is none)")
-        request_id = f"{request.request_id() or 'req'}#{next(self.ids)}"
+        # A request without a Triton id gets one no client can name in a `stop` (a stop for
+        # "req" used to end every such request); postprocessing stops it by this exact id.
+        request_id = f"{request.request_id()}#{next(self.ids)}" if request.request_id() \
+            else f"#{next(self.ids)}.{secrets.token_hex(4)}"
         # The watcher polls it: never is_cancelled() after its final response.
         sender = GuardedSender(sender, self.pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         group = GroupState(items=len(items))

@@ -107,3 +107,47 @@ def test_cancel_on_hybrid_llm_directly(llm_server: ServerHandle):
     wait_until(lambda: "cancelled by its client" in llm_server.logs(), 20, "the cancel log")
     after = idle_pool(llm_server, timeout_s=20)
     assert after["free_or_cached"] == before["free_or_cached"]
+
+
+def _stop(llm_server: ServerHandle, request_id: str):
+    """A `stop` = true request to hybrid_llm under `request_id` (its dummy inputs unread)."""
+    tensors = {
+        "input_ids": np.zeros((1, 1), dtype=np.int32),
+        "input_lengths": np.ones((1, 1), dtype=np.int32),
+        "request_output_len": np.ones((1, 1), dtype=np.int32),
+        "stop": np.array([[True]]),
+    }
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(
+            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("hybrid_llm", inputs, request_id=request_id,
+                              enable_empty_final_response=True)
+    result, error = responses.get(timeout=60)
+    client.stop_stream()
+    client.close()
+    return error
+
+
+def test_a_stop_reaches_only_the_request_it_names(llm_server: ServerHandle):
+    """As TensorRT-LLM's: a `stop` without a request id is refused, and a request sent
+    without one cannot be named (a stop for "req" used to end every such request)."""
+    stops = llm_server.logs().count("stopped (stop=true)")
+    error = _stop(llm_server, "")
+    assert error is not None and "a request id must be provided" in str(error)
+    prompt = long_prompt("Nobody may stop me", 120)
+    stream = stream_grpc(llm_server.urls.grpc, GenerateParams(
+        prompt, max_tokens=40, min_tokens=40, seed=5))
+    first = next(stream)
+    for key in ("req", "", "#"):
+        if key:
+            assert _stop(llm_server, key) is None  # nothing by that id: answered, no effect
+    rest = list(stream)
+    assert rest[-1].final and rest[-1].finish_reasons == ["length"]
+    assert not first.final
+    assert llm_server.logs().count("stopped (stop=true)") == stops
