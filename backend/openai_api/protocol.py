@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import uuid
 from collections.abc import Container, Mapping, Sequence
@@ -160,8 +161,11 @@ def parse_chat(body: Any, models: Container[str], template: Any) -> Plan:
         raise RequestError("the model has no chat template (tokenizer_config.json's "
                            "chat_template): use /v1/completions", "messages")
     prompt = render_chat(body, messages, template, tools)
+    # max_completion_tokens (OpenAI's, max_tokens deprecated) wins where both are sent, as
+    # in vLLM and SGLang; each is checked
     limit = _int(body, "max_completion_tokens", None, 1)
-    max_tokens = _int(body, "max_tokens", limit, 1)
+    max_tokens = _int(body, "max_tokens", None, 1)
+    max_tokens = limit if limit is not None else max_tokens
     plan = Plan("chat", model, [prompt], {}, max_tokens, _int(body, "n", 1, 1, MAX_N),
                 logprobs=(top or 0) if wanted else None, tools=tools)
     _common(body, plan)
@@ -303,7 +307,7 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                     raise RequestError(f"{where}.content[{j}]: only text parts are supported, "
                                        f"got {kind!r}", where)
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = "\n".join(texts)  # as vLLM and TensorRT-LLM join a message's parts
         elif content is None and role == "assistant":
             content = ""
         elif not isinstance(content, str):
@@ -434,6 +438,9 @@ def _vllm_text_options(body: Mapping[str, Any], plan: Plan) -> None:
                 not all(_is_id(t) for t in allowed):
             raise RequestError("'allowed_token_ids' must be a non-empty list of token ids "
                                "(integers >= 0)", "allowed_token_ids")
+        if max(allowed) > INT32_MAX:  # (the server checks them against the vocabulary)
+            raise RequestError(f"'allowed_token_ids': token id {max(allowed)} is outside the "
+                               "vocabulary", "allowed_token_ids")
         plan.fields["allowed_token_ids"] = list(dict.fromkeys(allowed))
     keep = body.get("truncate_prompt_tokens")
     if keep is not None:
@@ -692,8 +699,7 @@ def _logit_bias(body: Mapping[str, Any]) -> list[tuple[int, float]]:
         if token > INT32_MAX:
             raise RequestError(f"'logit_bias' token id {token} is outside the vocabulary",
                                "logit_bias")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value) or not -100 <= value <= 100:
+        if not _is_number(value) or not -100 <= value <= 100:
             raise RequestError(f"'logit_bias' value for token {token} must be a number from "
                                f"-100 to 100, got {value!r}", "logit_bias")
         if value:
@@ -737,11 +743,21 @@ def _int(body: Mapping[str, Any], name: str, default: int | None, low: int | Non
     return value
 
 
+def _is_number(value: Any) -> bool:
+    """A JSON number a float holds: not a bool, not inf / nan, and not an integer past the
+    float range (JSON's 1 followed by 400 zeros parses as a Python int)."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return -sys.float_info.max <= value <= sys.float_info.max
+    return isinstance(value, float) and math.isfinite(value)
+
+
 def _number(body: Mapping[str, Any], name: str, low: float, high: float | None) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _is_number(value):
         raise RequestError(f"'{name}' must be a number, got {value!r}", name)
     if value < low or (high is not None and value > high):
         bounds = f"from {low}" + (f" to {high}" if high is not None else " up")

@@ -219,7 +219,7 @@ def _text(content: Any, where: str, field: str = "content") -> str:
                 raise RequestError(f"{where}.{field}[{j}]: only text parts are supported, got "
                                    f"{kind!r}", "input")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)  # as a chat message's parts (`protocol.parse_chat`)
     raise RequestError(f"{where}.{field} must be a string or a list of text parts", "input")
 
 
@@ -405,12 +405,15 @@ class ResponseBuilder:
         return events + [self._event(kind, response=copy.deepcopy(self.body))]
 
     def answer(self) -> dict[str, Any]:
-        """The answer as a chat message (what the next response's history holds)."""
+        """The answer as a chat message (what the next response's history holds). A function
+        call that max_output_tokens cut ("incomplete": its arguments are not JSON) is left
+        out of it, so that a follow-up through previous_response_id still renders."""
         text = "".join(i["content"][0]["text"] for i in self.body["output"]
                        if i["type"] == "message")
         calls = [{"id": i["call_id"], "type": "function",
                   "function": {"name": i["name"], "arguments": i["arguments"] or "{}"}}
-                 for i in self.body["output"] if i["type"] == "function_call"]
+                 for i in self.body["output"]
+                 if i["type"] == "function_call" and i.get("status") != "incomplete"]
         message: dict[str, Any] = {"role": "assistant", "content": text}
         thought = "".join(i["content"][0]["text"] for i in self.body["output"]
                           if i["type"] == "reasoning")

@@ -125,7 +125,8 @@ def parse_tools(body: Mapping[str, Any]) -> ToolPlan | None:
         raise RequestError(f"'parallel_tool_calls' must be true or false, got {parallel!r}",
                            "parallel_tool_calls")
     if tools in (None, []):
-        if choice not in (None, "none"):
+        # "required" over an empty list reads as "none", as vLLM does it (after OpenAI)
+        if choice not in (None, "none") and not (tools == [] and choice == "required"):
             raise RequestError("'tool_choice' needs 'tools'", "tool_choice")
         return None
     if not isinstance(tools, list):
@@ -253,6 +254,7 @@ class CallReader:
     raw: str = ""  # the text from the first tag on
     block: CallBlock | CallArray | None = None  # the open block
     begun: int = 0  # calls begun
+    quotes: Quotes | None = None  # the open block's JSON strings (its end tag may be quoted)
 
     def feed(self, text: str) -> tuple[str, list[Event]]:
         """(content that can go now, events read now)."""
@@ -281,10 +283,11 @@ class CallReader:
                     self.held = self.held[len(self.held) - tag_prefix_len(self.held, start):]
                     return out, events
                 self.held = self.held[at + len(start):]
-                self.block = self._new_block()
-            end = self.held.find(end_tag)
+                self.block, self.quotes = self._new_block(), Quotes()
+            end = self.quotes.find(self.held, end_tag)
             body = self.held[:end] if end >= 0 else \
                 self.held[:len(self.held) - tag_prefix_len(self.held, end_tag)]
+            self.quotes.feed(body)
             self.held = self.held[len(body):]
             events += self._count(self.block.feed(body))
             if self.block.rejected and not self.begun:
@@ -356,6 +359,52 @@ class CallReader:
     def _all_text(self) -> str:
         self.mode, self.held, self.block = "text", "", None
         return self.gap + self.raw
+
+
+@dataclass
+class Quotes:
+    """Where a call block's text is inside a JSON string, so that an end tag written in a
+    string argument ("... ends calls with </tool_call> ...") does not close the block. Only
+    for a block whose text starts as JSON ("{" or "["); an XML block (Qwen3-Coder's) has no
+    JSON strings and ends at its first end tag."""
+
+    json: bool | None = None  # undecided until the block's first non-space character
+    quoted: bool = False
+    escaped: bool = False
+
+    def feed(self, text: str) -> None:
+        for ch in text:
+            self._step(ch)
+
+    def find(self, text: str, tag: str) -> int:
+        """The first `tag` in `text` (which follows what was fed) outside a JSON string; -1
+        where there is none yet."""
+        at = text.find(tag)
+        if at < 0 or self.json is False:
+            return at
+        probe = Quotes(self.json, self.quoted, self.escaped)
+        done = 0
+        while at >= 0:
+            probe.feed(text[done:at])
+            if not probe.quoted:
+                return at
+            done = at
+            at = text.find(tag, at + 1)
+        return -1
+
+    def _step(self, ch: str) -> None:
+        if self.json is None:
+            if ch.isspace():
+                return
+            self.json = ch in "{["
+        if not self.json:
+            return
+        if self.escaped:
+            self.escaped = False
+        elif self.quoted and ch == "\\":
+            self.escaped = True
+        elif ch == '"':
+            self.quoted = not self.quoted
 
 
 def _xml_value(text: str, schema: Any) -> Any:

@@ -291,7 +291,7 @@ def test_chat_renders_the_template_and_stops_at_the_turn_end():
         {"role": "assistant", "content": None},
         {"role": "user", "content": "And?"}], "stop": "X"}, MODELS, chatml())
     assert plan.prompts == ["<|im_start|>system\nBe brief.<|im_end|>\n"
-                            "<|im_start|>user\nHi there<|im_end|>\n"
+                            "<|im_start|>user\nHi \nthere<|im_end|>\n"  # parts: "\n"
                             "<|im_start|>assistant\n<|im_end|>\n"
                             "<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n"]
     assert plan.max_tokens == 9 and plan.kind == "chat" and plan.id.startswith("chatcmpl-")
@@ -517,6 +517,10 @@ def test_vllm_text_options_become_ensemble_inputs():
             ({"allowed_token_ids": []}, "'allowed_token_ids' must be a non-empty list"),
             ({"allowed_token_ids": [1, -2]}, "'allowed_token_ids' must be a non-empty list"),
             ({"allowed_token_ids": "12"}, "'allowed_token_ids' must be a non-empty list"),
+            # past INT32 the ensemble's tensor would wrap it (2**32 + 7 -> 7; 2**32 - 1 -> -1,
+            # the padding value: no restriction at all)
+            ({"allowed_token_ids": [3, 2**32 + 7]}, "token id 4294967303 is outside"),
+            ({"allowed_token_ids": [2**32 - 1]}, "token id 4294967295 is outside"),
             ({"truncate_prompt_tokens": 0}, "'truncate_prompt_tokens' must be a positive"),
             ({"truncate_prompt_tokens": -2}, "'truncate_prompt_tokens' must be a positive"),
             ({"truncate_prompt_tokens": True}, "'truncate_prompt_tokens' must be a positive"),
@@ -579,3 +583,28 @@ def test_frontend_command_line_errors_are_one_line(tmp_path, capsys):
     assert result.returncode == 1, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "presence_penalty",
+                                   "repetition_penalty", "length_penalty", "min_p"])
+def test_an_integer_past_the_float_range_is_a_400(field):
+    """JSON's 1 followed by 400 zeros is a Python int; float() of it overflowed: a 500."""
+    huge = 10**400
+    for parse, body in ((parse_completion, {"prompt": "x"}),
+                        (parse_chat, {"messages": [{"role": "user", "content": "x"}]})):
+        args = (MODELS, chatml()) if parse is parse_chat else (MODELS,)
+        with pytest.raises(RequestError, match=f"'{field}' must be a number") as info:
+            parse({"model": "tiny", **body, field: huge}, *args)
+        assert info.value.status == 400
+    with pytest.raises(RequestError, match="'logit_bias' value for token 5 must be a number"):
+        parse_completion({"model": "tiny", "prompt": "x", "logit_bias": {"5": -huge}}, MODELS)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    """As vLLM and SGLang (OpenAI deprecated max_tokens for it); each is still checked."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    assert parse_chat({**body, "max_tokens": 500, "max_completion_tokens": 20}, MODELS,
+                      chatml()).max_tokens == 20
+    assert parse_chat({**body, "max_tokens": 500}, MODELS, chatml()).max_tokens == 500
+    with pytest.raises(RequestError, match="'max_tokens' must be from 1"):
+        parse_chat({**body, "max_tokens": 0, "max_completion_tokens": 20}, MODELS, chatml())

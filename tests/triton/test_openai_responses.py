@@ -42,7 +42,7 @@ def test_input_items_become_chat_messages():
     messages = input_messages(items)
     assert [m["role"] for m in messages] == ["developer", "user", "assistant", "tool",
                                              "assistant"]
-    assert messages[0]["content"] == "Be brief."
+    assert messages[0]["content"] == "Be \nbrief."  # parts joined by "\n", as chat's
     assert [c["id"] for c in messages[2]["tool_calls"]] == ["call_1", "call_2"]
     assert messages[2]["content"] == "Checking."
     assert messages[3] == {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}
@@ -185,3 +185,27 @@ def test_a_cut_answer_is_incomplete_and_an_empty_one_still_has_a_message():
     whole.feed("", "Done.", [])
     whole.finish("stop", USAGE)
     assert [i["status"] for i in whole.body["output"]] == ["completed"]
+
+
+def test_a_call_cut_by_max_output_tokens_does_not_break_the_next_response():
+    """The answer a response stores leaves out a function call that max_output_tokens cut
+    (its arguments are not JSON), so a follow-up through previous_response_id renders; the
+    response itself still shows the cut call, incomplete. (Before, every follow-up was a 400
+    about a 'messages[1]' the client never sent.)"""
+    store = ResponseStore()
+    conv = to_chat({"model": "tiny", "input": "hi", "tools": [TOOL], "max_output_tokens": 5},
+                   store)
+    builder = ResponseBuilder(conv, "tiny")
+    builder.start()
+    builder.feed("", "", [{"index": 0, "id": "call_1", "type": "function",
+                           "function": {"name": "get_time", "arguments": ""}}])
+    builder.feed("", "", [{"index": 0, "function": {"arguments": '{"zone": "U'}}])
+    builder.finish("length", USAGE)
+    [call] = builder.body["output"]
+    assert call["type"] == "function_call" and call["status"] == "incomplete"
+    assert "tool_calls" not in builder.answer()
+    store.put(conv.id, Stored(conv.history + [builder.answer()], builder.body))
+    follow = to_chat({"model": "tiny", "previous_response_id": conv.id, "tools": [TOOL],
+                      "input": "try again"}, store)
+    [prompt] = parse_chat(follow.chat, MODELS, TEMPLATE).prompts
+    assert prompt.endswith("try again<|im_end|>\n<|im_start|>assistant\n")

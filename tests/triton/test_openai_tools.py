@@ -677,3 +677,32 @@ def test_a_text_parameter_streams_as_it_is_written():
                                                             "</tool_call>")[1]]
     assert "".join(tail) == '"}' and reader.calls[0]["function"]["arguments"] == \
         '{"city": "New\\nYork"}'
+
+
+@pytest.mark.parametrize("pieces", [1, 7, 200])
+def test_an_end_tag_inside_a_string_argument_does_not_end_the_call(pieces):
+    """A call whose argument quotes the layout's end tag (a file about tool calls): the call
+    ends at the tag outside its JSON strings, whole and streamed (before, it was cut at the
+    quoted tag, its arguments left as broken JSON)."""
+    arguments = {"content": "Qwen ends calls with </tool_call> tags", "note": 'a "q" </tool_call>'}
+    text = ('<tool_call>\n{"name": "get_weather", "arguments": '
+            + json.dumps(arguments) + '}\n</tool_call>')
+    _, [call] = read_calls(text, KNOWN)
+    assert json.loads(call["function"]["arguments"]) == arguments
+    content, deltas, reader = _streamed(parse_tools(chat()), text, pieces)
+    assert content == "" and [(n, json.loads(a)) for n, a in _merged(deltas)] == [
+        ("get_weather", arguments)]
+    assert reader.finish_reason("stop") == "tool_calls"
+    # an XML call has no JSON strings: its first end tag ends it, quotes or not
+    xml = '<tool_call>\n<function=get_weather>\n<parameter=city>\n"Rome\n</parameter>\n' \
+          '</function>\n</tool_call> "tail'
+    _, [call] = read_calls(xml, KNOWN)
+    assert json.loads(call["function"]["arguments"]) == {"city": '"Rome'}
+
+
+def test_required_over_an_empty_tool_list_means_none():
+    """As vLLM (after OpenAI): tool_choice "required" with tools [] is no tools; without a
+    tools list it stays a 400."""
+    assert parse_tools(chat(tools=[], tool_choice="required")) is None
+    with pytest.raises(RequestError, match="'tool_choice' needs 'tools'"):
+        parse_tools(chat(tools=None, tool_choice="required"))
