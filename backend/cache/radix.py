@@ -146,6 +146,12 @@ def check_salt(salt: str | None) -> None:
     s, served to a base-model request)."""
     if salt is not None and not isinstance(salt, str):
         raise ValueError(f"cache_salt must be a str, got {type(salt).__name__}")
+    if salt:
+        try:  # (a lone surrogate cannot be hashed into page ids or SSD chunk headers)
+            salt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("cache_salt must be valid Unicode text (it holds a lone "
+                             "surrogate)") from None
     if salt and "\x00" in salt:
         raise ValueError("cache_salt must not contain NUL characters (\\x00)")
 

@@ -10,6 +10,7 @@ import heapq
 import itertools
 import json
 import logging
+import math
 import threading
 import time
 from array import array
@@ -329,8 +330,19 @@ class Engine:
             if bad:
                 raise ValueError(f"{name} hold token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
+        if request.deadline is not None and (
+                isinstance(request.deadline, bool)
+                or not isinstance(request.deadline, (int, float))
+                or not math.isfinite(request.deadline)):
+            raise ValueError(f"deadline must be a finite time (the engine clock's seconds), "
+                             f"got {request.deadline!r}")
         if request.prediction is not None:
-            bad = [t for t in request.prediction if not 0 <= int(t) < vocab]
+            try:
+                array("i", request.prediction)
+            except (TypeError, OverflowError) as exc:
+                raise ValueError(f"the prediction's token ids must be int32 integers: "
+                                 f"{exc}") from None
+            bad = [t for t in request.prediction if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"the prediction holds token ids {bad[:5]} outside the "
                                  f"vocabulary [0, {vocab})")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +14,19 @@ from backend.engine.guided import Guide
 MAX_TOKENS_LIMIT = 1 << 20  # anything larger is a client bug, not a long generation
 MAX_BEAM_WIDTH = 64
 MAX_TOP_LOG_PROBS = 20  # alternatives a position may return (OpenAI's and vLLM's limit)
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+
+def _integer(name: str, value: Any) -> None:
+    """ValueError unless `value` is an integer (numpy's too; not a bool, not a float that
+    happens to be whole: those pass range checks and fail the batch's step later)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+
+
+def _real(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,28 @@ class SamplingParams:
     early_stopping: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "min_tokens", "top_k", "no_repeat_ngram_size",
+                     "top_log_probs", "beam_width"):
+            _integer(name, getattr(self, name))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "length_penalty"):
+            _real(name, getattr(self, name))
+        if self.end_id is not None:
+            _integer("end_id", self.end_id)
+        if self.seed is not None:
+            _integer("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got "
+                                 f"{self.seed}")
+        for name in ("stop_words", "bad_words"):
+            for word in getattr(self, name):
+                for token in word:
+                    _integer(f"{name} token ids", token)
+        for token in self.allowed_token_ids:
+            _integer("allowed_token_ids", token)
+        for token, value in self.logit_bias:
+            _integer("logit_bias token ids", token)
+            _real("logit_bias values", value)
         if not 1 <= self.max_tokens <= MAX_TOKENS_LIMIT:
             raise ValueError(
                 f"max_tokens must be in [1, {MAX_TOKENS_LIMIT}], got {self.max_tokens}"

@@ -199,15 +199,21 @@ def sample(
             mask.apply(row)
         mask_constrained(row, p, output_lens[i], history, banned,
                          constrained=mask is not None)
-        if (p.logit_bias or p.penalized) and not settle(row):
-            # the bias and penalties left no token: the other rules without them
+        if p.logit_bias or p.penalized:
+            settle(row)
+    # Rows the rules left without a token (an extreme bias or penalty; bad words or
+    # no_repeat_ngram_size banning every token): the rules without the bias and penalties,
+    # then the model's own logits, so that one request's values never fail its batch.
+    for i in torch.nonzero(~torch.isfinite(logits).any(dim=-1)).flatten().tolist():
+        row, p, mask = logits[i], params[i], masks[i] if masks is not None else None
+        row.copy_(raw[i])
+        if mask is not None:
+            mask.apply(row)
+        mask_constrained(row, p, output_lens[i], histories[i] if histories is not None else (),
+                         repeats[i] if repeats is not None else (),
+                         constrained=mask is not None)
+        if not settle(row):
             row.copy_(raw[i])
-            if mask is not None:
-                mask.apply(row)
-            mask_constrained(row, p, output_lens[i], history, banned,
-                             constrained=mask is not None)
-            if not settle(row):
-                row.copy_(raw[i])
     next_ids = torch.empty(B, dtype=torch.long, device=logits.device)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if greedy:
@@ -318,9 +324,10 @@ def filtered_probs(
     ranks = torch.arange(V, device=device).expand(N, V)
     sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
-    # Drop a token when the tokens before it already reach top_p (the first one always stays).
+    # Drop a token when the tokens before it already reach top_p (the first one always stays,
+    # also where a top_p below float32's range reads as 0).
     mass_before = probs.cumsum(dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p, 0.0)
+    probs = probs.masked_fill((mass_before >= top_p) & (ranks > 0), 0.0)
     min_p = torch.tensor([p.min_p for p in params], device=device).unsqueeze(1)
     probs = probs.masked_fill(probs < min_p * probs[:, :1], 0.0)  # column 0: the likeliest
     return probs / probs.sum(dim=-1, keepdim=True), order

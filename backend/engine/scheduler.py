@@ -270,10 +270,25 @@ class Scheduler:
                 seq.beam.reserved = [self.free_slots.pop()
                                      for _ in range(seq.beam.search.width - 1)]
             seq.run_slot = self.free_slots.pop()
-            if seq.generator is None:
-                seq.generator = make_generator(seq.request.sampling.seed)
             queued = len(replays)
-            self.cache.admit(seq, replays)
+            try:
+                if seq.generator is None:
+                    seq.generator = make_generator(seq.request.sampling.seed)
+                self.cache.admit(seq, replays)
+            except Exception:
+                # Back in the queue, holding nothing: the failed step's cleanup ends it with
+                # an error (a request in neither queue would never get its final output, and
+                # its run slot would be lost).
+                del replays[queued:]
+                self.cache.release(seq, cache=False)
+                self.free_slots.append(seq.run_slot)
+                seq.run_slot = None
+                if seq.beam is not None:
+                    self.free_slots.extend(seq.beam.reserved)
+                    seq.beam.reserved = []
+                self.waiting.appendleft(seq)
+                self.waiting.extendleft(reversed(deferred))
+                raise
             if len(replays) > queued:
                 replayed.append(seq)
             seq.status = SeqStatus.RUNNING

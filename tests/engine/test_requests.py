@@ -105,3 +105,108 @@ def test_end_id_minus_one_runs_to_max_tokens(engine):
     assert stopped.new_token_ids == ref.new_token_ids[:ref.new_token_ids.index(end)]
     assert stopped.finish_reason != "length"
     assert_no_leak(engine)
+
+
+# Values a range check alone let through, each of which failed the whole batch's step (the
+# plain request beside it included) or never ended: refused at submit now, naming the field.
+BAD_SAMPLING = [
+    (dict(seed=2**64), "seed must be in"),
+    (dict(seed=-2**63 - 1), "seed must be in"),
+    (dict(seed=1.5), "seed must be an integer"),
+    (dict(beam_width=2.0), "beam_width must be an integer"),
+    (dict(top_log_probs=2.0), "top_log_probs must be an integer"),
+    (dict(top_log_probs=True), "top_log_probs must be an integer"),
+    (dict(no_repeat_ngram_size=2.0), "no_repeat_ngram_size must be an integer"),
+    (dict(max_tokens=10.5), "max_tokens must be an integer"),
+    (dict(bad_words=((3.0,),)), "bad_words token ids must be an integer"),
+    (dict(end_id=3.0, min_tokens=2), "end_id must be an integer"),
+    (dict(temperature="hot"), "temperature must be a number"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_SAMPLING,
+                         ids=[next(iter(k)) + "=" + repr(next(iter(k.values())))
+                              for k, _ in BAD_SAMPLING])
+def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{"max_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("prediction", [5, "7"], "prediction's token ids must be int32 integers"),
+    ("deadline", float("nan"), "deadline must be a finite time"),
+    ("deadline", "soon", "deadline must be a finite time"),
+    ("cache_salt", "\ud800", "cache_salt must be valid Unicode text"),
+])
+def test_request_values_that_would_fail_the_step_are_refused(engine, field, value, message):
+    from backend.engine import Request
+
+    request = Request("bad", random_prompt(20, engine.model_config.vocab_size, seed=7),
+                      SamplingParams(max_tokens=2), **{field: value})
+    with pytest.raises(ValueError, match=message):
+        engine.submit(request)
+    assert_no_leak(engine)
+
+
+def _beside_a_plain_request(engine, params: SamplingParams) -> tuple[list, list]:
+    """`params` decoding in the same steps as a plain greedy request; both outputs."""
+    from backend.engine import Request
+
+    vocab = engine.model_config.vocab_size
+    plain, other = [], []
+    engine.submit(Request("plain", random_prompt(40, vocab, seed=8),
+                          SamplingParams(max_tokens=8, top_k=1), on_output=plain.append))
+    engine.submit(Request("other", random_prompt(40, vocab, seed=9), params,
+                          on_output=other.append))
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+        assert steps < 2000
+    return plain, other
+
+
+@pytest.mark.parametrize("case", ["top_p_below_float32", "every_token_a_bad_word",
+                                  "no_repeat_runs_out"])
+def test_rows_left_without_a_token_never_fail_the_batch(engine, case):
+    """A top_p that float32 reads as 0, bad words covering the vocabulary, and
+    no_repeat_ngram_size 1 outliving the vocabulary left a sampled row with no token (NaN
+    probabilities: torch.multinomial raised and the step failed both requests); the bans
+    now give way (the model's own logits), and top_p keeps the likeliest token."""
+    vocab = engine.model_config.vocab_size
+    params = {
+        "top_p_below_float32": SamplingParams(max_tokens=6, temperature=0.8, seed=1,
+                                              top_p=1e-46),
+        "every_token_a_bad_word": SamplingParams(max_tokens=6, temperature=0.8, seed=2,
+                                                 bad_words=tuple((t,) for t in range(vocab))),
+        "no_repeat_runs_out": SamplingParams(max_tokens=vocab + 20, temperature=0.8, seed=3,
+                                             no_repeat_ngram_size=1, end_id=-1),
+    }[case]
+    plain, other = _beside_a_plain_request(engine, params)
+    assert [o.finish_reason for o in plain if o.finished] == ["length"]
+    assert [o.finish_reason for o in other if o.finished] == ["length"]
+    tokens = [t for o in other for t in o.new_token_ids]
+    assert len(tokens) == params.max_tokens
+    assert_no_leak(engine)
+
+
+def test_a_request_that_fails_its_admission_ends_with_an_error(engine, monkeypatch):
+    """Whatever fails while a request is admitted (here: its generator) ends it with an error
+    output and gives its run slot back (it used to end in neither queue: no final output,
+    a slot lost for good)."""
+    import backend.engine.scheduler as scheduler
+
+    free = len(engine.scheduler.free_slots)
+    real = scheduler.make_generator
+
+    def broken(seed, *args, **kwargs):
+        if seed == 12345:
+            raise RuntimeError("injected")
+        return real(seed, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "make_generator", broken)
+    _, other = _beside_a_plain_request(engine, SamplingParams(max_tokens=4, seed=12345))
+    assert [o.finish_reason for o in other if o.finished] == ["error"]
+    assert len(engine.scheduler.free_slots) == free
+    assert_no_leak(engine)
+    assert engine.generate([1, 2, 3], SamplingParams(max_tokens=2)).finish_reason == "length"
