@@ -28,6 +28,10 @@ Rules (TensorRT-LLM semantics where it has them):
   next, and one with `allowed_token_ids` (vLLM's) only those tokens; min_tokens, bad words and
   repeated n-grams then remove tokens only where the grammar or the allowed set leaves another
   choice (where they would leave none, its choices stand).
+- A row the rules leave without any token (bad words or repeated n-grams covering the
+  vocabulary; a bias or penalty so extreme that the logits leave the float range: NaN bans a
+  token, +inf counts as the largest float) falls back to the rules without the bias and
+  penalties, then to the model's own logits: one request's values never fail the batch.
 - Stop words are matched against the generated tokens only (never the prompt); the matched
   tokens stay in the output, as TensorRT-LLM returns them.
 - Log probabilities (`scored_log_probs`: the chosen token's and the likeliest alternatives) are
