@@ -66,6 +66,7 @@ each step's output carries the running beams so far)."""
     sender: Any
     stream: OutputStream
     cancelled: bool = False
+    stopped: bool = False  # by a `stop` request: its client still listens
     index: int = 0
     siblings: list = field(default_factory=list)  # (entry, engine Request) still to submit
     group: GroupState | None = None
@@ -334,6 +335,16 @@ class HybridLlm:
             if close and failed:
                 message = out.error or "the engine failed this request"
                 self.responder.put(Outgoing(entry.sender, error=message, final=True))
+            elif close and entry.stopped and out.finished and group.items == 1 and \
+                    entry.stream.num_sequences == 1 and not entry.stream.beam_search:
+                # A `stop` from another request: the client still listens, and its last
+                # response says why the stream ended (finish_reason "cancelled", with what
+                # was generated), as a request that ends on its own does.
+                out = replace(out, finish_reason="cancelled")
+                tensors, _ = entry.stream.on_output(out, entry.index)
+                if tensors is not None:
+                    tensors = {**tensors, "response_final": np.array([[True]], dtype=np.bool_)}
+                self.responder.put(Outgoing(entry.sender, tensors, final=True))
             elif close:  # the client is gone: only close the stream
                 self.responder.put(Outgoing(entry.sender, final=True))
             return
@@ -371,7 +382,7 @@ class HybridLlm:
             matches = [rid for rid in self.open
                        if rid == key or rid.startswith((f"{key}#", f"{key}/"))]
             for rid in matches:
-                self.open[rid].cancelled = True
+                self.open[rid].cancelled = self.open[rid].stopped = True
         for rid in matches:
             self.engine.cancel(rid)
             log(self.pb_utils, f"hybrid_llm: {rid} stopped (stop=true)")

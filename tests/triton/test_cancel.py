@@ -151,3 +151,43 @@ def test_a_stop_reaches_only_the_request_it_names(llm_server: ServerHandle):
     assert rest[-1].final and rest[-1].finish_reasons == ["length"]
     assert not first.final
     assert llm_server.logs().count("stopped (stop=true)") == stops
+
+
+def test_a_stopped_request_is_told_why_it_ended(llm_server: ServerHandle):
+    """`stop` from another client, as TensorRT-LLM's: the stopped request's stream ends with a
+    response whose finish_reason is "cancelled" (it was a bare final flag, which looks like
+    nothing to a gRPC client, and an end without a reason to one that asks for empty finals)."""
+    ids = np.frombuffer(long_prompt("Stop me by name", 100).encode(), dtype=np.uint8)
+    tensors = {
+        "input_ids": ids.astype(np.int32)[None],
+        "input_lengths": np.array([[ids.size]], dtype=np.int32),
+        "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
+        "min_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
+        "streaming": np.array([[True]]),
+    }
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(
+            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    client.async_stream_infer("hybrid_llm", inputs, request_id="stop-me",
+                              enable_empty_final_response=True)
+    for _ in range(3):
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+    assert _stop(llm_server, "stop-me") is None
+    reasons = []
+    while True:
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+        reasons.append(result.as_numpy("finish_reason").reshape(-1)[0].decode())
+        if result.get_response().parameters["triton_final_response"].bool_param:
+            break
+    client.stop_stream()
+    client.close()
+    assert reasons[-1] == "cancelled" and not any(reasons[:-1])
+    idle_pool(llm_server, timeout_s=20)
