@@ -62,6 +62,14 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                     "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_conv_kernel_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.intermediate_size < 0:
+            raise ValueError(f"intermediate_size must be >= 0, got {self.intermediate_size}")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries, "
@@ -176,6 +184,15 @@ class ModelConfig:
             return cls._from_nemotron_h(raw)
         text = dict(raw.get("text_config", raw)) if model_type == "qwen3_5" else dict(raw)
         rope = dict(text.get("rope_parameters") or {})
+        # Only the plain rotary embedding is implemented: a scaled one (yarn, linear, dynamic,
+        # ...) served as plain would give other logits, so it is refused.
+        for where, spec in (("rope_parameters", rope), ("rope_scaling",
+                                                        text.get("rope_scaling") or {})):
+            kind = spec.get("rope_type", spec.get("type", "default")) \
+                if isinstance(spec, dict) else spec
+            if kind != "default":
+                raise ValueError(f"{where} asks for rope_type {kind!r}; only the default "
+                                 "rotary embedding is supported")
         num_layers = int(text["num_hidden_layers"])
         layer_types = text.get("layer_types")
         if layer_types is None:
@@ -281,10 +298,15 @@ class ModelConfig:
             raise FileNotFoundError(f"cannot read model config {path}: {e}") from e
         except json.JSONDecodeError as e:
             raise ValueError(f"model config {path} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"model config {path} is not a JSON object")
         try:
             return cls.from_hf_dict(raw)
         except KeyError as e:
             raise ValueError(f"model config {path} lacks required field {e}") from e
+        except (TypeError, ArithmeticError, IndexError, AttributeError) as e:
+            raise ValueError(f"model config {path} holds a value that cannot be used: "
+                             f"{e}") from e
 
 
 def _moe_config(raw: dict[str, Any], pick) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backend.engine.config import adapter_entries
+from backend.engine.config import DTYPES, adapter_entries
 from backend.model import load_model, lora
 from backend.model.loader import CheckpointError
 from backend.triton.repo import MODEL_REPO, set_parameters
@@ -70,15 +70,37 @@ def validate_checkpoint(model_dir: Path, dtype: torch.dtype = torch.float32,
     if not (model_dir / "tokenizer.json").is_file():
         raise BuildError(f"checkpoint {model_dir}: tokenizer.json is missing (the repository's "
                          "preprocessing and postprocessing models need it)")
+    if cfg.eos_token_id is not None and not 0 <= cfg.eos_token_id < cfg.vocab_size:
+        raise BuildError(f"checkpoint {model_dir}: eos_token_id {cfg.eos_token_id} is outside "
+                         f"the vocabulary [0, {cfg.vocab_size})")
+    try:  # what preprocessing / postprocessing will load, and ids the model can take
+        from backend.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir)
+    except Exception as e:
+        raise BuildError(f"checkpoint {model_dir}: its tokenizer does not load: {e}") from e
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise BuildError(f"checkpoint {model_dir}: the tokenizer has {tokenizer.vocab_size} "
+                         f"tokens, more than the model's vocabulary of {cfg.vocab_size}")
     params = sum(p.numel() for p in model.parameters())
     return {"parameters": params, "layers": cfg.num_hidden_layers, "groups": cfg.num_groups,
             "model_type": cfg.model_type, "moe": cfg.has_moe}
 
 
+def _within(path: Path, folder: Path) -> bool:
+    """Whether `path` is `folder` or lies inside it (links resolved)."""
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
 def check_repository(repo: Path, force: bool) -> None:
-    """Refuses an existing, non-empty `repo` without `force` (before any step runs)."""
+    """Refuses an existing, non-empty `repo` without `force`, and one that cannot be a folder
+    (a file there or above it), before any step runs."""
     if repo.exists() and not repo.is_dir():
         raise BuildError(f"{repo} exists and is not a folder")
+    for parent in repo.resolve().parents:
+        if parent.exists() and not parent.is_dir():
+            raise BuildError(f"--repo {repo}: {parent} is a file, not a folder")
     if repo.exists() and any(repo.iterdir()) and not force:
         raise BuildError(f"{repo} exists and is not empty (use --force to replace it)")
 
@@ -129,14 +151,33 @@ def build(args: argparse.Namespace) -> Path:
         raise BuildError(f"--lora needs --backend eager (a {args.backend} engine holds the "
                          "base model's weights only)")
     if adapters:
+        for name, path in adapters.items():
+            if "," in str(path.resolve()):  # the parameter is a comma-separated list
+                raise BuildError(f"--lora {name}: the adapter's path {path.resolve()} holds a "
+                                 "comma, which the lora_adapters parameter cannot carry")
         params["lora_adapters"] = ",".join(f"{n}={p.resolve()}" for n, p in adapters.items())
+    for what, path in (("--model", model_dir), *((f"--lora {n}", p) for n, p in adapters.items())):
+        if any(ch in str(path.resolve()) for ch in '"\\\n'):
+            raise BuildError(f"{what}: the path {str(path.resolve())!r} holds a quote, a "
+                             "backslash or a newline, which config.pbtxt cannot carry as is")
+    engine_dir = Path(args.engine_dir)
+    if args.backend == "aot" and (engine_dir.is_absolute() or not engine_dir.parts
+                                  or ".." in engine_dir.parts or engine_dir == Path(".")):
+        raise BuildError(f"--engine-dir must be a folder inside the checkpoint (a relative "
+                         f"path without '..'), got {args.engine_dir!r}")
     check_repository(repo, args.force)
+    if model_dir.exists():  # (a missing checkpoint is validate's error)
+        inside = _within(model_dir, repo) or _within(repo, model_dir)
+        if inside:
+            raise BuildError(f"the checkpoint {model_dir} and the repository {repo} overlap "
+                             "(writing the repository would replace files of the checkpoint): "
+                             "give --repo a folder of its own")
     calibration = None  # the folder --calibrate wrote into (the checkpoint stays as it is)
     bar = tqdm(steps, desc=f"build ({args.backend})", unit="step")
     for step in bar:
         bar.set_postfix(step=step)
         if step == "validate":
-            info = validate_checkpoint(model_dir, adapters=adapters)
+            info = validate_checkpoint(model_dir, DTYPES[args.dtype], adapters=adapters)
             tqdm.write(f"checkpoint ok ({info['model_type']}): {info['parameters']:,} "
                        f"parameters, {info['layers']} layers, {info['groups']} "
                        "linear-attention groups"
@@ -147,8 +188,12 @@ def build(args: argparse.Namespace) -> Path:
             # Gated DeltaNet models meet the target at 4 anchors a page; long-memory Mamba2
             # models may need 16 (tried only when 4 falls short).
             calibration = Path(tempfile.mkdtemp(prefix="calibration-"))
-            calibrate.main(["--model", str(model_dir), "--quick", "--out", str(calibration),
-                            "--anchors-per-page", "4", "16"])
+            try:
+                calibrate.main(["--model", str(model_dir), "--quick", "--out",
+                                str(calibration), "--anchors-per-page", "4", "16"])
+            except (Exception, SystemExit) as e:  # (calibrate's argument errors exit)
+                shutil.rmtree(calibration, ignore_errors=True)
+                raise BuildError(f"calibration of {model_dir} failed: {e!r}") from e
             params.update(k_max="auto", anchor_density="auto")
         elif step == "compile" and args.backend == "aot":
             from engine_build.aot import build_aot_engine
@@ -204,7 +249,7 @@ def tensorrt_refusal(model_dir: Path) -> str | None:
 
     try:
         cfg = ModelConfig.from_file(model_dir / "config.json")
-    except (OSError, ValueError) as e:  # from_file's errors
+    except (OSError, ValueError) as e:  # from_file's errors (a bad value: ValueError)
         return f"checkpoint {model_dir} is not usable: {e}"
     if cfg.is_nemotron_h:
         return ("--backend tensorrt registers Qwen3.5's operators only; build Nemotron-H "

@@ -154,10 +154,20 @@ def main(argv: list[str] | None = None) -> dict:
                    help="one or more densities to try, cheapest first (default 4 of 64)")
     p.add_argument("--out", help="folder for calibration.json / .png (default: --model's)")
     args = p.parse_args(argv)
+    if args.page_size < 1:
+        p.error(f"--page-size must be >= 1, got {args.page_size}")
     if any(not 0 < a <= args.page_size for a in args.anchors_per_page):
         p.error(f"--anchors-per-page must lie in 1..{args.page_size}")
+    if not 0 < args.target <= 1:  # (NaN fails this too)
+        p.error(f"--target must lie in (0, 1], got {args.target}")
+    out_dir = Path(args.out or args.model)
+    if out_dir.exists() and not out_dir.is_dir():
+        p.error(f"--out {out_dir} is a file, not a folder")
     torch.set_num_threads(2)
-    model = load_model(args.model)
+    try:
+        model = load_model(args.model)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        p.error(f"--model {args.model} is not usable: {e}")
     num, length = (4, 1152) if args.quick else (12, 2112)
     boundaries = [512, 1024] if args.quick else [512, 1024, 1536, 2048]
     seqs = calibration_sequences(num, length)
@@ -174,7 +184,6 @@ def main(argv: list[str] | None = None) -> dict:
            "sampling": "dense_tail", "sweep": {str(k): v for k, v in results.items()},
            "sweeps_by_anchors_per_page": {str(a): {str(k): v for k, v in r.items()}
                                           for a, r in by_density.items()}}
-    out_dir = Path(args.out or args.model)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "calibration.json").write_text(json.dumps(out, indent=2) + "\n")
     plot(results, k_max, out_dir / "calibration.png", by_density)

@@ -105,9 +105,16 @@ def load_model(
         if name in derived:  # a part of a packed tensor (Qwen3-Next), read once for all
             if packed[0] != (f, key):
                 packed = ((f, key), handles[f].get_tensor(key))
-            tensor = derived[name](packed[1])
+            try:
+                tensor = derived[name](packed[1])
+            except RuntimeError as e:  # a packed tensor of the wrong size cannot be cut
+                raise CheckpointError(f"{f}: tensor {key!r} has shape "
+                                      f"{tuple(packed[1].shape)}, which does not cut into this "
+                                      f"config's projections ({e})") from None
         else:
             tensor = handles[f].get_tensor(key)
+        if not tensor.is_floating_point():  # an integer or bool tensor cast would be garbage
+            raise CheckpointError(f"{f}: tensor {key!r} is {tensor.dtype}, not floating point")
         if tuple(tensor.shape) != tuple(param.shape):
             raise CheckpointError(
                 f"{f}: tensor {key!r} has shape {tuple(tensor.shape)}, "

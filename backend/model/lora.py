@@ -73,6 +73,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
         config = json.loads(config_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise AdapterError(f"LoRA adapter {name!r}: {config_file}: unreadable ({e})") from e
+    if not isinstance(config, dict):
+        raise AdapterError(f"LoRA adapter {name!r}: {config_file} is not a JSON object")
     if config.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not "
                            "LORA")
@@ -123,6 +125,10 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
             raise AdapterError(f"LoRA adapter {name!r}: {module!r} lacks its lora_"
                                f"{'B' if 'A' in ab else 'A'} weight")
         a, b = ab["A"], ab["B"]
+        if not (a.is_floating_point() and b.is_floating_point()
+                and torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"LoRA adapter {name!r}: {module!r} has weights that are not "
+                               "finite floating-point numbers")
         want_a, want_b = (rank, linear.in_features), (linear.out_features, rank)
         if a.dim() != 2 or b.dim() != 2 or tuple(a.shape) != want_a or \
                 tuple(b.shape) != want_b:

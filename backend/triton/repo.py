@@ -50,6 +50,9 @@ def set_parameters(config: Path, params: Mapping[str, str]) -> None:
     """Sets string parameters in a config.pbtxt (replacing the value, or adding the key)."""
     text = config.read_text()
     for key, value in params.items():
+        if any(ch in value for ch in '"\\\n'):
+            raise ValueError(f"parameter {key}: {value!r} holds a quote, a backslash or a "
+                             "newline, which a config.pbtxt string value cannot carry as is")
         pattern = re.compile(_PARAM.format(key=re.escape(key)))
         text, count = pattern.subn(lambda m, v=value: m.group(1) + v + '"', text)
         if not count:

@@ -129,3 +129,115 @@ def test_aot_for_cuda_without_a_gpu_is_a_one_line_error(tmp_path, capsys):
     assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"), "--backend",
                        "aot", "--device", "cuda"]) == 1
     assert "CUDA is not available here" in capsys.readouterr().err
+
+
+def _edit_config(ckpt, **changes):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps({**cfg, **changes}))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("rope_yarn", "only the default rotary embedding"),
+    ("rope_scaling_legacy", "only the default rotary embedding"),
+    ("kv_heads_zero", "num_key_value_heads must be >= 1"),
+    ("interval_zero", "cannot be used"),
+    ("vocab_null", "cannot be used"),
+    ("hidden_negative", "hidden_size must be >= 1"),
+    ("config_a_list", "not a JSON object"),
+    ("eos_out_of_range", "eos_token_id 100000 is outside the vocabulary"),
+    ("int_embedding", "not floating point"),
+    ("tokenizer_corrupt", "its tokenizer does not load"),
+    ("tokenizer_larger", "more than the model's vocabulary"),
+])
+def test_checkpoints_that_would_serve_wrongly_or_crash_are_one_line_errors(
+        tmp_path, capsys, case, message):
+    """What an audit of the builder found: a scaled rotary embedding, integer weights, an
+    end id or tokenizer past the vocabulary built (and served other logits, or failed at
+    serve time); config values that divide by zero or are of the wrong type gave
+    tracebacks. Each is now a one-line error before anything is written."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = _model_copy(tmp_path)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    if case == "rope_yarn":
+        _edit_config(ckpt, rope_parameters={**(text.get("rope_parameters") or {}),
+                                            "rope_type": "yarn", "factor": 4.0})
+    elif case == "rope_scaling_legacy":
+        _edit_config(ckpt, rope_scaling={"type": "linear", "factor": 2.0})
+    elif case == "kv_heads_zero":
+        _edit_config(ckpt, num_key_value_heads=0)
+    elif case == "interval_zero":
+        text.pop("layer_types", None)
+        _edit_config(ckpt, **{k: v for k, v in text.items() if k != "layer_types"},
+                     full_attention_interval=0)
+        cfg = json.loads((ckpt / "config.json").read_text())
+        cfg.pop("layer_types", None)
+        (ckpt / "config.json").write_text(json.dumps(cfg))
+    elif case == "vocab_null":
+        _edit_config(ckpt, vocab_size=None)
+    elif case == "hidden_negative":
+        _edit_config(ckpt, hidden_size=-8)
+    elif case == "config_a_list":
+        (ckpt / "config.json").write_text("[]")
+    elif case == "eos_out_of_range":
+        _edit_config(ckpt, eos_token_id=100000)
+    elif case == "int_embedding":
+        [weights] = list(ckpt.glob("*.safetensors"))
+        tensors = load_file(weights)
+        key = next(k for k in tensors if k.endswith("embed_tokens.weight"))
+        tensors[key] = (tensors[key] * 100).to(torch.int32)
+        save_file(tensors, weights)
+    elif case == "tokenizer_corrupt":
+        (ckpt / "tokenizer.json").write_text("{not json")
+    elif case == "tokenizer_larger":
+        _edit_config(ckpt, vocab_size=200, eos_token_id=5)
+        [weights] = list(ckpt.glob("*.safetensors"))
+        tensors = load_file(weights)
+        for k in list(tensors):
+            if k.endswith("embed_tokens.weight") or k.endswith("lm_head.weight"):
+                tensors[k] = tensors[k][:200].contiguous()
+        save_file(tensors, weights)
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_a_repository_and_checkpoint_that_overlap_are_refused(tmp_path, capsys):
+    """The shipped layout keeps the checkpoint inside the repository: --force used to delete
+    it (rc 0) while replacing the models' folders."""
+    repo = tmp_path / "repo"
+    shutil.copytree(MODEL_REPO / DEFAULT_MODEL, repo / "hybrid_llm" / "1" / "tiny")
+    ckpt = repo / "hybrid_llm" / "1" / "tiny"
+    for model, where in ((ckpt, repo), (tmp_path / "c", tmp_path / "c" / "repo")):
+        if not model.exists():
+            shutil.copytree(MODEL_REPO / DEFAULT_MODEL, model)
+        assert build.main(["--model", str(model), "--repo", str(where), "--force"]) == 1
+        assert "overlap" in capsys.readouterr().err
+    assert (ckpt / "config.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "aot", "--engine-dir", ""], "--engine-dir must be a folder inside"),
+    (["--backend", "aot", "--engine-dir", "/tmp/elsewhere"], "--engine-dir must be a folder"),
+    (["--backend", "aot", "--engine-dir", "../up"], "--engine-dir must be a folder inside"),
+])
+def test_engine_dir_outside_the_checkpoint_is_refused(tmp_path, capsys, args, message):
+    ckpt = _model_copy(tmp_path)
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo"), *args]) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "repo").exists()
+
+
+def test_paths_config_pbtxt_cannot_carry_are_refused(tmp_path, capsys):
+    odd = tmp_path / 'we"ird'
+    odd.mkdir()
+    ckpt = _model_copy(odd)
+    assert build.main(["--model", str(ckpt), "--repo", str(tmp_path / "repo")]) == 1
+    assert "holds a quote" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert build.main(["--model", str(_model_copy(tmp_path)), "--repo",
+                       str(afile / "sub")]) == 1
+    assert "is a file, not a folder" in capsys.readouterr().err
