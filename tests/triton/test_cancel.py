@@ -77,23 +77,32 @@ def test_closing_an_http_stream_stops_the_generation(llm_server: ServerHandle):
     assert after["free_or_cached"] == before["free_or_cached"]
 
 
-def test_cancel_on_hybrid_llm_directly(llm_server: ServerHandle):
-    before = idle_pool(llm_server)
-    ids = np.frombuffer(long_prompt("Direct cancel", 100).encode(), dtype=np.uint8)
-    tensors = {
+def _inputs(tensors: dict[str, np.ndarray]) -> list:
+    """hybrid_llm's inputs (INT32, BOOL) as gRPC InferInputs."""
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(
+            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _streaming_inputs(seed: str) -> list:
+    """A streamed hybrid_llm request of a 100-byte prompt that runs MAX_TOKENS tokens."""
+    ids = np.frombuffer(long_prompt(seed, 100).encode(), dtype=np.uint8)
+    return _inputs({
         "input_ids": ids.astype(np.int32)[None],
         "input_lengths": np.array([[ids.size]], dtype=np.int32),
         "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
         "min_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
         "streaming": np.array([[True]]),
-    }
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(
-            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32"
-        )
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    })
+
+
+def test_cancel_on_hybrid_llm_directly(llm_server: ServerHandle):
+    before = idle_pool(llm_server)
+    inputs = _streaming_inputs("Direct cancel")
     client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -117,12 +126,7 @@ def _stop(llm_server: ServerHandle, request_id: str):
         "request_output_len": np.ones((1, 1), dtype=np.int32),
         "stop": np.array([[True]]),
     }
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(
-            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    inputs = _inputs(tensors)
     client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
@@ -157,20 +161,7 @@ def test_a_stopped_request_is_told_why_it_ended(llm_server: ServerHandle):
     """`stop` from another client, as TensorRT-LLM's: the stopped request's stream ends with a
     response whose finish_reason is "cancelled" (it was a bare final flag, which looks like
     nothing to a gRPC client, and an end without a reason to one that asks for empty finals)."""
-    ids = np.frombuffer(long_prompt("Stop me by name", 100).encode(), dtype=np.uint8)
-    tensors = {
-        "input_ids": ids.astype(np.int32)[None],
-        "input_lengths": np.array([[ids.size]], dtype=np.int32),
-        "request_output_len": np.array([[MAX_TOKENS]], dtype=np.int32),
-        "min_tokens": np.array([[MAX_TOKENS]], dtype=np.int32),
-        "streaming": np.array([[True]]),
-    }
-    inputs = []
-    for name, array in tensors.items():
-        tensor = grpcclient.InferInput(
-            name, list(array.shape), "BOOL" if array.dtype == bool else "INT32")
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
+    inputs = _streaming_inputs("Stop me by name")
     client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
     responses: queue.SimpleQueue = queue.SimpleQueue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
