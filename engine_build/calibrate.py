@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--page-size must be >= 1, got {args.page_size}")
     if any(not 0 < a <= args.page_size for a in args.anchors_per_page):
         p.error(f"--anchors-per-page must lie in 1..{args.page_size}")
-    if not 0 < args.target <= 1:  # (NaN fails this too)
-        p.error(f"--target must lie in (0, 1], got {args.target}")
+    if not args.target > 0 or args.target == float("inf"):  # (NaN fails this too; a target
+        p.error(f"--target must be a number > 0, got {args.target}")  # above 1: unreachable)
     out_dir = Path(args.out or args.model)
     if out_dir.exists() and not out_dir.is_dir():
         p.error(f"--out {out_dir} is a file, not a folder")
