@@ -90,6 +90,7 @@ def test_lora_adapters_are_checked_and_served(tmp_path, capsys):
     or a compiled backend is refused before anything is written."""
     import torch
     from hf_oracle import make_lora_adapter
+    from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5ForCausalLM
 
     ckpt = _model_copy(tmp_path)
@@ -101,7 +102,14 @@ def test_lora_adapters_are_checked_and_served(tmp_path, capsys):
     assert params["lora_adapters"] == f"tutor={adapter.resolve()}"
     assert "LoRA adapters tutor ok" in capsys.readouterr().out
     head = make_lora_adapter(tmp_path / "head", hf, ("lm_head",))
+    nan = make_lora_adapter(tmp_path / "nan", hf, ("q_proj",))
+    weights = load_file(nan / "adapter_model.safetensors")
+    next(iter(weights.values()))[0, 0] = float("nan")
+    save_file(weights, nan / "adapter_model.safetensors")
+    comma = shutil.copytree(adapter, tmp_path / "a,b")  # lora_adapters is comma-separated
     for extra, message in ((["--lora", f"head={head}"], "lm_head"),
+                           (["--lora", f"nan={nan}"], "not finite floating-point numbers"),
+                           (["--lora", f"comma={comma}"], "comma"),
                            (["--lora", "tutor"], "not NAME=PATH"),
                            (["--lora", f"tutor={adapter}", "--backend", "aot"],
                             "--backend eager")):
