@@ -21,6 +21,7 @@ references, images and files, `truncation: "auto"`, `top_logprobs`, `max_tool_ca
 from __future__ import annotations
 
 import copy
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -28,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from backend.openai_api import protocol
 from backend.openai_api.errors import RequestError
 
 STORE_SIZE = 1024  # responses kept for previous_response_id / GET (least recently used go)
@@ -82,6 +84,29 @@ class Conversion:
     id: str = field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
 
 
+# The chat fields a Responses request's own ones become (`to_chat`): an error of the chat path
+# names the field the client sent.
+_CHAT_NAMES = [(re.compile(r"\bresponse_format\.json_schema\."), "text.format."),
+               (re.compile(r"\bresponse_format\b"), "text.format"),
+               (re.compile(r"\bmax_tokens\b"), "max_output_tokens"),
+               (re.compile(r"'messages'"), "'input'")]
+
+
+def parse(body: Any, store: ResponseStore, names: Any, template: Any
+          ) -> tuple[Conversion, protocol.Plan]:
+    """A Responses request -> its chat body and the chat path's plan of it (`parse_chat`);
+    errors name the Responses fields (max_output_tokens, text.format, input)."""
+    conv = to_chat(body, store)
+    try:
+        return conv, protocol.parse_chat(conv.chat, names, template)
+    except RequestError as exc:
+        message, param = exc.message, exc.param
+        for pattern, name in _CHAT_NAMES:
+            message = pattern.sub(name, message)
+            param = pattern.sub(name, param) if param else param
+        raise RequestError(message, param, exc.status, exc.kind, exc.code) from None
+
+
 def to_chat(body: Any, store: ResponseStore) -> Conversion:
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -125,7 +150,11 @@ def to_chat(body: Any, store: ResponseStore) -> Conversion:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
     if choice is not None:
         chat["tool_choice"] = choice
-    fmt = _text_format(body.get("text"))
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise RequestError(f"'text' must be an object (text.format: the output's format), got "
+                           f"{text!r:.40}", "text")
+    fmt = _text_format(text)
     if fmt is not None:
         chat["response_format"] = fmt
     stream, keep = body.get("stream", False), body.get("store", True)

@@ -595,8 +595,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     try:
         body = await _body(request)
-        conv = responses.to_chat(body, state.responses)
-        plan = protocol.parse_chat(conv.chat, state.names, state.template)
+        conv, plan = responses.parse(body, state.responses, state.names, state.template)
         run = await asyncio.to_thread(Run, state, plan, request.get(ARRIVED))
     except RequestError as exc:
         return _error(exc)

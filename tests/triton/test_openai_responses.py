@@ -13,6 +13,7 @@ from backend.openai_api.responses import (
     ResponseStore,
     Stored,
     input_messages,
+    parse,
     to_chat,
 )
 from tests.triton.test_openai_tools import MODELS, TEMPLATE
@@ -113,6 +114,23 @@ def test_bad_requests_say_what_is_wrong(body, status, message):
     with pytest.raises(RequestError) as info:
         to_chat({"model": "tiny", **body}, ResponseStore())
     assert message in info.value.message and info.value.status == status
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens' must be"),
+    ({"max_output_tokens": "7"}, "max_output_tokens", "'max_output_tokens' must be"),
+    ({"text": "oops"}, "text", "'text' must be an object"),
+    ({"text": {"format": {"type": "json_schema", "name": "t", "schema": "x"}}}, "text.format",
+     "text.format.schema must be an object"),
+])  # fmt: skip
+def test_errors_of_the_chat_path_name_the_responses_fields(body, param, message):
+    """A value the chat path refuses is named as the client sent it (max_output_tokens, not
+    the chat's max_tokens); a `text` that is not an object is refused, not ignored."""
+    with pytest.raises(RequestError) as info:
+        parse({"model": "tiny", "input": "Hi", **body}, ResponseStore(), MODELS, TEMPLATE)
+    error = info.value
+    assert (error.status, error.param) == (400, param) and message in error.message, error.message
+    assert "max_tokens" not in error.message and "response_format" not in error.message
 
 
 def test_the_store_keeps_the_last_responses():
