@@ -180,9 +180,11 @@ class ModelConfig:
             raise ValueError(
                 f"unsupported model_type {model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
             )
+        _check_whole(raw)
         if model_type == NEMOTRON_H:
             return cls._from_nemotron_h(raw)
         text = dict(raw.get("text_config", raw)) if model_type == "qwen3_5" else dict(raw)
+        _check_whole(text)
         rope = dict(text.get("rope_parameters") or {})
         # Only the plain rotary embedding is implemented: a scaled one (yarn, linear, dynamic,
         # ...) served as plain would give other logits, so it is refused.
@@ -307,6 +309,34 @@ class ModelConfig:
         except (TypeError, ArithmeticError, IndexError, AttributeError) as e:
             raise ValueError(f"model config {path} holds a value that cannot be used: "
                              f"{e}") from e
+
+
+# Config fields that count something: a fraction (num_attention_heads: 4.7) would be cut by
+# int() into a model other than the one its weights were trained as.
+_WHOLE_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "full_attention_interval", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "attention_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+    "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim",
+    "max_position_embeddings", "n_groups", "mamba_n_groups", "mamba_num_heads",
+    "ssm_state_size", "mamba_d_state", "mamba_head_dim", "conv_kernel", "mamba_d_conv",
+    "n_routed_experts", "num_local_experts", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "moe_shared_expert_intermediate_size", "moe_latent_size",
+    "shared_expert_intermediate_size", "n_group", "topk_group", "n_shared_experts",
+    "decoder_sparse_step")
+
+
+def _check_whole(raw: Any) -> None:
+    """ValueError naming the first counting field that is not a whole number (a float with a
+    fraction, a bool, a string); whole floats (8.0) pass, as int() reads them."""
+    if not isinstance(raw, dict):
+        return  # (the field look-ups that follow say what is wrong)
+    for name in _WHOLE_FIELDS:
+        value = raw.get(name)
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            continue
+        if not (isinstance(value, float) and value.is_integer()):
+            raise ValueError(f"{name} must be a whole number, got {value!r}")
 
 
 def _moe_config(raw: dict[str, Any], pick) -> dict[str, Any]:

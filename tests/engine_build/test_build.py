@@ -151,6 +151,7 @@ def _edit_config(ckpt, **changes):
     ("interval_zero", "cannot be used"),
     ("vocab_null", "cannot be used"),
     ("hidden_negative", "hidden_size must be >= 1"),
+    ("heads_fraction", "num_attention_heads must be a whole number, got 4.7"),
     ("config_a_list", "not a JSON object"),
     ("eos_out_of_range", "eos_token_id 100000 is outside the vocabulary"),
     ("int_embedding", "not floating point"),
@@ -186,6 +187,8 @@ def test_checkpoints_that_would_serve_wrongly_or_crash_are_one_line_errors(
         _edit_config(ckpt, vocab_size=None)
     elif case == "hidden_negative":
         _edit_config(ckpt, hidden_size=-8)
+    elif case == "heads_fraction":  # (int() made it 4: served as another model)
+        _edit_config(ckpt, num_attention_heads=4.7)
     elif case == "config_a_list":
         (ckpt / "config.json").write_text("[]")
     elif case == "eos_out_of_range":
