@@ -13,7 +13,8 @@ at the checkpoint.
   fall short of the target), writes calibration.json / .png into the repository
   (`hybrid_llm/1/`, named by `calibration_path`; the checkpoint is left as it is) and serves
   `k_max: auto` and `anchor_density: auto`.
-- An existing, non-empty `--repo` is refused before any step runs unless `--force` is given.
+- An existing, non-empty `--repo` is refused before any step runs unless `--force` is given
+  (which replaces the five models the build writes and leaves other entries there).
 - `--lora NAME=PATH` (repeatable) checks a PEFT LoRA adapter against the checkpoint and serves
   it as NAME beside the base model (`lora_adapters`; eager backend).
 - `--backend aot` exports and compiles the prefill / decode step and each group's replay
@@ -230,7 +231,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora", action="append", default=[], metavar="NAME=PATH",
                    help="serve this PEFT LoRA adapter as NAME beside the base model (checked "
                         "against the checkpoint; eager backend); repeatable")
-    p.add_argument("--force", action="store_true", help="replace an existing repository")
+    p.add_argument("--force", action="store_true",
+                   help="replace the models this build writes in an existing repository "
+                        "(other entries there stay)")
     return p.parse_args(argv)
 
 
