@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from backend.cache.events import decode_event
 
@@ -39,18 +41,40 @@ class KvEventSubscriber:
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.setsockopt(zmq.LINGER, 0)
+        # The connection's drops: messages sent meanwhile are lost without a trace in the
+        # numbers when a restarted server's have caught up (`follow` checks after each one).
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._dropped = False
+        self._poller = zmq.Poller()
+        self._poller.register(self.sub, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self.sub.connect(endpoint)
         self.replay_endpoint = replay
+        self.replay_timeout_s = 10.0  # `follow`'s wait for a replay's next message
+        self.replayed_from: bytes | None = None  # the last replay's server start (`replay`)
 
     def receive(self, timeout_s: float) -> Message | None:
-        """The next live message, or None when none came within `timeout_s`."""
-        if not self.sub.poll(int(timeout_s * 1000)):
-            return None
-        _, seq, payload = self.sub.recv_multipart()
-        return _message(seq, payload)
+        """The next live message, or None when none came within `timeout_s` (a message of
+        other than three frames, [topic, 8-byte number, payload], is not one: skipped)."""
+        deadline = time.monotonic() + timeout_s
+        while ready := dict(self._poller.poll(max(0, int((deadline - time.monotonic())
+                                                          * 1000)))):
+            if self._monitor in ready:
+                recv_monitor_message(self._monitor)
+                self._dropped = True
+            if self.sub not in ready:
+                continue
+            frames = self.sub.recv_multipart()
+            if len(frames) == 3 and len(frames[1]) == 8:
+                return _message(frames[1], frames[2])
+            log.warning("kv-events: a message of %d frames is not an event message: skipped",
+                        len(frames))
+        return None
 
     def replay(self, start: int = 0, timeout_s: float = 10.0) -> Iterator[Message]:
-        """The server's kept messages from `start` on (older ones are gone), in order."""
+        """The server's kept messages from `start` on (older ones are gone), in order; once
+        it ends, `replayed_from` is the answering server start's id (None: an older server's
+        empty end marker). TimeoutError where the answer stops coming."""
         if self.replay_endpoint is None:
             raise ValueError("no replay endpoint given")
         sock = self.context.socket(zmq.DEALER)
@@ -62,23 +86,45 @@ class KvEventSubscriber:
                 if not sock.poll(int(timeout_s * 1000)):
                     raise TimeoutError(f"no replay answer from {self.replay_endpoint} within "
                                        f"{timeout_s} s")
-                _, seq, payload = sock.recv_multipart()
+                frames = sock.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    continue  # (not the replay's layout)
+                _, seq, payload = frames
                 if int.from_bytes(seq, "big", signed=True) == END:
+                    self.replayed_from = payload or None
                     return
                 yield _message(seq, payload)
         finally:
             sock.close()
 
+    def _replayed(self, start: int, before: int | None = None) -> tuple[list[Message], bool]:
+        """The kept messages from `start` (those numbered below `before`) and whether the
+        replay answered to its end: where it stopped (the server not up yet, or lost), what
+        came is kept and the rest counts as lost."""
+        out: list[Message] = []
+        try:
+            for m in self.replay(start, self.replay_timeout_s):
+                if before is None or m.seq < before:
+                    out.append(m)
+        except TimeoutError as exc:
+            log.warning("kv-events: %s (%d messages replayed)", exc, len(out))
+            return out, False
+        return out, True
+
     def follow(self, start: int = 0, idle_s: float | None = None,
                stop: threading.Event | None = None) -> Iterator[Message]:
         """Every message from `start` on, in order, once: the kept ones from the replay first
-        (with a replay endpoint), then live ones, a gap in the numbers filled from the
-        replay. A server that restarted (lower numbers, later timestamps) is followed from
-        its first message. Where messages are lost for good (no longer kept, or no replay
-        endpoint) the next one comes with `gap` set: an index built from them should start
-        over. Ends when nothing came for `idle_s` seconds, or once `stop` is set."""
+        (with a replay endpoint), then live ones, a gap in the numbers (or a dropped
+        connection) filled from the replay. A server that restarted (lower numbers and later
+        timestamps, or a replay answered by another server start than the one before) is
+        followed from its first kept message. Where messages are lost for good (no longer
+        kept; no replay endpoint and a gap or a dropped connection; a replay that stopped
+        answering) the next one comes with `gap` set: an index built from them should start
+        over. A server that is not up yet is waited for. Ends when nothing came for `idle_s`
+        seconds, or once `stop` is set."""
         expected, last_ts = start, 0.0
         waited = 0.0
+        instance: bytes | None = None  # the server start the last replay came from
 
         def passed(message: Message) -> Message:
             nonlocal expected, last_ts
@@ -88,8 +134,11 @@ class KvEventSubscriber:
             return message
 
         if self.replay_endpoint is not None:
-            for message in self.replay(start):
-                yield passed(message)
+            self.replayed_from = None
+            kept, _ = self._replayed(start)
+            instance = self.replayed_from
+            for m in kept:
+                yield passed(m)
         while stop is None or not stop.is_set():
             message = self.receive(0.2)
             if message is None:
@@ -98,20 +147,32 @@ class KvEventSubscriber:
                     return
                 continue
             waited = 0.0
+            # (the connection dropped since the last message: any number of messages may be
+            # lost, from this server start or another)
+            dropped, self._dropped = self._dropped, False
             if message.seq < expected:
                 if message.ts <= last_ts:
                     continue  # passed on already (from the replay)
-                expected = 0  # the server restarted: its messages from 0
-            if message.seq > expected and self.replay_endpoint is not None:
-                try:
-                    missed = [m for m in self.replay(expected) if m.seq < message.seq]
-                except TimeoutError:
-                    missed = []
+                expected, instance = 0, None  # the server restarted: its messages from 0
+            if dropped and self.replay_endpoint is None:
+                message = message._replace(gap=True)
+            if (message.seq > expected or dropped) and self.replay_endpoint is not None:
+                self.replayed_from = None
+                missed, whole = self._replayed(expected, message.seq)
+                if whole and instance is not None and self.replayed_from is not None \
+                        and self.replayed_from != instance:
+                    # another server start answered: ours restarted and its numbers caught
+                    # up with ours. Its kept messages from its first on, the index anew.
+                    expected = -1  # (the first one passed is a gap)
+                    missed, _ = self._replayed(0, message.seq)
+                if whole and self.replayed_from is not None:
+                    instance = self.replayed_from
                 for m in missed:
                     yield passed(m)
             yield passed(message)
-
     def close(self) -> None:
+        self.sub.disable_monitor()
+        self._monitor.close()
         self.sub.close()
         if self._own:
             self.context.term()

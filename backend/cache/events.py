@@ -26,7 +26,9 @@ as pages come and go. This is vLLM's and SGLang's publishing layout, on ZeroMQ:
 - a ROUTER socket (`kv_events_replay_endpoint`, optional) resends missed messages: a DEALER
   sends [b"", start sequence number (8 bytes, big-endian)]; the reply is one [b"", sequence
   number, payload] per kept message from that one on (the last `kv_events_buffer_steps`),
-  then [b"", -1 (8 bytes, signed), b""].
+  then [b"", -1 (8 bytes, signed), instance] (instance: 8 random bytes of this server start,
+  so a subscriber that fills a gap from a restarted server knows it; consumers that read the
+  payload of the end marker as empty ignore it).
 
 A page's hash is 63 bits of BLAKE2b over its parent's hash (for a first page: the request's
 `cache_salt`) and its token ids, so equal prefixes under one salt have equal hashes in every
@@ -42,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections import deque
@@ -144,16 +147,36 @@ def encode_event(event: list[Any], encoding: str) -> list[Any] | dict[str, Any]:
 def decode_event(event: Any) -> list[Any]:
     """An event in either encoding as a list: its name, then its fields in FIELDS' order
     (absent ones None); fields a newer publisher adds are ignored. ValueError where it is
-    neither."""
+    neither, or where a field a router reads has the wrong type (hashes and token ids lists
+    of integers, a page size >= 1): an index must not half-apply it."""
     if isinstance(event, dict):
         kind = event.get("type")
-        if kind not in FIELDS:
-            raise ValueError(f"unknown KV event {kind!r}")
-        return [kind, *(event.get(f) for f in FIELDS[kind])]
-    if isinstance(event, (list, tuple)) and event and event[0] in FIELDS:
+        if not isinstance(kind, str) or kind not in FIELDS:
+            raise ValueError(f"unknown KV event {kind!r:.80}")
+        out = [kind, *(event.get(f) for f in FIELDS[kind])]
+    elif isinstance(event, (list, tuple)) and event and isinstance(event[0], str) \
+            and event[0] in FIELDS:
         n = len(FIELDS[event[0]])
-        return [event[0], *event[1:n + 1], *[None] * (n + 1 - len(event))]
-    raise ValueError(f"not a KV event: {event!r:.80}")
+        out = [event[0], *event[1:n + 1], *[None] * (n + 1 - len(event))]
+    else:
+        raise ValueError(f"not a KV event: {event!r:.80}")
+    fields = dict(zip(FIELDS[out[0]], out[1:]))
+    for name in ("block_hashes", "token_ids"):
+        if name in fields and not _integers(fields[name]):
+            raise ValueError(f"{out[0]}: {name} must be a list of integers, got "
+                             f"{fields[name]!r:.80}")
+    parent = fields.get("parent_block_hash")
+    if parent is not None and not _integers([parent]):
+        raise ValueError(f"{out[0]}: parent_block_hash must be an integer or None")
+    size = fields.get("block_size", 1)
+    if not _integers([size]) or size < 1:
+        raise ValueError(f"{out[0]}: block_size must be an integer >= 1, got {size!r:.80}")
+    return out
+
+
+def _integers(values: Any) -> bool:
+    return isinstance(values, (list, tuple)) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
 class KvEventPublisher:
@@ -177,6 +200,9 @@ class KvEventPublisher:
         self._replay = None
         if replay_endpoint:
             self._replay = self._bind(zmq.ROUTER, "kv_events_replay_endpoint", replay_endpoint)
+        # This publisher's start, in every replay's end marker: a subscriber that filled a gap
+        # from another start than before knows the server restarted (its numbers caught up).
+        self.instance = secrets.token_bytes(8)
         self._zmq = zmq
         self._kept: deque[tuple[int, bytes]] = deque(maxlen=max(1, buffer_steps))
         self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
@@ -195,6 +221,8 @@ class KvEventPublisher:
 
         sock = self._context.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.ROUTER:  # a replay of every kept message at once: a ROUTER drops
+            sock.setsockopt(zmq.SNDHWM, 0)  # what passes its send limit (1000) silently
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -252,4 +280,4 @@ class KvEventPublisher:
             if seq >= first:
                 self._replay.send_multipart([peer, b"", seq.to_bytes(8, "big", signed=True),
                                              payload])
-        self._replay.send_multipart([peer, b"", END, b""])
+        self._replay.send_multipart([peer, b"", END, self.instance])

@@ -48,15 +48,17 @@ class ReplicaIndex:
     inflight: int = 0
     routed: int = 0  # requests sent to it
     events: bool = False  # it publishes events
+    following: bool = False  # a thread reads them now (`Router._follow`)
     down_until: float = 0.0  # time.monotonic() before which it gets no requests
     failures: int = 0  # requests that could not reach it
 
     def apply(self, message) -> None:
-        """One event message (`client.kv_events.Message`)."""
+        """One event message (`client.kv_events.Message`, its events checked by
+        `decode_event`)."""
         for event in message.events:
             if event[0] == "BlockStored":
                 self.pages.update(event[1])
-                self.page_size = int(event[4])
+                self.page_size = event[4]
             elif event[0] == "BlockRemoved":
                 self.pages.difference_update(event[1])
             elif event[0] == "AllBlocksCleared":
@@ -162,12 +164,14 @@ class Router:
         log.warning("replica %d unreachable: passed over for %.1f s", replica, self.down_s)
 
     def stats(self) -> list[dict]:
-        """Each replica's requests routed, in flight, announced pages, whether it has events,
-        whether it is up (not passed over after a failure) and its failures."""
+        """Each replica's requests routed, in flight, announced pages, whether it has events
+        (and whether they are being read now), whether it is up (not passed over after a
+        failure) and its failures."""
         now = time.monotonic()
         with self._lock:
             return [{"routed": r.routed, "inflight": r.inflight, "pages": len(r.pages),
-                     "events": r.events, "up": r.down_until <= now, "failures": r.failures}
+                     "events": r.events, "following": r.following,
+                     "up": r.down_until <= now, "failures": r.failures}
                     for r in self.replicas]
 
     def done(self, replica: int) -> None:
@@ -181,16 +185,37 @@ class Router:
 
     def _follow(self, i: int, subscriber) -> None:
         """Applies replica `i`'s events as they come (its own thread owns `subscriber`); where
-        some were lost, the index starts over (it only forgets pages: a request routed
-        elsewhere computes them, nothing is served wrong)."""
+        some were lost, or one does not apply, the index starts over (it only forgets pages: a
+        request routed elsewhere computes them, nothing is served wrong). Following fails only
+        on something unforeseen: it starts again after a pause (1 s, doubling up to 30 s),
+        the index empty meanwhile (`stats`: following false)."""
         index = self.replicas[i]
+        pause = 1.0
         try:
-            for message in subscriber.follow(stop=self._stop):
+            while not self._stop.is_set():
+                try:
+                    with self._lock:
+                        index.following = True
+                    for message in subscriber.follow(stop=self._stop):
+                        with self._lock:
+                            if message.gap:
+                                index.pages.clear()
+                            try:
+                                index.apply(message)
+                            except (TypeError, ValueError) as exc:  # (decode_event checks)
+                                index.pages.clear()
+                                log.warning("kv-events of replica %d: message %d does not "
+                                            "apply (%s): its index starts over", i,
+                                            message.seq, exc)
+                        pause = 1.0
+                except Exception:
+                    log.exception("kv-events of replica %d stopped: following again in "
+                                  "%.0f s", i, pause)
                 with self._lock:
-                    if message.gap:
-                        index.pages.clear()
-                    index.apply(message)
-        except Exception:
-            log.exception("kv-events of replica %d stopped", i)
+                    index.following = False
+                    index.pages.clear()
+                if self._stop.wait(pause):
+                    return
+                pause = min(30.0, pause * 2)
         finally:
             subscriber.close()

@@ -1062,9 +1062,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "<TOOLCALL>[...]</TOOLCALL>, Nemotron Nano 2; hermes, qwen3_coder, "
                              "qwen3_xml and nemotron_json are vLLM's names for them)")
     parser.add_argument("--router-max-imbalance", type=int, default=16, metavar="N",
-                        help="several replicas: one with N more requests in flight than the "
-                             "least busy gets none until that evens out, however much of a "
-                             "prompt it has cached")
+                        help="several replicas: one with more than N requests in flight beyond "
+                             "the least busy one gets none until that evens out, however much "
+                             "of a prompt it has cached")
     parser.add_argument("--router-down-s", type=float, default=5.0, metavar="S",
                         help="several replicas: one that cannot be reached is passed over for "
                              "S seconds (its requests go to the next best replica)")

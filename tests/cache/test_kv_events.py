@@ -242,7 +242,13 @@ def test_events_decode_from_either_encoding_and_bad_ones_are_refused():
     assert decode_event(["BlockStored", [5], 4, [1, 2], 2, None]) == \
         ["BlockStored", [5], 4, [1, 2], 2, None, None, None]  # vLLM's oldest: 6 fields
     assert decode_event({"type": "AllBlocksCleared"}) == ["AllBlocksCleared"]
-    for bad in ({"type": "BlockMoved"}, ["BlockMoved", 1], 7, [], {"block_hashes": [1]}):
+    for bad in ({"type": "BlockMoved"}, ["BlockMoved", 1], 7, [], {"block_hashes": [1]},
+                # what would half-apply to a router's index, or stop its thread
+                {"type": "BlockStored", "block_hashes": [1, 2]},  # no block_size
+                {"type": "BlockRemoved"}, {"type": "BlockRemoved", "block_hashes": "ab"},
+                ["BlockStored", [1], None, [1, 2], 0], ["BlockStored", [1.5], None, [1], 1],
+                ["BlockStored", [1], "p", [1], 1], ["BlockStored", [1], None, None, 1],
+                [[1]], {"type": ["x"]}, [{}]):  # (unhashable tags: ValueError, not TypeError)
         with pytest.raises(ValueError):
             decode_event(bad)
 
@@ -306,3 +312,32 @@ def test_following_marks_the_message_after_lost_ones():
     finally:
         events.close()
         subscriber.close()
+
+
+def test_a_replay_of_many_large_messages_is_whole(tmp_path):
+    """A ROUTER socket drops what passes its send limit (1000 messages) without a word: a
+    replay of 1500 kept messages of 1024 tokens each lost its tail and end marker (the
+    subscriber timed out; a router joining a busy replica stopped)."""
+    from backend.cache.radix import RadixTree
+
+    log = KvEventLog()
+    pub, replay = f"tcp://127.0.0.1:{_free_port()}", f"tcp://127.0.0.1:{_free_port()}"
+    events = KvEventPublisher(log, pub, replay)
+    tree = RadixTree(64)
+    tree.events = log
+    subscriber = KvEventSubscriber(pub, replay)
+    try:
+        for i in range(1500):
+            node = tree.root("", create=True)
+            for start in range(0, 1024, 64):
+                node = tree.add_child(node, encode_tokens([i] + [start // 64] * 63))
+            events.flush()
+        deadline = time.monotonic() + 60
+        while events.num_sent < 1501 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seqs = [m.seq for m in subscriber.replay(0, timeout_s=10)]
+        assert seqs == list(range(1501))
+        assert subscriber.replayed_from == events.instance  # the end marker names the start
+    finally:
+        subscriber.close()
+        events.close()

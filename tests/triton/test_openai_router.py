@@ -130,6 +130,150 @@ def test_the_index_follows_a_publisher_from_its_replay():
         publisher.close()
 
 
+def _tree(log: KvEventLog) -> RadixTree:
+    tree = RadixTree(PAGE)
+    tree.events = log
+    return tree
+
+
+def _add(tree: RadixTree, ids: list[int]) -> None:
+    node = tree.root("", create=True)
+    for start in range(0, len(ids) - PAGE + 1, PAGE):
+        node = tree.add_child(node, encode_tokens(ids[start:start + PAGE]))
+
+
+@pytest.mark.parametrize("case", ["no_block_size", "null_hashes", "two_frames"])
+def test_a_message_that_does_not_apply_leaves_the_router_reading_on(case):
+    """A message that decoded but could not apply (a BlockStored without block_size, a
+    BlockRemoved without hashes, two frames instead of three) stopped the replica's router
+    thread for good, its index half-applied; now the index starts over and reading goes on."""
+    import msgpack
+    import zmq
+
+    (port,) = free_ports(1)
+    context = zmq.Context()
+    sock = context.socket(zmq.PUB)
+    sock.bind(f"tcp://127.0.0.1:{port}")
+    router = Router(1, [f"tcp://127.0.0.1:{port}"])
+    ids = list(range(3, 3 + PAGE))
+    try:
+        time.sleep(0.5)  # the subscription reaches the PUB socket
+        bad = {"no_block_size": {"type": "BlockStored", "block_hashes": [11, 12]},
+               "null_hashes": {"type": "BlockRemoved"}}.get(case)
+        seq = (0).to_bytes(8, "big")
+        sock.send_multipart([b"kv-events", seq] if bad is None else
+                            [b"kv-events", seq, msgpack.packb([time.time(), [bad]])])
+        good = {"type": "BlockStored", "block_hashes": _stored(ids)[1],
+                "parent_block_hash": None, "token_ids": ids, "block_size": PAGE,
+                "lora_id": None, "medium": "GPU"}
+        sock.send_multipart([b"kv-events", (1).to_bytes(8, "big"),
+                             msgpack.packb([time.time(), [good]])])
+        wait_until(lambda: router.cached_tokens(0, ids) == PAGE, 10, "the next message")
+        assert router.stats()[0]["pages"] == 1  # (none of the bad message's hashes)
+        assert router._threads[0].is_alive() and router.stats()[0]["following"]
+    finally:
+        router.close()
+        sock.close()
+        context.term()
+
+
+def test_a_replica_that_comes_up_after_the_replay_wait_is_followed():
+    """The first replay's wait ran out (a replica still loading its model: 10 s here, 0.3 s
+    in this test) and the router's thread for it ended; it goes on to the live messages."""
+    import threading
+
+    from client.kv_events import KvEventSubscriber
+
+    pub, replay = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
+    subscriber = KvEventSubscriber(pub, replay)
+    subscriber.replay_timeout_s = 0.3
+    log, started = KvEventLog(), []
+    ids = list(range(9, 9 + PAGE))
+    _add(_tree(log), ids)
+    starter = threading.Timer(1.0, lambda: started.append(KvEventPublisher(log, pub, replay)))
+    starter.start()
+    try:
+        for message in subscriber.follow(idle_s=10):
+            stored = [e for e in message.events if e[0] == "BlockStored"]
+            if stored:
+                assert stored[0][1] == _stored(ids)[1]
+                break
+        else:
+            raise AssertionError("no BlockStored within 10 s")
+    finally:
+        starter.join()
+        subscriber.close()
+        for publisher in started:
+            publisher.close()
+
+
+@pytest.mark.parametrize("with_replay", [True, False])
+def test_a_restart_whose_numbers_caught_up_empties_the_index(with_replay):
+    """A replica restarts and sends as many messages before the router's subscriber
+    reconnects as it had before: the numbers go on as if nothing happened and its old pages
+    stayed indexed for good. The dropped connection now makes the subscriber check: with a
+    replay endpoint, the replay's end names another server start (the index is rebuilt from
+    the new one's kept messages); without, the next message is a gap (the index starts
+    over)."""
+    pub, replay = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
+    replay = replay if with_replay else ""
+    old, new, later = ([k] * PAGE for k in (1, 2, 4))
+    log = KvEventLog()
+    publisher = KvEventPublisher(log, pub, replay)  # 0: AllBlocksCleared
+    router = Router(1, [f"{pub},{replay}" if replay else pub])
+    try:
+        time.sleep(0.5)
+        _add(_tree(log), old)
+        publisher.flush()  # 1: old
+        wait_until(lambda: router.cached_tokens(0, old) == PAGE, 10, "the first page")
+        publisher.close()
+        log = KvEventLog()
+        publisher = KvEventPublisher(log, pub, replay)  # 0: AllBlocksCleared, unheard
+        tree = _tree(log)
+        _add(tree, new)
+        publisher.flush()  # 1: new, most likely unheard (the subscriber reconnects)
+        time.sleep(1.0)
+        _add(tree, later)
+        publisher.flush()  # 2: what the router expects next from the old server
+        wait_until(lambda: router.cached_tokens(0, later) == PAGE, 10, "the restart's page")
+        assert router.cached_tokens(0, old) == 0
+        if with_replay:  # (replayed from the new server's kept messages)
+            assert router.cached_tokens(0, new) == PAGE
+    finally:
+        router.close()
+        publisher.close()
+
+
+def test_a_router_thread_that_fails_follows_again(monkeypatch):
+    """Something unforeseen in following a replica's events ended its thread for the
+    frontend's life (`/router` still said events: true); it follows again after a pause."""
+    from client.kv_events import KvEventSubscriber
+
+    calls = []
+    follow = KvEventSubscriber.follow
+
+    def failing_once(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("unforeseen")
+        yield from follow(self, *args, **kwargs)
+
+    monkeypatch.setattr(KvEventSubscriber, "follow", failing_once)
+    pub, replay = (f"tcp://127.0.0.1:{p}" for p in free_ports(2))
+    log = KvEventLog()
+    publisher = KvEventPublisher(log, pub, replay)
+    ids = list(range(20, 20 + PAGE))
+    _add(_tree(log), ids)
+    publisher.flush()
+    router = Router(1, [f"{pub},{replay}"])
+    try:
+        wait_until(lambda: router.cached_tokens(0, ids) == PAGE, 10, "pages after the retry")
+        assert len(calls) == 2 and router.stats()[0]["following"]
+    finally:
+        router.close()
+        publisher.close()
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
     """Two servers with KV cache events, each serving a LoRA adapter `tutor` beside the
