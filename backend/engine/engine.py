@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from array import array
 from collections import deque
 from dataclasses import replace
@@ -191,8 +192,9 @@ class Engine:
         self.num_cache_resets = 0  # reset_prefix_cache calls
         self.adapters: dict[str, int] = {}  # LoRA adapter name -> its index in the model
         self.lora_requests: dict[str, int] = {}  # requests submitted on each adapter
-        self._adapters: dict[int, lora.LoraAdapter] = {}
-        self._next_adapter = 1  # an unloaded adapter's index is never reused
+        self._adapters: dict[int, lora.LoraAdapter] = {}  # this engine's, by model index
+        if model is not None:  # (a model outliving its engine keeps no adapter of it)
+            weakref.finalize(self, lora.withdraw, model, self._adapters)
         self._stopping = False
         self._grammars: GrammarBackend | None = None  # built for the first guided request
         self._grammar_lock = threading.Lock()
@@ -231,9 +233,8 @@ class Engine:
         with self._step_lock, self._lock:  # between two steps: no forward sees half of it
             if name in self.adapters:
                 raise ValueError(f"a LoRA adapter named {name!r} is already loaded")
-            index, self._next_adapter = self._next_adapter, self._next_adapter + 1
+            index = lora.serve(self.model, adapter)
             self._adapters[index] = adapter
-            lora.attach(self.model, self._adapters)
             self.adapters[name] = index
             self.lora_requests.setdefault(name, 0)
             if self.tiers is not None:  # SSD pages of another adapter of that name: foreign
@@ -254,10 +255,14 @@ class Engine:
             if users:
                 raise ValueError(f"{users} request(s) on LoRA adapter {name!r} are queued or "
                                  "running: unload it once they finished")
-            del self._adapters[self.adapters.pop(name)]
-            lora.attach(self.model, self._adapters)
+            index = self.adapters.pop(name)
+            del self._adapters[index]
+            lora.withdraw(self.model, [index])
             salts = [s for s in self.store.tree.roots if lora_of(s) == name]
             dropped = sum(self.store.reset(s, every_salt=False)[0] for s in salts)
+            corpus = self.scheduler.drafter.corpus if self.scheduler.drafter else None
+            if corpus is not None:  # suffix decoding's drafts from its outputs go too
+                corpus.forget({ns for ns, _ in corpus.requests if lora_of(ns) == name})
             if self.kv_events is not None:
                 self.kv_events.flush()
         log.info("LoRA adapter %r unloaded: %d cached pages dropped", name, dropped)

@@ -8,12 +8,14 @@ output for a token of a request on adapter a is `W x + scale_a * B_a (A_a x)` wi
 so one batch mixes requests on different adapters and on the base model.
 
 `attach(model, adapters)` gives every targeted `Linear` its adapters' (A, scale * B) pairs,
-indexed from 1, never reused (0: no adapter). During a forward, `active(rows)` says which
-adapter each batch row uses ([B] int64); `Linear.forward` adds the low-rank terms of the rows
-on its adapters (`apply`), and so do the CPU decode path's fused products (`decode.py`, per
-part, through `delta`). The engine's prefix cache keeps each adapter's pages in a
-namespace of their own (`backend.cache.radix.lora_namespace`): the same prompt under another
-adapter has other KV, anchors and states.
+indexed from 1 (0: no adapter); engines go through `serve` / `withdraw`, which keep every
+adapter served on the model (by any engine over it) attached, indices never reused. During
+a forward, `active(rows)` says which adapter each batch row uses ([B] int64);
+`Linear.forward` adds the low-rank terms of the rows on its adapters (`apply`), and so do
+the CPU decode path's fused products (`decode.py`, per part, through `delta`). The engine's
+prefix cache keeps each adapter's pages in a namespace of their own
+(`backend.cache.radix.lora_namespace`): the same prompt under another adapter has other KV,
+anchors and states.
 
 Supported targets: the linear layers the loader maps one to one from the checkpoint
 (attention q/k/v/o, Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
@@ -79,7 +81,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
         raise AdapterError(f"LoRA adapter {name!r}: peft_type {config['peft_type']!r} is not "
                            "LORA")
     rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1 or not isinstance(alpha, (int, float)):
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1 \
+            or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise AdapterError(f"LoRA adapter {name!r}: {config_file} needs an integer r >= 1 and "
                            f"a number lora_alpha, got r={rank!r}, lora_alpha={alpha!r}")
     for key, neutral in (("bias", "none"), ("use_dora", False), ("fan_in_fan_out", False)):
@@ -93,6 +96,9 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
         raise AdapterError(f"LoRA adapter {name!r}: rank_pattern / alpha_pattern are not "
                            "supported")
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    if not math.isfinite(scale):  # (NaN / Infinity parse as JSON numbers; 1e308 / r < 1 ...)
+        raise AdapterError(f"LoRA adapter {name!r}: {config_file}: lora_alpha={alpha!r} gives "
+                           f"the scale {scale}, not a finite number")
     if not weights_file.is_file():
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} is missing (only "
                            "safetensors adapters are read)")
@@ -136,9 +142,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
                                f"{tuple(a.shape)} and lora_B {tuple(b.shape)}; rank {rank} "
                                f"and the layer ({linear.in_features} -> "
                                f"{linear.out_features}) want {want_a} and {want_b}")
-        adapter.weights[module] = (a.to(device=device, dtype=dtype).contiguous(),
-                                   (b.float() * scale).to(device=device, dtype=dtype)
-                                   .contiguous())
+        scaled = (b.float() * scale).to(device=device, dtype=dtype).contiguous()
+        if not torch.isfinite(scaled).all():  # (lora_alpha 1e30: B * scale past the dtype)
+            raise AdapterError(f"LoRA adapter {name!r}: {module!r}: lora_B times the scale "
+                               f"{scale:g} leaves the range of {dtype}")
+        adapter.weights[module] = (a.to(device=device, dtype=dtype).contiguous(), scaled)
     return adapter
 
 
@@ -179,6 +187,50 @@ def _canonical(module: str) -> str:
     from backend.model.loader import _canonical as canonical_name
 
     return (canonical_name(module + ".weight") or module + ".weight").removesuffix(".weight")
+
+
+@dataclass
+class _Served:
+    """The adapters engines serve on one model (several engines may share a model: each
+    one's adapters stay attached while another loads or unloads its own)."""
+
+    adapters: dict[int, LoraAdapter] = field(default_factory=dict)
+    next_index: int = 1  # an unloaded adapter's index is never reused
+
+
+def _served(model: nn.Module) -> _Served:
+    served = getattr(model, "_lora_served", None)
+    if served is None:
+        served = _Served()
+        model._lora_served = served
+    return served
+
+
+def serve(model: nn.Module, adapter: LoraAdapter) -> int:
+    """Attaches `adapter` to `model` beside the adapters served on it already, under a new
+    index (>= 1, never reused); returns it. Each layer's adapters are replaced by a new
+    dict, never edited: a forward running meanwhile (another engine's) sees them all before
+    or all after."""
+    served = _served(model)
+    index, served.next_index = served.next_index, served.next_index + 1
+    served.adapters[index] = adapter
+    modules = dict(model.named_modules())
+    for name, pair in adapter.weights.items():
+        linear = modules[name]
+        linear.lora = {**(linear.lora or {}), index: pair}
+    return index
+
+
+def withdraw(model: nn.Module, indices) -> None:
+    """Detaches the adapters `serve` gave `indices`; the others stay."""
+    served = _served(model)
+    modules = dict(model.named_modules())
+    for index in list(indices):
+        adapter = served.adapters.pop(index, None)
+        for name in adapter.weights if adapter is not None else ():
+            linear = modules[name]
+            left = {i: pair for i, pair in (linear.lora or {}).items() if i != index}
+            linear.lora = left or None
 
 
 def attach(model: nn.Module, adapters: Mapping[int, LoraAdapter]) -> None:

@@ -232,11 +232,63 @@ def test_bad_adapters_and_names_are_errors(setup, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(AdapterError, match="use_dora"):
         engine.load_lora("dora", bad)
+    # a lora_alpha that is not a finite number (NaN / Infinity parse as JSON), or one that
+    # takes lora_B times the scale out of the dtype's range: its requests' logits were NaN,
+    # and its KV poisoned the base-model rows that read its pages as padding
+    for alpha, message in (("NaN", "not a finite number"), ("Infinity", "not a finite number"),
+                           ("1e300", "leaves the range"), ("true", "a number lora_alpha")):
+        text = json.dumps({**config, "lora_alpha": 0}).replace('"lora_alpha": 0',
+                                                               f'"lora_alpha": {alpha}')
+        (bad / "adapter_config.json").write_text(text)
+        with pytest.raises(AdapterError, match=message):
+            engine.load_lora("alpha", bad)
     with pytest.raises(ValueError, match="executor 'torch'"):
         EngineConfig(executor="compiled", lora_adapters="math=/x")
     with pytest.raises(ValueError, match="not NAME=PATH"):
         EngineConfig(lora_adapters="math")
     assert engine.stats()["active_requests"] == 0
+
+
+def test_engines_over_one_model_keep_each_others_adapters(setup):
+    """Two engines over one model object: the second one's load_lora attached only its own
+    adapters, and the first engine's requests on 'chat' ran as the base model (cached in
+    chat's namespace). An engine that is gone leaves no adapter attached."""
+    import gc
+
+    model, _, _, adapters = setup
+    first = _engine(setup)
+    prompt = _prompt(60, 21, model.config.vocab_size)
+    want = _oracle(adapters["chat"][1], prompt)[0]
+    second = make_engine(model, max_tokens_per_step=200)
+    second.load_lora("other", adapters["math"][0])
+    assert first.generate(prompt, GREEDY, lora_name="chat").new_token_ids == want
+    assert second.adapters["other"] not in first.adapters.values()  # one index each
+    second.unload_lora("other")
+    assert first.generate(prompt, GREEDY, lora_name="chat", cache_salt="b").new_token_ids == want
+    indices = set(first.adapters.values())
+    del first
+    gc.collect()
+    assert not any(indices & set(m.lora or {}) for m in model.modules()
+                   if hasattr(m, "lora"))
+
+
+def test_unloading_an_adapter_forgets_its_outputs_in_the_suffix_corpus(setup):
+    """Suffix decoding's corpus kept an unloaded adapter's outputs (another adapter loaded
+    under the name drafted from them) until the process ended."""
+    from dataclasses import replace
+
+    model, _, _, adapters = setup
+    plain = make_engine(model, max_tokens_per_step=200)
+    engine = Engine(model, replace(plain.config, speculative_method="suffix",
+                                   num_speculative_tokens=4))
+    engine.load_lora("math", adapters["math"][0])
+    prompt = _prompt(40, 22, model.config.vocab_size)
+    engine.generate(prompt, SamplingParams(max_tokens=20, top_k=1))
+    engine.generate(prompt, SamplingParams(max_tokens=20, top_k=1), lora_name="math")
+    corpus = engine.scheduler.drafter.corpus
+    assert {ns for ns, _ in corpus.requests} == {"", lora_namespace("", "math")}
+    engine.unload_lora("math")
+    assert {ns for ns, _ in corpus.requests} == {""}  # the base model's stay
 
 
 def test_adapters_named_in_the_engine_config(setup):
