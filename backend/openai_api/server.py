@@ -853,14 +853,20 @@ async def _on_every_replica(state: State, call) -> tuple[list[dict[str, Any]],
 async def load_lora_adapter(request: web.Request) -> web.Response:
     """`POST /v1/load_lora_adapter` (vLLM's route; `--enable-lora-updates`): body
     {"lora_name", "lora_path"}: every replica loads the adapter (the path on its server),
-    which is then a model clients can name. 200, or the first failing replica's status."""
+    which is then a model clients can name. 200, or the first failing replica's status (the
+    replicas that loaded it unload it again: all or none hold it)."""
     return await _update_lora(request, "load")
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
     """`POST /v1/unload_lora_adapter` (vLLM's route): body {"lora_name"}: every replica
-    stops serving it (refused while requests on it run) and the name is no model now."""
+    stops serving it (refused while requests on it run) and the name is no model now. A
+    replica that does not hold it has nothing to do (a retry after a partial unload; an
+    adapter loaded before this frontend started); 404 when none holds it."""
     return await _update_lora(request, "unload")
+
+
+UNKNOWN_ADAPTER = "unknown LoRA adapter"  # (a replica's answer: Engine.unload_lora)
 
 
 async def _update_lora(request: web.Request, action: str) -> web.Response:
@@ -876,16 +882,40 @@ async def _update_lora(request: web.Request, action: str) -> web.Response:
                                "lora_path")
         if action == "load" and name in state.names:
             raise RequestError(f"the model {name!r} already exists", "lora_name")
-        if action == "unload" and not state.names.get(name):
+        if action == "unload" and name in state.names and not state.names[name]:
             raise RequestError(f"{name!r} is not a LoRA adapter of this server", "lora_name",
                                404)
     except RequestError as exc:
         return _error(exc)
     replicas, failed = await _on_every_replica(
         state, lambda u: u.update_lora(action, name, path if action == "load" else None))
-    if failed:  # the name follows the replicas that answered: none or some
-        return _error(RequestError(f"{action} of LoRA adapter {name!r}: {failed.message}",
-                                   "lora_name", failed.status))
+    if action == "unload":  # a replica without it (an earlier unload got that far, or a
+        # name this frontend never heard of: loaded before it started) has nothing to do
+        gone = [r for r in replicas if UNKNOWN_ADAPTER in r.get("error", "")]
+        if len(gone) == len(replicas):
+            state.names.pop(name, None)
+            return _error(RequestError(f"{name!r} is not a LoRA adapter of this server",
+                                       "lora_name", 404))
+        for r in gone:
+            del r["error"]
+            r["held"] = False
+        errors = [r["error"] for r in replicas if "error" in r]
+        failed = UpstreamError(errors[0], failed.status) if errors and failed else None
+    if failed and action == "load":  # none or some loaded it: the ones that did unload it
+        done = [u for u, r in zip(state.upstreams, replicas) if "error" not in r]
+        undone = await asyncio.gather(*(u.update_lora("unload", name) for u in done),
+                                      return_exceptions=True)
+        kept = sum(isinstance(r, BaseException) for r in undone)
+        return _error(RequestError(
+            f"load of LoRA adapter {name!r}: {failed.message}" + (
+                f" (unloaded again from the {len(done) - kept} replica(s) that had loaded it)"
+                if done else "") + (f"; {kept} replica(s) still hold it" if kept else ""),
+            "lora_name", failed.status))
+    if failed:  # some replicas unloaded it, some not: a retry finishes it
+        return _error(RequestError(
+            f"unload of LoRA adapter {name!r}: {failed.message} (the replicas that had no "
+            "error unloaded it; retry once its requests finished)", "lora_name",
+            failed.status))
     if action == "load":
         state.names[name] = name
     else:

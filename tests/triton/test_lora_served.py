@@ -175,3 +175,29 @@ def test_the_frontend_loads_and_unloads_adapters(server, second, tmp_path):
         bad = {"lora_name": "broken", "lora_path": str(tmp_path)}  # no adapter there
         status, body = post_json(f"{url}/v1/load_lora_adapter", bad)
         assert status == 400 and "adapter_config.json" in body["error"]["message"]
+        # loaded on the server, not through this frontend (before it started): the unload
+        # goes to the replicas (it was a 404 the adapter could not leave by)
+        update_lora(server.urls.grpc, "load", "elder", str(second))
+        status, body = post_json(f"{url}/v1/unload_lora_adapter", {"lora_name": "elder"})
+        assert status == 200 and body["replicas"][0]["dropped_pages"] >= 0, body
+        assert post_json(f"{url}/v1/unload_lora_adapter", {"lora_name": "elder"})[0] == 404
+
+
+def test_a_load_that_fails_on_one_replica_is_undone_on_the_others(server, second, tmp_path):
+    """The same server named twice (two replicas: the second load of a name fails as already
+    loaded): the frontend unloads it again from the replica that loaded it, so the name is
+    on none of them and a retry can succeed, where before it stayed loaded behind a name the
+    frontend did not know (neither a retry nor an unload could reach it). An unload that
+    finds it gone on some replicas finishes on the others."""
+    twice = ["--enable-lora-updates", "--triton-url", server.urls.grpc]
+    with running_frontend(server, tmp_path / "twice.log", *twice) as url:
+        load = {"lora_name": "twin", "lora_path": str(second)}
+        status, body = post_json(f"{url}/v1/load_lora_adapter", load)
+        assert status == 400 and "already loaded" in body["error"]["message"], body
+        assert "unloaded again from the 1 replica(s)" in body["error"]["message"]
+        with pytest.raises(GenerateError, match="unknown LoRA adapter 'twin'"):
+            update_lora(server.urls.grpc, "unload", "twin")  # on none of them
+        update_lora(server.urls.grpc, "load", "twin", str(second))
+        status, body = post_json(f"{url}/v1/unload_lora_adapter", {"lora_name": "twin"})
+        assert status == 200, body
+        assert sorted(r.get("held", True) for r in body["replicas"]) == [False, True]
