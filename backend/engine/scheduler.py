@@ -568,8 +568,18 @@ class Scheduler:
         active = list(range(len(seqs)))
         for i in range(logits.shape[1]):
             rows, active = active, []
-            tokens, lps, alternatives = self._draw([seqs[r] for r in rows], logits[rows, i])
-            for r, token, lp, top in zip(rows, tokens, lps, alternatives):
+            # A token the guide forces after one drawn in this step is the one jump-forward
+            # would append without a step: taken, not drawn (a draw would move a seeded
+            # request's generator, and the tokens after it would differ from those of a step
+            # a token). Only where jump-forward applies to the row.
+            forced = {r: seqs[r].guide.forced for r in rows if i > 0 and self._jumps(seqs[r])
+                      and seqs[r].guide.forced is not None}
+            drawn = [r for r in rows if r not in forced]
+            picks = dict(zip(drawn, zip(*self._draw([seqs[r] for r in drawn],
+                                                    logits[drawn, i])))) if drawn else {}
+            self.num_forced_tokens += len(forced)
+            for r in rows:
+                token, lp, top = (forced[r], None, None) if r in forced else picks[r]
                 seq = seqs[r]
                 if i == 0 and not seq.prefix_inserted:
                     self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
@@ -596,9 +606,7 @@ class Scheduler:
         outputs = []
         for r, seq in enumerate(seqs):
             reason = reasons[r]
-            if reason is None and seq.guide is not None and self.config.guided_jump_forward \
-                    and not seq.request.sampling.return_log_probs \
-                    and not seq.request.return_generation_logits:
+            if reason is None and self._jumps(seq):
                 reason = self._jump_forward(seq, emitted[r])
             if reason is not None:
                 self._after.append(partial(self._finish, seq))
@@ -649,6 +657,13 @@ class Scheduler:
                 if n:
                     tops[row] = list(zip(ids[i][:n], values[i][:n]))
         return tokens.tolist(), lps, tops
+
+    def _jumps(self, seq: Sequence) -> bool:
+        """Whether tokens `seq`'s guide forces are appended without a draw (jump-forward:
+        not where the request returns per-token log probabilities or logits)."""
+        return seq.guide is not None and self.config.guided_jump_forward \
+            and not seq.request.sampling.return_log_probs \
+            and not seq.request.return_generation_logits
 
     def _jump_forward(self, seq: Sequence, new_ids: list[int]) -> str | None:
         """Appends the tokens the guide forces after the one just sampled (each the only
