@@ -301,6 +301,9 @@ class CacheManager:
         old = seq.live_position
         if old is not None and old in seq.pending_states and old not in seq.capture_positions:
             self.store.free_state_slots([seq.pending_states.pop(old)])
+        again = seq.pending_states.get(pos)  # (a step planned again: its first slot goes)
+        if again is not None and again != slot:
+            self.store.free_state_slots([again])
         seq.pending_states[pos] = slot
         seq.live_position = pos
 

@@ -38,6 +38,7 @@ from backend.engine.speculative import DraftPolicy, NgramDrafter, Prediction, Su
 from backend.engine.transfers import LayerTransfers
 from backend.model import SeqInput
 from backend.model.batch import SNAPSHOT_ALIGN
+from backend.model.decode import MAX_FAST_TOKENS
 
 
 @dataclass
@@ -385,6 +386,9 @@ class Scheduler:
             seq = c.seq
             if c.end != len(seq.tokens) or seq.num_output_tokens == 0 or seq.beam:
                 continue  # a prompt's chunks (its last one samples the first token); beams
+            if c.snapshots or c.end - c.start > MAX_FAST_TOKENS:
+                continue  # a long chunk (a preempted sequence computing its tokens again)
+                # cannot rewind a rejected draft: it would compute the whole chunk twice
             limit = min(seq.request.sampling.max_tokens - seq.num_output_tokens - 1,
                         self.config.max_context_len - len(seq.tokens) - 1)
             draft = []

@@ -269,6 +269,38 @@ def test_seeded_guided_sampling_draws_what_a_token_a_step_draws(engines):
     assert len({tuple(w["tokens"]) for w in want}) > 6  # they did sample
 
 
+def test_a_preempted_request_with_a_prediction_resumes_without_leaking_a_state_slot():
+    """A preempted request whose pages were dropped meanwhile computes its 137 tokens again
+    as one chunk, with a planned state at 128. That chunk took a draft from the request's
+    prediction; rejected, the chunk (too long to rewind) was planned again and its state's
+    first slot was never freed. Now such a chunk takes no draft, and a state planned again
+    gives its first slot back."""
+    engine = Engine.from_model_dir(MODEL_DIR, EngineConfig(speculative_adaptive=False,
+                                                           max_num_seqs=1))
+    prompt = engine.tokenizer.encode(PROMPTS[0])
+    greedy = SamplingParams(max_tokens=120, top_k=1)
+    want = engine.generate(prompt, greedy).new_token_ids
+    engine.reset_prefix_cache()
+    outs = []
+    engine.submit(Request("a", prompt, greedy, on_output=outs.append,
+                          prediction=want[:72] + [ord("#")] * 48))  # wrong after 72
+    sched = engine.scheduler
+    while sched.running[0].num_output_tokens < 70 if sched.running else engine.has_work:
+        engine.step()
+        sched.after_outputs()
+    engine.submit(Request("urgent", engine.tokenizer.encode("zzz"),
+                          SamplingParams(max_tokens=2, top_k=1), priority=-1))
+    engine.step()  # "urgent" takes the only slot: "a" is preempted
+    assert sched.num_preemptions == 1
+    engine.reset_prefix_cache()  # (or its pages evicted while it waits)
+    while engine.has_work:
+        engine.step()
+        sched.after_outputs()
+    assert [t for o in outs for t in o.new_token_ids] == want
+    engine.reset_prefix_cache()
+    assert_no_leak(engine)
+
+
 def test_speculative_settings_are_checked():
     with pytest.raises(ValueError, match="speculative_method"):
         EngineConfig(speculative_method="eagle")
