@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -85,10 +86,12 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
 
 def median_row(results: list[dict[str, float]]) -> dict[str, float]:
     """Per key, the median over repeated measurements, rounded to 0.1; keys in seconds
-    (`*_s`) become milliseconds (`*_ms`)."""
-    return {(key[:-2] + "_ms" if key.endswith("_s") else key):
-            round(statistics.median(r[key] for r in results)
-                  * (1000 if key.endswith("_s") else 1), 1)
+    (`*_s`, not rates: `*_per_s`) become milliseconds (`*_ms`)."""
+    def seconds(key: str) -> bool:
+        return key.endswith("_s") and not key.endswith("_per_s")
+
+    return {(key[:-2] + "_ms" if seconds(key) else key):
+            round(statistics.median(r[key] for r in results) * (1000 if seconds(key) else 1), 1)
             for key in results[0]}
 
 
@@ -140,6 +143,6 @@ def ttft_stats(rows: list[dict[str, float]]) -> dict[str, float]:
     return {"requests": len(rows),
             "ttft_mean_ms": round(statistics.fmean(ttft), 1),
             "ttft_p50_ms": round(statistics.median(ttft), 1),
-            "ttft_p95_ms": round(ttft[min(len(ttft) - 1, int(0.95 * len(ttft)))], 1),
+            "ttft_p95_ms": round(ttft[max(0, math.ceil(0.95 * len(ttft)) - 1)], 1),
             "cached_fraction": round(sum(r["cached"] for r in rows)
                                      / max(1, sum(r["prompt"] for r in rows)), 3)}

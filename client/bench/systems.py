@@ -107,15 +107,21 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
             page + bytes_per_anchor_block(cfg, anchors))
     else:
         policy = "checkpoint"
+        # At least 4 checkpoint slots (one per running request's prompt end), paid from the
+        # same budget: under a small one (RAG's 2 MiB) the KV pages shrink to what is left.
         units = budget.device_budget_bytes // unit
-        pages, slots = units * group, max(units, 4)
+        slots = max(units, 4)
+        pages = units * group if units >= 4 else \
+            max(0, budget.device_budget_bytes - slots * state) // page
     params = {
         "cache_policy": policy, "page_size": str(ps), "checkpoint_interval": str(INTERVAL),
         "num_kv_pages": str(pages + budget.run_pages), "num_checkpoint_slots": str(slots),
         # The budget binds: pages no running request holds stay within it.
         "max_cached_pages": str(pages) if policy != "none" else "",
         "anchor_density": str(density), "k_max": str(k_max),
-        "lookahead_window": "0" if system in ("pcr_dram", "lmcache_like", "pcr_overlap") else "6",
+        # PCR's look-ahead eviction (protecting the waiting requests' pages) is full PCR's
+        # only: every other system evicts plain LRU, as the baselines it stands for
+        "lookahead_window": "6" if system in ("pcr_full", "ours") else "0",
         "max_num_seqs": str(budget.max_num_seqs),
         "max_tokens_per_step": str(budget.max_tokens_per_step), "max_context_len": "32768",
     }
@@ -131,8 +137,9 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
             units = host_bytes // unit
             host_pages = units * group
             params["host_checkpoint_slots"] = str(units)
+            ssd_states = budget.ssd_bytes // unit if ssd else 0
             if ssd:
-                params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // unit)
+                params["ssd_checkpoint_slots"] = str(ssd_states)
         else:  # anchor blocks tier with their page; the live states that lose their device
             # slot (where the device budget spares any) spill below it, as the checkpoint
             # systems' states do: up to an eighth of DRAM and of the SSD budget, as on the
@@ -140,12 +147,14 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
             spill = host_bytes // (8 * state) if slots else 0
             host_pages = (host_bytes - spill * state) // (
                 page + bytes_per_anchor_block(cfg, anchors))
+            ssd_states = budget.ssd_bytes // (8 * state) if spill and ssd else 0
             if spill:
                 params["host_checkpoint_slots"] = str(spill)
                 if ssd:
-                    params["ssd_checkpoint_slots"] = str(budget.ssd_bytes // (8 * state))
+                    params["ssd_checkpoint_slots"] = str(ssd_states)
         params.update({
-            "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes),
+            # the SSD's state files are paid from its bytes too (ssd_bytes counts page chunks)
+            "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes - ssd_states * state),
             # O_DIRECT (probed): SSD-tier reads come from the disk, not the page cache.
             "enable_ssd": str(ssd).lower(), "o_direct": "true", "use_kvikio": "false",
             "enable_overlap": str(system in ("pcr_overlap", "pcr_full", "ours")).lower(),

@@ -86,6 +86,26 @@ def test_systems_spend_the_same_device_budget(model):
     for spent in (ours.host_pages * (page + anchors) + ours.host_checkpoint_slots * ckpt,
                   pcr.host_pages * page + pcr.host_checkpoint_slots * ckpt):
         assert dram * 0.85 <= spent <= dram
+    # ... and the same SSD bytes, state files included (they were on top of the checkpoint
+    # systems' page budget: 1 GiB + 461 MiB of states against ours' 1 GiB + 128 MiB)
+    for tiers in (ours, pcr):
+        assert tiers.ssd_bytes + tiers.ssd_checkpoint_slots * ckpt <= budget.ssd_bytes
+    # Look-ahead eviction is full PCR's: the other systems evict plain LRU.
+    assert {s for s, c in configs.items() if c.cache.lookahead_window} == {"pcr_full", "ours"}
+
+
+def test_a_small_budget_pays_the_checkpoint_floor_from_its_pages(model):
+    """Under RAG's 2 MiB the checkpoint systems kept their pages and added the 4-slot floor
+    on top: 2.64 MiB against suffix replay's 1.99 MiB."""
+    from client.bench.run_suite import RAG_BUDGET
+
+    cfg, budget = model.config, RAG_BUDGET
+    page, ckpt = bytes_per_page(cfg, 64), bytes_per_checkpoint(cfg)
+    for system in ("checkpoint", "pcr_full", "lmcache_like"):
+        cache = engine_config(system, cfg, budget, 4, Path(tempfile.mkdtemp())).cache
+        assert cache.num_checkpoint_slots >= 4 and cache.num_kv_pages > budget.run_pages
+        spent = (cache.num_kv_pages - budget.run_pages) * page + cache.num_checkpoint_slots * ckpt
+        assert spent <= budget.device_budget_bytes, system
 
 
 def test_branches_hit_deeper_with_suffix_replay_than_with_checkpoints(model):
