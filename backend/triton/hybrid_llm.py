@@ -326,7 +326,13 @@ class HybridLlm:
             self.num_recomputed_tokens += out.recomputed_tokens
         failed = out.error is not None or out.finish_reason == "error"
         cancelled = out.finish_reason == "cancelled" or entry.cancelled
-        if failed or cancelled:
+        if entry.stopped and not failed and not entry.stream.beam_search:
+            # A `stop` from another request: the client still listens. Each sequence ends
+            # with what it generated (finish_reason "cancelled", or its own if it finished
+            # first), the final flag with the request's last one, as a request that ends on
+            # its own; sequences not submitted yet end at once, with nothing generated.
+            self._end_unsubmitted(entry)
+        elif failed or cancelled:
             with group.lock:  # the whole request ends with its first failed / cancelled part
                 group.cancelled = True
                 close = not group.closed and (failed or out.finished)
@@ -335,17 +341,7 @@ class HybridLlm:
             if close and failed:
                 message = out.error or "the engine failed this request"
                 self.responder.put(Outgoing(entry.sender, error=message, final=True))
-            elif close and entry.stopped and out.finished and group.items == 1 and \
-                    entry.stream.num_sequences == 1 and not entry.stream.beam_search:
-                # A `stop` from another request: the client still listens, and its last
-                # response says why the stream ended (finish_reason "cancelled", with what
-                # was generated), as a request that ends on its own does.
-                out = replace(out, finish_reason="cancelled")
-                tensors, _ = entry.stream.on_output(out, entry.index)
-                if tensors is not None:
-                    tensors = {**tensors, "response_final": np.array([[True]], dtype=np.bool_)}
-                self.responder.put(Outgoing(entry.sender, tensors, final=True))
-            elif close:  # the client is gone: only close the stream
+            elif close:  # the client is gone (or a stopped beam search): close the stream
                 self.responder.put(Outgoing(entry.sender, final=True))
             return
         if entry.siblings:
@@ -362,6 +358,18 @@ class HybridLlm:
                 tensors = {**tensors, "response_final": np.array([[final]], dtype=np.bool_)}
             if tensors is not None or final:
                 self.responder.put(Outgoing(entry.sender, tensors, final=final))
+
+    def _end_unsubmitted(self, entry: OpenRequest) -> None:
+        """A stopped request's sequences that were never submitted (`num_return_sequences`
+        siblings waiting for the first one's first token) end, stopped too, with no tokens."""
+        siblings, entry.siblings = entry.siblings, []
+        if not siblings:
+            return
+        with entry.group.lock:
+            entry.group.cancelled = True  # (nothing submits them later)
+        for sibling, request in siblings:
+            sibling.cancelled = sibling.stopped = True
+            self._on_output(sibling, RequestOutput(request.request_id, [], True, "cancelled"))
 
     def _cancel_others(self, entry: OpenRequest) -> None:
         """The other running sequences of `entry`'s request are cancelled (their outputs are

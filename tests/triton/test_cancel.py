@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 
 from backend.triton.server import ServerHandle
@@ -181,4 +182,61 @@ def test_a_stopped_request_is_told_why_it_ended(llm_server: ServerHandle):
     client.stop_stream()
     client.close()
     assert reasons[-1] == "cancelled" and not any(reasons[:-1])
+    idle_pool(llm_server, timeout_s=20)
+
+
+@pytest.mark.parametrize("shape", ["two_sequences", "two_prompts", "unsubmitted_sibling"])
+def test_each_sequence_of_a_stopped_request_is_told_why_it_ended(llm_server: ServerHandle,
+                                                                    shape: str):
+    """A stopped request of several sequences (num_return_sequences) or prompts (a batched
+    request) ended with a bare final flag (a gRPC client without empty final responses waits
+    for an end it never sees); now each sequence's last response says "cancelled", the
+    request's last one carrying the final flag. A sibling stopped before it was submitted
+    (the stop comes before the first sequence's first token) ends too."""
+    early = shape == "unsubmitted_sibling"  # (a long prompt: a first token that takes time)
+    ids = np.frombuffer(long_prompt(f"Stop us {shape}", 1500 if early else 100).encode(),
+                        dtype=np.uint8)
+    rows, length = 2 if shape == "two_prompts" else 1, 300 if early else MAX_TOKENS
+    tensors = {
+        "input_ids": np.repeat(ids.astype(np.int32)[None], rows, 0),
+        "input_lengths": np.full((rows, 1), ids.size, dtype=np.int32),
+        "request_output_len": np.full((rows, 1), length, dtype=np.int32),
+        "min_tokens": np.full((rows, 1), length, dtype=np.int32),
+        "streaming": np.full((rows, 1), True),
+    }
+    if shape != "two_prompts":
+        tensors["num_return_sequences"] = np.full((rows, 1), 2, dtype=np.int32)
+    client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
+    responses: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    rid = f"stop-us-{shape}"
+    client.async_stream_infer("hybrid_llm", _inputs(tensors), request_id=rid,
+                              enable_empty_final_response=True)
+    if early:  # a stop as soon as the request is open
+        stops = llm_server.logs().count("stopped (stop=true)")
+        for _ in range(500):
+            assert _stop(llm_server, rid) is None
+            if llm_server.logs().count("stopped (stop=true)") > stops:
+                break
+            assert responses.empty(), responses.get()  # (an error: nothing to stop)
+        else:
+            raise AssertionError("the request was never open to a stop")
+    else:
+        for _ in range(4):
+            result, error = responses.get(timeout=60)
+            assert error is None, error
+        assert _stop(llm_server, rid) is None
+    ended = []
+    while True:
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        reasons = result.as_numpy("finish_reason")
+        assert reasons is not None, "a bare final flag"
+        ended += [r.decode() for r in reasons.reshape(-1) if r]
+        if final:
+            break
+    client.stop_stream()
+    client.close()
+    assert ended == ["cancelled", "cancelled"]
     idle_pool(llm_server, timeout_s=20)
