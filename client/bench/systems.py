@@ -107,12 +107,13 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
             page + bytes_per_anchor_block(cfg, anchors))
     else:
         policy = "checkpoint"
-        # At least 4 checkpoint slots (one per running request's prompt end), paid from the
-        # same budget: under a small one (RAG's 2 MiB) the KV pages shrink to what is left.
+        # Whole units of 4 KV pages and a checkpoint (RAG's 2 MiB: 8 pages, 2 checkpoints;
+        # a floor of 4 checkpoints on top of the pages took 2.64 MiB there); a budget under
+        # one unit keeps one checkpoint and the pages that fit beside it.
         units = budget.device_budget_bytes // unit
-        slots = max(units, 4)
-        pages = units * group if units >= 4 else \
-            max(0, budget.device_budget_bytes - slots * state) // page
+        slots = max(units, 1)
+        pages = units * group if units else \
+            max(0, budget.device_budget_bytes - state) // page
     params = {
         "cache_policy": policy, "page_size": str(ps), "checkpoint_interval": str(INTERVAL),
         "num_kv_pages": str(pages + budget.run_pages), "num_checkpoint_slots": str(slots),

@@ -117,7 +117,9 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
     and the `fanout` branches are different results of that call (retries, sampled
     environments, parallel explorations); the next level grows from the first `grow`
     branches (default `fanout`). Siblings share [context : call], a point inside the earlier
-    sibling's prompt and past the parent's prompt end."""
+    sibling's prompt and past the parent's prompt end. The first result of a call is tagged
+    "turn" (it resumes at the parent's prompt end, where every policy keeps a state), the
+    others "branch"."""
     grow = fanout if grow is None else grow
     src, rng = TextSource(seed + 1), random.Random(seed + 1)
     tools = _tokens("<|im_start|>system\n# Tools\nYou may call the functions below.\n")
@@ -137,7 +139,9 @@ def agentic(prompt_tokens: int, seed: int = 0, fanout: int = 3, depth: int = 2,
                 result = src.take(rng.randint(100, 220))
                 prompt = prefix + call + result
                 child = f"{name}.{b}"
-                reqs.append(BenchRequest(child, prompt, max_tokens, "branch"))
+                # The first result continues the parent's prompt (both policies keep a state
+                # at a prompt's end: a turn, as ShareGPT's); the others branch inside it.
+                reqs.append(BenchRequest(child, prompt, max_tokens, "branch" if b else "turn"))
                 nxt.append((child, prompt))
         frontier = nxt[:grow]  # the next level grows from the first branches
     return Workload(f"agentic{prompt_tokens // 1000}k", reqs,
