@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     events.add_argument("--from", dest="start", type=int, default=0, metavar="SEQ",
                         help="the first message wanted (default 0); one that came later has "
                              "\"gap\": true (without --replay, the first live one)")
-    events.add_argument("--count", type=int, help="stop after this many messages")
+    events.add_argument("--count", type=_positive_int, help="stop after this many messages")
     events.add_argument("--idle-s", type=float,
                         help="stop when no message came for this many seconds")
     for sub in (gen, chat, health):
@@ -177,6 +177,16 @@ def sampling_options(args: argparse.Namespace) -> dict:
         "allotted_time_ms": args.timeout_ms,
         **retention_options(args.retain),
     }
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return number
 
 
 def id_list(value: str) -> tuple[int, ...]:

@@ -102,7 +102,10 @@ def cache_report(metrics: Metrics) -> list[str]:
                      "written")
     retained = total(metrics, "suffixreplay_retained_evictions_total")
     if retained is not None:
-        evicted = sum(by_label(metrics, "suffixreplay_evictions_total", "reason").values())
+        # the device tier's evictions for room (DRAM / SSD drops and reset pages are not)
+        evicted = sum(v for (n, labels), v in metrics.items()
+                      if n == "suffixreplay_evictions_total" and ("tier", "device") in labels
+                      and dict(labels).get("reason") != "reset")
         lines.append(f"device evictions: {evicted:.0f} pages, {retained:.0f} of them above the "
                      "default retention priority")
     spec = by_label(metrics, "suffixreplay_spec_decode_tokens_total", "kind")
