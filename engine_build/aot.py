@@ -6,7 +6,8 @@ An engine directory holds
   (`engine.json` "step_snapshots");
 - `decode.pt2`: the same step with one token per sequence;
 - `replay_<g>.pt2`: group g's linear layers from zero state over packed anchors;
-- `engine.json`: format version, device, dtype, the model's config.json, torch version;
+- `engine.json` (written last): format version, device, dtype, torch version, the source
+  checkpoint's path and signature (`checkpoint_signature`: an engine loads only beside it);
 - `config.json`: the model configuration (buffer shapes for the executor).
 Page pools, state slots and anchor pools are inputs mutated in place, so their sizes are free
 at run time (the serving configuration chooses them). `backend.engine.compiled.CompiledExecutor`
@@ -24,7 +25,7 @@ import torch
 from torch.export import Dim
 from tqdm import tqdm
 
-from backend.engine.compiled import ENGINE_FORMAT
+from backend.engine.compiled import ENGINE_FORMAT, checkpoint_signature
 from backend.engine.config import DTYPES
 from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
@@ -135,6 +136,9 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
     model = load_model(model_dir, dtype=DTYPES[dtype], device=device)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # engine.json is written last: until then the folder is no engine (a rebuild that stops
+    # part way leaves new packages beside old ones, which must not load as one)
+    (out / "engine.json").unlink(missing_ok=True)
     # Mid-step snapshots through the CPU scan operator (CUDA engines end a step instead).
     snapshots = device == "cpu"
     jobs = [("prefill", lambda: export_step(model, decode=False, snapshots=snapshots)),
@@ -160,6 +164,7 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
             "torch": torch.__version__, "num_groups": model.config.num_groups,
             "packages": packages, "compile_seconds": timings, "step_snapshots": snapshots,
             "inductor_configs": inductor_configs or {},
-            "source_model": str(Path(model_dir).resolve())}
+            "source_model": str(Path(model_dir).resolve()),
+            "source_signature": checkpoint_signature(model_dir)}
     (out / "engine.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -30,7 +30,8 @@ from backend.model.batch import SNAPSHOT_ALIGN, ForwardBatch, SeqInput
 from backend.model.packed import packed_from_batch
 from backend.model.quant import dequantize_int8, quantize_int8
 
-ENGINE_FORMAT = 1
+ENGINE_FORMAT = 2  # 2: engine.json names its checkpoint's signature (`checkpoint_signature`)
+REBUILD = "rebuild it with engine_build/build.py --backend aot"
 
 
 class EngineFormatError(ValueError):
@@ -42,19 +43,65 @@ def read_engine_meta(engine_dir: str | Path) -> dict:
     meta_file = engine_dir / "engine.json"
     if not meta_file.exists():
         raise EngineFormatError(f"{meta_file}: missing (build one with engine_build/build.py "
-                                "--backend aot)")
+                                "--backend aot; a build that stopped part way leaves none)")
     try:
         meta = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
         raise EngineFormatError(f"{meta_file}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise EngineFormatError(f"{meta_file}: not a JSON object")
     if meta.get("format") != ENGINE_FORMAT or meta.get("backend") != "aot":
         raise EngineFormatError(f"{meta_file}: format {meta.get('format')!r} / backend "
                                 f"{meta.get('backend')!r}; this runtime reads format "
-                                f"{ENGINE_FORMAT}, backend 'aot'")
+                                f"{ENGINE_FORMAT}, backend 'aot' ({REBUILD})")
+    for name, kind, ok in (("num_groups", "an integer >= 1", lambda v: isinstance(v, int)
+                            and not isinstance(v, bool) and v >= 1),
+                           ("packages", "an object", lambda v: isinstance(v, dict)),
+                           ("device", "a string", lambda v: isinstance(v, str)),
+                           ("dtype", f"one of {sorted(DTYPES)}", lambda v: v in DTYPES),
+                           ("source_signature", "a string", lambda v: isinstance(v, str))):
+        if not ok(meta.get(name)):
+            raise EngineFormatError(f"{meta_file}: {name} must be {kind}, got "
+                                    f"{meta.get(name)!r:.60} ({REBUILD})")
     for name in ["prefill", "decode"] + [f"replay_{g}" for g in range(meta["num_groups"])]:
-        if not (engine_dir / meta["packages"].get(name, f"{name}.pt2")).exists():
+        if not (engine_dir / str(meta["packages"].get(name, f"{name}.pt2"))).exists():
             raise EngineFormatError(f"{engine_dir}: package {name!r} is missing")
     return meta
+
+
+def checkpoint_signature(model_dir: str | Path) -> str:
+    """xxh3-128 over a checkpoint's config.json and, per safetensors file, its header (tensor
+    names, dtypes, shapes, offsets), size and 64 KiB of weights at 256 places across it: an
+    engine built from it says so, and a checkpoint changed since (another model, retrained
+    or fine-tuned weights) has another signature. Reads at most 16 MiB a file."""
+    import xxhash
+
+    root = Path(model_dir)
+    h = xxhash.xxh3_128()
+    h.update((root / "config.json").read_bytes())
+    for path in sorted(root.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            head = f.read(8)
+            h.update(head)
+            h.update(f.read(int.from_bytes(head, "little") if len(head) == 8 else 0))
+            step = max(size // 256, 1)
+            for offset in range(0, size, step):
+                f.seek(offset)
+                h.update(f.read(64 << 10))
+    return h.hexdigest()
+
+
+def check_engine_source(engine_dir: str | Path, model_dir: str | Path) -> None:
+    """EngineFormatError unless the engine in `engine_dir` was built from the checkpoint in
+    `model_dir` as it is now (the engine holds its own weights; the tokenizer, calibration
+    and cache fingerprints come from `model_dir`)."""
+    meta = read_engine_meta(engine_dir)
+    if meta["source_signature"] != checkpoint_signature(model_dir):
+        raise EngineFormatError(
+            f"{engine_dir} was built from another checkpoint than {model_dir} (or the "
+            f"checkpoint changed since: built from {meta.get('source_model')}); {REBUILD}")
 
 
 class CompiledExecutor(ExecutorBuffers):

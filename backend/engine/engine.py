@@ -211,7 +211,10 @@ class Engine:
             fingerprint = fingerprint_model_dir(path, config.dtype)
             config = replace(config, tiers=replace(config.tiers, model_fingerprint=fingerprint))
         if config.executor == "compiled":
+            from backend.engine.compiled import check_engine_source
+
             engine_dir = Path(path) / config.engine_dir
+            check_engine_source(engine_dir, path)
             return cls(None, config, load_tokenizer(path), engine_dir=engine_dir)
         model = load_model(path, dtype=DTYPES[config.dtype])
         engine = cls(model, config, load_tokenizer(path))

@@ -282,6 +282,61 @@ def test_bad_engine_directories_are_clear_errors(tmp_path, aot_engine):
         CompiledExecutor(tmp_path, *SIZES)
 
 
+def test_an_engine_loads_only_beside_the_checkpoint_it_was_built_from(tmp_path, aot_engine):
+    """An engine folder beside another checkpoint (or a checkpoint retrained in place) loaded
+    without a word and served the engine's own weights with the folder's tokenizer; now it
+    is refused. A malformed engine.json is an EngineFormatError, not a KeyError."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir, engine_dir = aot_engine
+    if model_dir.name != "tiny":
+        pytest.skip("one family is enough for the engine's provenance")
+    config = EngineConfig.from_params({"executor": "compiled", "engine_dir": str(engine_dir),
+                                       "num_kv_pages": "64", "page_size": "16"})
+    copy = shutil.copytree(model_dir, tmp_path / "copy", ignore=shutil.ignore_patterns("aot"))
+    Engine.from_model_dir(copy, config)  # the same checkpoint elsewhere: fine
+    [weights] = list(copy.glob("*.safetensors"))
+    tensors = load_file(weights)
+    name = sorted(tensors)[len(tensors) // 2]  # a layer in the middle, retrained
+    tensors[name] = tensors[name] * 1.01
+    save_file(tensors, weights)
+    with pytest.raises(EngineFormatError, match="built from another checkpoint"):
+        Engine.from_model_dir(copy, config)
+    meta = json.loads((engine_dir / "engine.json").read_text())
+    for change, field in (({"num_groups": None}, "num_groups"), ({"dtype": "fp16"}, "dtype"),
+                          ({"source_signature": None}, "source_signature")):
+        (tmp_path / "engine.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(EngineFormatError, match=field):
+            CompiledExecutor(tmp_path, *SIZES)
+    (tmp_path / "engine.json").write_text("[]")
+    with pytest.raises(EngineFormatError, match="not a JSON object"):
+        CompiledExecutor(tmp_path, *SIZES)
+
+
+def test_a_rebuild_that_stops_part_way_leaves_no_engine(tmp_path, aot_engine, monkeypatch):
+    """A rebuild into an engine folder removes engine.json before it compiles: one that
+    fails part way left the old engine.json beside new packages, loaded as one engine."""
+    import shutil
+
+    from engine_build import aot
+
+    model_dir, engine_dir = aot_engine
+    if model_dir.name != "tiny":
+        pytest.skip("one family is enough for the build's order")
+    out = shutil.copytree(engine_dir, tmp_path / "aot")
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("compile failed")
+
+    monkeypatch.setattr(aot, "export_step", fail)
+    with pytest.raises(RuntimeError, match="compile failed"):
+        aot.build_aot_engine(model_dir, out, progress=False)
+    with pytest.raises(EngineFormatError, match="missing"):
+        CompiledExecutor(out, *SIZES)
+
+
 def test_compiled_snapshot_beside_rows_shorter_than_the_conv(model, aot_engine):
     """A mixed prefill step: a row with a snapshot beside rows of one and two new tokens
     (fewer than the conv's W - 1 = 3 inputs): the graph's gathers stay in bounds."""
