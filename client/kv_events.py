@@ -41,10 +41,12 @@ class KvEventSubscriber:
         self.sub = self.context.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self.sub.setsockopt(zmq.LINGER, 0)
-        # The connection's drops: messages sent meanwhile are lost without a trace in the
-        # numbers when a restarted server's have caught up (`follow` checks after each one).
-        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._dropped = False
+        # The connection's drops and (re)connections: messages sent while there was none are
+        # lost without a trace in the numbers until the next one comes (`follow` fills them
+        # from the replay at once, or marks the next message a gap).
+        self._monitor = self.sub.get_monitor_socket(zmq.EVENT_DISCONNECTED
+                                                    | zmq.EVENT_CONNECTED)
+        self._dropped = self._connected = False
         self._poller = zmq.Poller()
         self._poller.register(self.sub, zmq.POLLIN)
         self._poller.register(self._monitor, zmq.POLLIN)
@@ -60,8 +62,11 @@ class KvEventSubscriber:
         while ready := dict(self._poller.poll(max(0, int((deadline - time.monotonic())
                                                           * 1000)))):
             if self._monitor in ready:
-                recv_monitor_message(self._monitor)
-                self._dropped = True
+                event = recv_monitor_message(self._monitor)["event"]
+                if event == zmq.EVENT_CONNECTED:
+                    self._connected = True
+                else:
+                    self._dropped = True
             if self.sub not in ready:
                 continue
             frames = self.sub.recv_multipart()
@@ -114,8 +119,9 @@ class KvEventSubscriber:
     def follow(self, start: int = 0, idle_s: float | None = None,
                stop: threading.Event | None = None) -> Iterator[Message]:
         """Every message from `start` on, in order, once: the kept ones from the replay first
-        (with a replay endpoint), then live ones, a gap in the numbers (or a dropped
-        connection) filled from the replay. A server that restarted (lower numbers and later
+        (with a replay endpoint), then live ones; a gap in the numbers, and each new
+        connection (what a server sent before it reached us: one that started after us, or
+        came back), filled from the replay. A server that restarted (lower numbers and later
         timestamps, or a replay answered by another server start than the one before) is
         followed from its first kept message. Where messages are lost for good (no longer
         kept; no replay endpoint and a gap or a dropped connection; a replay that stopped
@@ -133,6 +139,22 @@ class KvEventSubscriber:
             expected, last_ts = message.seq + 1, message.ts
             return message
 
+        def fill(before: int | None) -> Iterator[Message]:
+            """The kept messages from `expected` on (those before `before`)."""
+            nonlocal expected, instance
+            self.replayed_from = None
+            missed, whole = self._replayed(expected, before)
+            if whole and instance is not None and self.replayed_from is not None \
+                    and self.replayed_from != instance:
+                # another server start answered: ours restarted and its numbers caught up
+                # with ours. Its kept messages from its first on, the index anew.
+                expected = -1  # (the first one passed is a gap)
+                missed, _ = self._replayed(0, before)
+            if whole and self.replayed_from is not None:
+                instance = self.replayed_from
+            for m in missed:
+                yield passed(m)
+
         if self.replay_endpoint is not None:
             self.replayed_from = None
             kept, _ = self._replayed(start)
@@ -141,15 +163,19 @@ class KvEventSubscriber:
                 yield passed(m)
         while stop is None or not stop.is_set():
             message = self.receive(0.2)
+            # (the connection dropped since the last message: any number of messages may be
+            # lost, from this server start or another)
+            dropped, self._dropped = self._dropped, False
+            connected, self._connected = self._connected, False
+            if connected and self.replay_endpoint is not None:
+                yield from fill(message.seq if message is not None else None)
             if message is None:
+                self._dropped |= dropped  # (for the next message)
                 waited += 0.2
                 if idle_s is not None and waited >= idle_s:
                     return
                 continue
             waited = 0.0
-            # (the connection dropped since the last message: any number of messages may be
-            # lost, from this server start or another)
-            dropped, self._dropped = self._dropped, False
             if message.seq < expected:
                 if message.ts <= last_ts:
                     continue  # passed on already (from the replay)
@@ -157,19 +183,9 @@ class KvEventSubscriber:
             if dropped and self.replay_endpoint is None:
                 message = message._replace(gap=True)
             if (message.seq > expected or dropped) and self.replay_endpoint is not None:
-                self.replayed_from = None
-                missed, whole = self._replayed(expected, message.seq)
-                if whole and instance is not None and self.replayed_from is not None \
-                        and self.replayed_from != instance:
-                    # another server start answered: ours restarted and its numbers caught
-                    # up with ours. Its kept messages from its first on, the index anew.
-                    expected = -1  # (the first one passed is a gap)
-                    missed, _ = self._replayed(0, message.seq)
-                if whole and self.replayed_from is not None:
-                    instance = self.replayed_from
-                for m in missed:
-                    yield passed(m)
+                yield from fill(message.seq)
             yield passed(message)
+
     def close(self) -> None:
         self.sub.disable_monitor()
         self._monitor.close()
