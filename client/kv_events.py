@@ -156,11 +156,7 @@ class KvEventSubscriber:
                 yield passed(m)
 
         if self.replay_endpoint is not None:
-            self.replayed_from = None
-            kept, _ = self._replayed(start)
-            instance = self.replayed_from
-            for m in kept:
-                yield passed(m)
+            yield from fill(None)
         while stop is None or not stop.is_set():
             message = self.receive(0.2)
             # (the connection dropped since the last message: any number of messages may be
