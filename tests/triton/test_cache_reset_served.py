@@ -71,7 +71,10 @@ def test_a_streaming_request_goes_on_through_a_reset(llm_server):
     """The running request's pages are held: kept, not dropped; its text is what it is
     without the reset."""
     prompt = _prompt(400)
-    params = GenerateParams(prompt, max_tokens=48, top_k=1, cache_salt="reset-stream")
+    # Long enough that the reset after its second chunk finds it running even when the
+    # client reads the stream late (48 tokens had ended before a loaded CI host's reset).
+    params = GenerateParams(prompt, max_tokens=1200, min_tokens=1200, top_k=1,
+                            cache_salt="reset-stream")
     want = generate_http(llm_server.urls.http, params).text
     reset_prefix_cache(llm_server.urls.grpc, cache_salt="reset-stream")
     chunks, counts = [], None
