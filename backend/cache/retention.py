@@ -30,6 +30,7 @@ How the store uses them (`backend/cache/eviction.py`, `policy.py`, `tier_space.p
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -48,8 +49,19 @@ def _check_priority(name: str, priority: int) -> None:
                          f"got {priority!r}")
 
 
+def finite_seconds(value) -> bool:
+    """Whether `value` is a real number of seconds a float holds (not a bool: True is no
+    duration; numpy scalars are numbers)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int past the float range
+        return False
+
+
 def _check_duration(name: str, duration: float | None) -> None:
-    if duration is not None and not (math.isfinite(duration) and duration >= 0):
+    if duration is not None and not (finite_seconds(duration) and duration >= 0):
         raise ValueError(f"{name} must be >= 0 seconds (or None: never expires), "
                          f"got {duration!r}")
 
@@ -82,6 +94,11 @@ class RetentionConfig:
     decode_duration_s: float | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.ranges, (tuple, list)) or \
+                not all(isinstance(r, RetentionRange) for r in self.ranges):
+            raise ValueError(f"a retention config's ranges must be a sequence of "
+                             f"RetentionRange, got {self.ranges!r}")
+        object.__setattr__(self, "ranges", tuple(self.ranges))
         _check_priority("the decode retention priority", self.decode_priority)
         _check_duration("the decode retention duration", self.decode_duration_s)
 

@@ -19,6 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 MAX_SPECULATIVE_TOKENS = 32
+MIN_PRIORITY_AGING_S = 0.001  # a priority level per millisecond at the most
 
 # Placeholder until `Engine.from_model_dir` hashes the weights (TierConfig.model_fingerprint).
 FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
@@ -117,9 +118,11 @@ class EngineConfig:
                              f"{self.schedule_policy!r}")
         if not self.lpm_max_wait_s >= 0:
             raise ValueError(f"lpm_max_wait_s must be >= 0 seconds, got {self.lpm_max_wait_s}")
-        if not (math.isfinite(self.priority_aging_s) and self.priority_aging_s >= 0):
-            raise ValueError(f"priority_aging_s must be >= 0 seconds (0: off), got "
-                             f"{self.priority_aging_s}")
+        if not (math.isfinite(self.priority_aging_s) and (
+                self.priority_aging_s == 0 or self.priority_aging_s >= MIN_PRIORITY_AGING_S)):
+            # (a level per 1e-320 s: an infinite bonus, which failed every step)
+            raise ValueError(f"priority_aging_s must be 0 (off) or at least "
+                             f"{MIN_PRIORITY_AGING_S} seconds, got {self.priority_aging_s}")
         if isinstance(self.session_priority, bool) or not isinstance(self.session_priority, int) \
                 or not MIN_PRIORITY <= self.session_priority <= MAX_PRIORITY:
             raise ValueError(f"session_priority must be an integer in [{MIN_PRIORITY}, "

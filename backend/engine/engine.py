@@ -10,7 +10,6 @@ import heapq
 import itertools
 import json
 import logging
-import math
 import threading
 import time
 import weakref
@@ -24,7 +23,7 @@ import torch
 from backend import openmp
 from backend.cache.page_io import DeviceBuffers
 from backend.cache.radix import check_salt, lora_namespace, lora_of
-from backend.cache.retention import RetentionConfig
+from backend.cache.retention import RetentionConfig, finite_seconds
 from backend.cache.store import PrefixStore
 from backend.cache.tier_config import fingerprint_model_dir
 from backend.cache.tiers import TieredBackend
@@ -345,10 +344,7 @@ class Engine:
             if bad:
                 raise ValueError(f"{name} hold token ids {bad[:5]} outside the vocabulary "
                                  f"[0, {vocab})")
-        if request.deadline is not None and (
-                isinstance(request.deadline, bool)
-                or not isinstance(request.deadline, (int, float))
-                or not math.isfinite(request.deadline)):
+        if request.deadline is not None and not finite_seconds(request.deadline):
             raise ValueError(f"deadline must be a finite time (the engine clock's seconds), "
                              f"got {request.deadline!r}")
         if request.prediction:
@@ -488,7 +484,7 @@ class Engine:
         for rid in cancels:
             seq = self._live.get(rid)
             if seq is not None:
-                outputs.append(self.scheduler.cancel(seq))
+                outputs.append(self.scheduler.stop(seq))
         self.num_cancelled += len(outputs)
         for seq in expired:  # past its deadline, unless it ended meanwhile
             if self._live.get(seq.request.request_id) is seq and \

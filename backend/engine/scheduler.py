@@ -90,6 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.free_slots = list(range(config.max_num_seqs))
         self.num_preemptions = 0
+        self.num_stalls = 0  # steps no row could get a page for (a request was preempted)
         self.num_forced_tokens = 0  # tokens a guide forced, appended without a step each
         self.drafter = None
         # Drafts need the eager executor (a compiled step returns one position's logits): a
@@ -342,6 +343,20 @@ class Scheduler:
         return self.last_step_seconds / (len(self.running) + 1)
 
     def _plan(self) -> list[Chunk]:
+        """The step's chunks. Where no row could get a page (every running request is
+        prefilling, e.g. a preempted one computing its tokens again beside a new prompt,
+        and their own pages fill the pool: decode rows preempt in `_grow`, prefill rows do
+        not), the least urgent (the youngest among equals) is preempted and the step planned
+        again, so the others go on (every step empty, forever, before); one request alone
+        fits the pool (`Engine.validate`)."""
+        while True:
+            chunks = self._plan_once()
+            if chunks or len(self.running) < 2:
+                return chunks
+            self._preempt(max(self.running, key=self._preemption_order(time.perf_counter())))
+            self.num_stalls += 1
+
+    def _plan_once(self) -> list[Chunk]:
         budget = self.config.max_tokens_per_step
         chunks: list[Chunk] = []
         decodes = [s for s in self.running if s.num_computed == len(s.tokens) - 1]
@@ -709,18 +724,24 @@ class Scheduler:
             self.num_finished += 1
 
     def time_out(self, seq: Sequence) -> RequestOutput:
-        """Ends `seq` at its deadline as `cancel` does, with finish_reason "timed_out", but
+        """Ends `seq` at its deadline as `stop` does, with finish_reason "timed_out", but
         its computed pages join the prefix store (as a preempted request's: a retry with more
-        time hits them): its tokens went out with earlier outputs; a beam search's final
-        output carries its beams so far (the finished ones, else the running ones, best
-        first), none before its first step."""
+        time hits them)."""
+        return self.stop(seq, "timed_out", cache=True)
+
+    def stop(self, seq: Sequence, reason: str = "cancelled",
+             cache: bool = False) -> RequestOutput:
+        """Ends `seq` between two steps as `cancel` does (a client's cancel or stop, a
+        deadline): its tokens went out with earlier outputs; a beam search's final output
+        carries its beams so far (the finished ones, else the running ones with `reason`,
+        best first), none before its first step."""
         search = seq.beam.search if seq.beam is not None else None
         beams = None
         if search is not None and search.num_generated:
-            beams = search.outputs()  # the running ones where none finished: timed out
+            beams = search.outputs()  # the running ones where none finished: ended early
             if not search.finished:
-                beams = [replace(b, finish_reason="timed_out") for b in beams]
-        out = self.cancel(seq, "timed_out", cache=True)
+                beams = [replace(b, finish_reason=reason) for b in beams]
+        out = self.cancel(seq, reason, cache=cache)
         if beams:
             best = beams[0]
             out.new_token_ids, out.num_output_tokens = list(best.token_ids), len(best.token_ids)
@@ -732,8 +753,8 @@ class Scheduler:
 
     def cancel(self, seq: Sequence, reason: str = "cancelled",
                cache: bool = False) -> RequestOutput:
-        """Ends `seq` between two steps, whatever it was doing; with `cache` (not for a beam
-        search) its computed pages are inserted first."""
+        """Ends `seq` between two steps, whatever it was doing, with no tokens in its output;
+        with `cache` (not for a beam search) its computed pages are inserted first."""
         if seq.beam is not None and seq.status is SeqStatus.RUNNING:
             self._release_beams(seq.beam, cache=False)
         elif seq.status is SeqStatus.RUNNING:

@@ -326,7 +326,7 @@ class HybridLlm:
             self.num_recomputed_tokens += out.recomputed_tokens
         failed = out.error is not None or out.finish_reason == "error"
         cancelled = out.finish_reason == "cancelled" or entry.cancelled
-        if entry.stopped and not failed and not entry.stream.beam_search:
+        if entry.stopped and not failed:
             # A `stop` from another request: the client still listens. Each sequence ends
             # with what it generated (finish_reason "cancelled", or its own if it finished
             # first), the final flag with the request's last one, as a request that ends on
@@ -341,7 +341,7 @@ class HybridLlm:
             if close and failed:
                 message = out.error or "the engine failed this request"
                 self.responder.put(Outgoing(entry.sender, error=message, final=True))
-            elif close:  # the client is gone (or a stopped beam search): close the stream
+            elif close:  # the client is gone: close the stream
                 self.responder.put(Outgoing(entry.sender, final=True))
             return
         if entry.siblings:

@@ -69,6 +69,12 @@ def test_an_open_range_ends_with_the_prompt_and_equal_priorities_keep_the_longes
     (lambda: RetentionRange(0, None, 50, float("nan")), "duration"),
     (lambda: RetentionConfig(decode_priority=200), "decode retention priority"),
     (lambda: RetentionConfig(decode_duration_s=float("inf")), "decode retention duration"),
+    (lambda: RetentionRange(0, None, 50, 10 ** 400), "duration"),  # (was an OverflowError)
+    (lambda: RetentionRange(0, None, 50, True), "duration"),  # (was 1 s)
+    (lambda: RetentionRange(0, None, 50, "5"), "duration"),  # (was a TypeError)
+    # (were accepted, and failed the step of every request in the batch at release)
+    (lambda: RetentionConfig(ranges=[(0, None, 100)]), "ranges must be a sequence of"),
+    (lambda: RetentionConfig(ranges=None), "ranges must be a sequence of"),
 ])
 def test_bad_configs_are_refused_with_what_was_wrong(make, message):
     with pytest.raises(ValueError, match=message):

@@ -266,6 +266,13 @@ def test_cancel_mid_search_frees_everything(engine):
     while engine.has_work:
         engine.step()
     assert [o.finish_reason for o in outs] == ["cancelled"]
+    # The output carries the beams so far, best first, each ended "cancelled"
+    beams = outs[0].beams
+    assert beams is not None and len(beams) == 4
+    assert {b.finish_reason for b in beams} == {"cancelled"}
+    assert len({len(b.token_ids) for b in beams}) == 1 and beams[0].token_ids
+    assert [b.score for b in beams] == sorted((b.score for b in beams), reverse=True)
+    assert outs[0].new_token_ids == beams[0].token_ids
     assert_no_leak(engine)
 
 

@@ -121,3 +121,17 @@ def test_requests_that_finish_in_time_are_not_timed_out(engine, clock):
     assert outs[-1].finish_reason == "length"
     assert engine.stats()["timed_out_requests"] == before
     assert_no_leak(engine)
+
+
+def test_a_numpy_deadline_is_a_number_of_seconds(engine, clock):
+    """A deadline read from a tensor (numpy float32 / int64) was refused as not a finite
+    time."""
+    import numpy as np
+
+    prompt = random_prompt(20, engine.model_config.vocab_size, seed=3)
+    for deadline in (np.float32(900.0), np.int64(900)):  # already past
+        outs: list = []
+        run(engine, [Request(f"np-{deadline!r}", prompt, LONG, on_output=outs.append,
+                             deadline=deadline)])
+        assert outs[-1].finish_reason == "timed_out"
+    assert_no_leak(engine)

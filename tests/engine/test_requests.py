@@ -136,6 +136,7 @@ def test_sampling_values_of_the_wrong_type_are_refused(kwargs, message):
     ("prediction", [5, "7"], "prediction's token ids must be int32 integers"),
     ("deadline", float("nan"), "deadline must be a finite time"),
     ("deadline", "soon", "deadline must be a finite time"),
+    ("deadline", 10 ** 400, "deadline must be a finite time"),  # (was an OverflowError)
     ("cache_salt", "\ud800", "cache_salt must be valid Unicode text"),
 ])
 def test_request_values_that_would_fail_the_step_are_refused(engine, field, value, message):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 
 import pytest
 from engine_helpers import GREEDY, assert_no_leak, make_engine, random_prompt
@@ -16,6 +17,7 @@ from backend.engine.request import Request
 from backend.engine.sequence import Sequence
 from backend.model import load_model
 from backend.model.generate import greedy_generate
+from backend.replay.budget import ReplayConfig
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +232,9 @@ def test_priority_aging_lets_a_long_waiting_request_go_before_newer_urgent_ones(
     assert _aging_run(model, 0.0, prompts) == ["running", "chat1", "chat2", "batch"]
     assert _aging_run(model, 0.1, prompts) == ["running", "batch", "chat1", "chat2"]
     assert EngineConfig.from_params({"priority_aging_s": "2"}).priority_aging_s == 2.0
-    with pytest.raises(ValueError, match=r"priority_aging_s must be >= 0 seconds"):
-        EngineConfig(priority_aging_s=-1.0)
+    for bad in (-1.0, 1e-320):  # (1e-320: an infinite bonus, which failed every step)
+        with pytest.raises(ValueError, match=r"priority_aging_s must be 0 \(off\) or at least"):
+            EngineConfig(priority_aging_s=bad)
 
 
 def test_priority_must_be_an_integer(model):
@@ -270,4 +273,40 @@ def test_an_urgent_request_waiting_for_a_running_prefill_preempts_nothing_until_
         engine.step()
     assert cached["urgent"] >= 304  # the long prompt's pages, prefilled once
     assert engine.scheduler.num_preemptions == 1  # once its prefill was done
+    assert_no_leak(engine)
+
+
+def test_prefills_that_fill_the_pool_with_their_own_pages_preempt_rather_than_stall(model):
+    """Every running request prefilling (a preempted one computing its tokens again beside
+    new prompts) and their own pages filling the pool: no row could get a page and only
+    decode rows preempted, so every later step was empty, forever. Now the least urgent is
+    preempted and the others go on; every output is the greedy one."""
+    vocab = model.config.vocab_size
+    engine = make_engine(model, max_num_seqs=3, num_kv_pages=7, max_tokens_per_step=32,
+                         replay=ReplayConfig.exact())
+    # (arrival step, prompt length, max tokens, priority)
+    plan = [(1, 44, 3, 0), (3, 51, 33, 1), (7, 23, 30, 1), (9, 69, 32, 0)]
+    prompts = [random_prompt(n, vocab, seed=80 + i) for i, (_, n, _, _) in enumerate(plan)]
+    tokens: dict[int, list[int]] = {i: [] for i in range(len(plan))}
+    ends: dict[int, str] = {}
+
+    def collect(i, out):
+        tokens[i].extend(out.new_token_ids)
+        if out.finished:
+            ends[i] = out.finish_reason
+
+    for step in range(400):
+        for i, (at, _, max_tokens, priority) in enumerate(plan):
+            if at == step:
+                engine.submit(Request(f"r{i}", prompts[i], SamplingParams(
+                    max_tokens=max_tokens, top_k=1, end_id=-1), priority=priority,
+                    on_output=partial(collect, i)))
+        if step > plan[-1][0] and not engine.has_work:
+            break
+        engine.step()
+    assert ends == {i: "length" for i in range(len(plan))}, (ends, engine.stats())
+    assert engine.scheduler.num_stalls >= 1  # the case was reached
+    for i, (_, _, max_tokens, _) in enumerate(plan):
+        assert tokens[i] == greedy_generate(model, [prompts[i]], max_new_tokens=max_tokens,
+                                            page_size=16)[0], i
     assert_no_leak(engine)

@@ -185,14 +185,16 @@ def test_a_stopped_request_is_told_why_it_ended(llm_server: ServerHandle):
     idle_pool(llm_server, timeout_s=20)
 
 
-@pytest.mark.parametrize("shape", ["two_sequences", "two_prompts", "unsubmitted_sibling"])
+@pytest.mark.parametrize("shape", ["two_sequences", "two_prompts", "unsubmitted_sibling",
+                                   "beam_search"])
 def test_each_sequence_of_a_stopped_request_is_told_why_it_ended(llm_server: ServerHandle,
                                                                     shape: str):
     """A stopped request of several sequences (num_return_sequences) or prompts (a batched
     request) ended with a bare final flag (a gRPC client without empty final responses waits
     for an end it never sees); now each sequence's last response says "cancelled", the
     request's last one carrying the final flag. A sibling stopped before it was submitted
-    (the stop comes before the first sequence's first token) ends too."""
+    (the stop comes before the first sequence's first token) ends too. A stopped beam search
+    ends with its running beams so far, each "cancelled" (it was a bare final flag)."""
     early = shape == "unsubmitted_sibling"  # (a long prompt: a first token that takes time)
     ids = np.frombuffer(long_prompt(f"Stop us {shape}", 1500 if early else 100).encode(),
                         dtype=np.uint8)
@@ -204,7 +206,9 @@ def test_each_sequence_of_a_stopped_request_is_told_why_it_ended(llm_server: Ser
         "min_tokens": np.full((rows, 1), length, dtype=np.int32),
         "streaming": np.full((rows, 1), True),
     }
-    if shape != "two_prompts":
+    if shape == "beam_search":
+        tensors["beam_width"] = np.full((rows, 1), 2, dtype=np.int32)
+    elif shape != "two_prompts":
         tensors["num_return_sequences"] = np.full((rows, 1), 2, dtype=np.int32)
     client = grpcclient.InferenceServerClient(llm_server.urls.grpc)
     responses: queue.SimpleQueue = queue.SimpleQueue()
