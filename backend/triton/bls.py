@@ -97,6 +97,7 @@ class OpenStream:
     sender: GuardedSender
     inner_id: str
     stopped: bool = False
+    submitted: bool = False  # its hybrid_llm request exists: a stop can reach it
 
 
 class HybridLlmBls:
@@ -178,12 +179,22 @@ class HybridLlmBls:
         tensors = dict(tensors)
         _run_step(self.pre, self.preprocess, tensors)
         with self.pb_lock:
+            # A cancel before the hybrid_llm request exists has nothing to stop (the watcher
+            # leaves streams not submitted alone): it ends here, or the watcher stops the
+            # request once it is submitted (it ran to max_tokens for a client long gone).
+            if stream.sender.is_cancelled():
+                log(pb, f"hybrid_llm_bls: {stream.inner_id} cancelled before its generation "
+                        "started")
+                send(pb, Outgoing(stream.sender, error="the request was cancelled before its "
+                                  "generation started", error_code="CANCELLED", final=True))
+                return
             inputs = [pb.Tensor(name, tensors[source])
                       for name, source in self.llm.inputs.items() if source in tensors]
             inner = pb.InferenceRequest(model_name=self.llm.model, inputs=inputs,
                                         requested_output_names=[*self.llm.outputs, FINAL],
                                         request_id=stream.inner_id)
             responses = inner.exec(decoupled=True)
+            stream.submitted = True
             del inputs, inner
         final_sent = False
         for response in responses:  # waiting for the next one: without the lock
@@ -238,7 +249,7 @@ class HybridLlmBls:
     def _watch(self) -> None:
         while not self.stopping.wait(self.check_s):
             with self.lock:
-                streams = [s for s in self.open.values() if not s.stopped]
+                streams = [s for s in self.open.values() if s.submitted and not s.stopped]
             for stream in streams:
                 try:
                     with self.pb_lock:

@@ -190,6 +190,36 @@ def test_a_client_that_cancels_stops_the_generation(server):
     assert after["free_or_cached"] == before["free_or_cached"]
 
 
+def test_a_cancel_while_the_prompt_is_tokenized_stops_the_generation(server):
+    """A client that cancels before the hybrid_llm request exists (a large prompt, cut by
+    truncate_prompt_tokens, still being tokenized): the watcher's stop found nothing to stop
+    and the request then ran to its max_tokens for a client that was gone. Now the request
+    ends before it is sent, or the stop comes once it is."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from client.generate import grpc_inputs
+
+    cancelled = value(scrape(server), "suffixreplay_unfinished_requests_total",
+                      reason="cancelled")
+    logged = server.logs().count("cancelled before its generation started")
+    params = GenerateParams("abcdefgh " * 300_000, max_tokens=1500, min_tokens=1500,
+                            top_k=1, cache_salt=uuid.uuid4().hex,
+                            extra={"truncate_prompt_tokens": 16})
+    client = grpcclient.InferenceServerClient(server.urls.grpc)
+    answers: queue.SimpleQueue = queue.SimpleQueue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.async_stream_infer(BLS, grpc_inputs(params.fields(stream=True)))
+    time.sleep(0.3)  # (tokenizing 2.7 MB takes longer)
+    client.stop_stream(cancel_requests=True)
+    client.close()
+    wait_until(lambda: server.logs().count("cancelled before its generation started") > logged
+               or value(scrape(server), "suffixreplay_unfinished_requests_total",
+                        reason="cancelled") > cancelled, 60, "the request's end")
+    idle_pool(server, timeout_s=30)
+
+
 def test_a_stream_runs_to_its_end_when_the_server_is_told_to_stop(tmp_path):
     """SIGTERM while a BLS stream runs: the stream finishes (the same text as without the
     signal), new requests are refused, the server exits cleanly."""
