@@ -504,13 +504,24 @@ def stream_http(
 ) -> Iterator[Chunk]:
     """POST /v2/models/<model>/generate_stream: server-sent events, one per response. Several
     `params` are one batched request, as `stream_grpc_batch` sends (each chunk's batch_index
-    names its prompt); Triton's /generate takes one response only, so a batch streams."""
+    names its prompt); Triton's /generate takes one response only, so a batch streams. Triton's
+    generate endpoints take no list input (stop words, bad words, allowed token ids,
+    retention ranges) in a batched request: ValueError (`stream_grpc_batch` sends them).
+    The events carry no final flag: the last chunk's `final` is set once the stream ended
+    (as a list of the chunks shows it)."""
     start = time.perf_counter()
     if isinstance(params, GenerateParams):
         body = params.fields(True)
-    else:  # a value per prompt; JSON arrays of rows for list inputs
+    else:  # a value per prompt
+        lists = sorted(name for p in params for name, value in p.fields(True).items()
+                       if isinstance(value, list) or getattr(value, "size", 1) > 1)
+        if lists:
+            raise ValueError(f"a batched request over HTTP cannot set {sorted(set(lists))}: "
+                             "Triton's generate endpoints take no list input in a batch; "
+                             "send it over gRPC (stream_grpc_batch)")
         body = {name: [_json_row(row) for row in array]
                 for name, array in batch_inputs(params, True).items()}
+    last = None
     with _post(f"{url}/v2/models/{model}/generate_stream", body, timeout_s) as resp:
         for raw in resp:
             line = raw.decode("utf-8").strip()
@@ -519,7 +530,10 @@ def stream_http(
             body = json.loads(line[len("data:") :])
             if "error" in body:
                 raise GenerateError("HTTP 200 (in stream)", body["error"])
-            yield http_chunk(body, time.perf_counter() - start)
+            last = http_chunk(body, time.perf_counter() - start)
+            yield last
+    if last is not None:
+        last.final = True
 
 
 def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> Chunk:
@@ -556,8 +570,11 @@ def _post(url: str, fields: dict[str, Any], timeout_s: float) -> Any:
         return urllib.request.urlopen(request, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         body = exc.read().decode("utf-8", errors="replace")
+        text = body.strip()
+        if text.startswith("data:"):  # generate_stream's error as a server-sent event
+            text = text[len("data:"):].strip()
         try:
-            message = json.loads(body).get("error", body)
-        except ValueError:
+            message = json.loads(text).get("error", body)
+        except (ValueError, AttributeError):  # not JSON, or JSON that is not an object
             message = body
         raise GenerateError(f"HTTP {exc.code}", message) from None

@@ -200,11 +200,21 @@ def test_a_guide_or_adapter_the_engine_refuses_fails_the_batch_before_any_row_ru
 def test_http_generate_stream_takes_a_batch(llm_server: ServerHandle):
     salt = uuid.uuid4().hex
     params = [greedy(p, salt) for p in PROMPTS[1:]]
-    grouped = by_prompt(list(stream_http(llm_server.urls.http, params)))
+    chunks = list(stream_http(llm_server.urls.http, params))
+    assert [c.final for c in chunks] == [False] * (len(chunks) - 1) + [True]  # (never set)
+    grouped = by_prompt(chunks)
     assert sorted(grouped) == [0, 1]
     for b, prompt_chunks in grouped.items():
         assert "".join(c.text for c in prompt_chunks) == alone(llm_server,
                                                                replace_salt(params[b]))
+
+
+def test_http_batches_refuse_list_inputs(llm_server: ServerHandle):
+    """Triton's generate endpoints refuse a batch with a list input (stop words...): the
+    client says so before sending (it was HTTP 400 'batch size does not match')."""
+    params = [replace(greedy(p, "x"), stop_words=("zz",)) for p in PROMPTS[1:]]
+    with pytest.raises(ValueError, match=r"cannot set \['stop_words'\].*stream_grpc_batch"):
+        list(stream_http(llm_server.urls.http, params))
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])

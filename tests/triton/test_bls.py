@@ -19,7 +19,13 @@ import pytest
 
 from backend.triton.bls import ensemble_steps, read_config
 from backend.triton.errors import ConfigError
-from client.generate import GenerateError, GenerateParams, stream_grpc, stream_grpc_batch
+from client.generate import (
+    GenerateError,
+    GenerateParams,
+    stream_grpc,
+    stream_grpc_batch,
+    stream_http,
+)
 from tests.triton.conftest import LLM_MODELS, LLM_PARAMS, MODEL_REPO, launch
 from tests.triton.llm_helpers import (
     idle_pool,
@@ -131,6 +137,12 @@ def test_http_generate_and_errors_are_the_ensembles(server):
         assert errors[BLS][0] == errors["ensemble"][0] == 400
         message = errors[BLS][1]["error"]
         assert message and errors["ensemble"][1]["error"].endswith(message)
+    # Streamed, the model's error comes as a server-sent event: the client reads its message
+    # (it kept 'data: {"error": ...}')
+    bad = GenerateParams("Hello", max_tokens=4, temperature=float("nan"))
+    with pytest.raises(GenerateError) as info:
+        list(stream_http(server.urls.http, bad, model=BLS))
+    assert info.value.message == "temperature must be finite, got nan", info.value
 
 
 def test_allotted_time_ms_and_truncation_reach_the_engine(server):
