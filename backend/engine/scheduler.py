@@ -234,7 +234,7 @@ class Scheduler:
         waiting = [(s.prefix_key(), s.salt) for s in self.waiting]
         if self.cache.tiers is not None:
             self.cache.tiers.prefetcher.update(waiting)
-        elif waiting:
+        else:  # (an empty queue too: the last waiting requests' protection ends)
             self.cache.store.protect(waiting)
 
     def _admit(self) -> None:

@@ -310,3 +310,18 @@ def test_prefills_that_fill_the_pool_with_their_own_pages_preempt_rather_than_st
         assert tokens[i] == greedy_generate(model, [prompts[i]], max_new_tokens=max_tokens,
                                             page_size=16)[0], i
     assert_no_leak(engine)
+
+
+def test_look_ahead_protection_ends_with_the_queue(model):
+    """Without tiers, the waiting requests' pages are evicted last (look-ahead); once the
+    queue emptied, the last protection stayed until something queued again."""
+    vocab = model.config.vocab_size
+    engine = make_engine(model, max_num_seqs=1)
+    a, b = random_prompt(64, vocab, seed=90), random_prompt(64, vocab, seed=91)
+    engine.generate(b, GREEDY)  # b's pages cached
+    _run(engine, [("a", a, 4, 0), ("b", b, 4, 0)])  # b waits behind a: protected
+    nodes = engine.store.tree.walk(encode_tokens(b[:-1]), None)
+    assert nodes
+    engine.step()
+    assert not any(engine.store.policy.is_protected(n) for n in nodes)
+    assert_no_leak(engine)
