@@ -63,6 +63,19 @@ SUFFIX = ".st"
 _SEGMENT_ALIGN = 64
 
 
+def state_file_text(layout: StateLayout, tag: str) -> str:
+    """A state file header's layout field: the state's layout, plus `tag` (what else a
+    file's state must have been saved under to be served: suffix replay's replay
+    configuration)."""
+    return layout.text + (f" {tag}" if tag else "")
+
+
+def state_file_bytes(device, tag: str, page_size: int) -> int:
+    """Bytes of one state file (header and state) for the device's state slots."""
+    layout = StateLayout(device)
+    return header_len_of(state_file_text(layout, tag), page_size) + layout.nbytes
+
+
 class StateLayout:
     """Byte layout of one saved state: per linear layer its recurrent then its conv state,
     each segment 64-byte aligned in a flat row."""
@@ -132,9 +145,7 @@ class StateTier:
         self.tiers, self.stats = tiers, tiers.stats
         self.device = device
         self.layout = StateLayout(device)
-        # The header's layout field: the state's layout, plus `tag` (what else a file's state
-        # must have been saved under to be served: suffix replay's replay configuration).
-        self.text = self.layout.text + (f" {tag}" if tag else "")
+        self.text = state_file_text(self.layout, tag)
         self.end_only = end_only  # a request resumes only from a state at its match's end
         self.pool = PagePool(host_slots, "host state")
         self.host = aligned_empty(max(host_slots, 1) * self.layout.nbytes,

@@ -23,7 +23,8 @@ class TierConfig:
     host_checkpoint_slots / ssd_checkpoint_slots: DRAM slots and SSD files for the saved
     states that leave the device's state slots (`state_tier.py`): the checkpoint policy's
     checkpoints, or suffix replay's live states; 0 / 0: states stay on the device and a state
-    is lost with its device slot.
+    is lost with its device slot. The SSD files are paid from ssd_bytes: the page chunks get
+    what ssd_checkpoint_slots state files leave.
     model_fingerprint: identifies the weights and dtype (`fingerprint_model_dir`); SSD chunks
     of another fingerprint are foreign and never served. The SSD tier is on when
     `enable_ssd` and `ssd_path` is set (the default config is DRAM only).

@@ -52,7 +52,7 @@ from backend.cache.prefetch import Prefetcher
 from backend.cache.retention import DEFAULT_PRIORITY
 from backend.cache.retention_log import RetentionLog
 from backend.cache.ssd import SsdStore
-from backend.cache.state_tier import StateTier
+from backend.cache.state_tier import StateTier, state_file_bytes
 from backend.cache.tier_config import TierConfig
 from backend.cache.tier_entry import TierEntry
 from backend.cache.tier_io import TierIO
@@ -95,14 +95,24 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         self.backlog: deque[TierEntry] = deque()  # new pages waiting for a DRAM staging slot
         self.pending_restore: dict[bytes, list] = {}  # salt hash -> [(chunk, header)]
         self.ssd: SsdStore | None = None
+        self.state_reserve = 0  # SSD bytes set aside from ssd_bytes for state files
         self.retention_log: RetentionLog | None = None  # priorities across restarts (SSD)
         self.io = None
         if config.uses_ssd:
             self.io = io_pool or IOPool(config.io_threads)
             if chunk_io is None and config.use_kvikio and probe_kvikio().available:
                 chunk_io = KvikioChunkIO()
-            self.ssd = SsdStore(config.ssd_path, config.ssd_bytes, self.layout, self.fingerprint,
-                                self.io, self.stats, chunk_io, config.o_direct)  # fmt: skip
+            # The saved states' SSD files (at most ssd_checkpoint_slots) are paid from
+            # ssd_bytes too: the page chunks get what they leave.
+            self.state_reserve = reserve = self._state_files_bytes()
+            if reserve >= config.ssd_bytes:
+                raise ValueError(
+                    f"ssd_checkpoint_slots={config.ssd_checkpoint_slots} state files "
+                    f"({reserve} bytes) leave nothing of ssd_bytes={config.ssd_bytes} for "
+                    "page chunks")
+            self.ssd = SsdStore(config.ssd_path, config.ssd_bytes - reserve, self.layout,
+                                self.fingerprint, self.io, self.stats, chunk_io,
+                                config.o_direct)  # fmt: skip
             for chunk, header in self.ssd.scan():
                 self.pending_restore.setdefault(header.salt_hash, []).append((chunk, header))
             self.retention_log = RetentionLog(config.ssd_path, {
@@ -112,6 +122,16 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
         self._load_worker = TransferThread("kv-load") if threads else None
         self._offload_worker = TransferThread("kv-offload") if threads else None
         self.prefetcher = Prefetcher(self, config)
+
+    def _state_files_bytes(self) -> int:
+        """The SSD bytes the saved states' files may take (`StateTier`: ssd_checkpoint_slots
+        files, where states have DRAM slots to go through)."""
+        cfg = self.config
+        if not (cfg.ssd_checkpoint_slots and cfg.host_checkpoint_slots) or \
+                self.buffers.states is None:
+            return 0
+        return cfg.ssd_checkpoint_slots * state_file_bytes(self.buffers.states, self.state_tag,
+                                                           self.layout.page_size)
 
     # TierBackend hooks ------------------------------------------------------------------
     def attach(self, store) -> None:
@@ -141,6 +161,9 @@ class TieredBackend(TierSpace, TierIO, TierBackend):
                                     cfg.ssd_path if self.ssd is not None else None,
                                     cfg.ssd_checkpoint_slots, self.io, tag=self.state_tag,
                                     end_only=policy == "suffixreplay")
+        elif self.ssd is not None:  # no state files: their bytes go back to the chunks
+            self.ssd.budget_bytes += self.state_reserve
+            self.state_reserve = 0
 
     def on_state_evict(self, node, slot: int) -> None:
         if self.states is not None:

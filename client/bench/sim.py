@@ -344,6 +344,8 @@ def system_of(config, shapes: Shapes) -> SimSystem:
     page = shapes.kv_page + (shapes.anchor_page if cache.policy == "suffixreplay" else 0)
     dram = tiers.host_pages * shapes.kv_page if tiers is not None else 0
     ssd = tiers.ssd_bytes if tiers is not None and tiers.uses_ssd else 0
+    if ssd and tiers.host_checkpoint_slots and cache.policy in ("checkpoint", "suffixreplay"):
+        ssd = max(0, ssd - tiers.ssd_checkpoint_slots * shapes.checkpoint)  # the state files'
     pages = cache.num_kv_pages if cache.max_cached_pages is None else cache.max_cached_pages
     live = cache.num_checkpoint_slots if config.replay.live_state else 0
     spill = tiers is not None and cache.policy == "suffixreplay" and live

@@ -154,8 +154,9 @@ def system_params(system: str, cfg: ModelConfig, budget: Budget, k_max: int,
                 if ssd:
                     params["ssd_checkpoint_slots"] = str(ssd_states)
         params.update({
-            # the SSD's state files are paid from its bytes too (ssd_bytes counts page chunks)
-            "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes - ssd_states * state),
+            # the SSD's state files are paid from its bytes too (the tiers set
+            # ssd_checkpoint_slots files aside from ssd_bytes; the page chunks get the rest)
+            "host_pages": str(host_pages), "ssd_bytes": str(budget.ssd_bytes),
             # O_DIRECT (probed): SSD-tier reads come from the disk, not the page cache.
             "enable_ssd": str(ssd).lower(), "o_direct": "true", "use_kvikio": "false",
             "enable_overlap": str(system in ("pcr_overlap", "pcr_full", "ours")).lower(),

@@ -521,6 +521,36 @@ def _files_bytes(path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def test_state_files_are_paid_from_the_ssd_budget(model, tmp_path):
+    """ssd_bytes bounds every file of the SSD tier: the saved states' files (at most
+    ssd_checkpoint_slots) are set aside from it and the page chunks get the rest (the state
+    files came on top: 2.5 times the budget on disk); a budget they would fill is refused."""
+    base = make_engine(model, policy="checkpoint", interval=32, num_checkpoint_slots=3,
+                       num_kv_pages=24, max_tokens_per_step=200)
+    probe = TierConfig(host_pages=4, ssd_path=str(tmp_path / "probe"), model_fingerprint="m",
+                       host_checkpoint_slots=2, ssd_checkpoint_slots=3)
+    engine = Engine(model, replace(base.config, tiers=probe))
+    chunk, state = engine.tiers.ssd.chunk_bytes, engine.tiers.states.file_bytes
+    engine.stop()
+    budget = 6 * chunk + 3 * state
+    ssd = tmp_path / "ssd"
+    engine = Engine(model, replace(base.config, tiers=replace(probe, ssd_path=str(ssd),
+                                                              ssd_bytes=budget)))
+    assert engine.tiers.ssd.budget_bytes == 6 * chunk
+    for seed in range(4):
+        engine.generate(random_prompt(200, 97, seed=seed), GREEDY)
+    engine.tiers.drain()
+    states = list((ssd / "states").iterdir())
+    assert 0 < len(states) <= 3 and engine.tiers.ssd.used_bytes > 0
+    assert _files_bytes(ssd) <= budget
+    assert engine.stats()["memory_bytes"]["ssd"] == _files_bytes(ssd)
+    engine.tiers.assert_invariants()
+    engine.stop()
+    with pytest.raises(ValueError, match="leave nothing of ssd_bytes"):
+        Engine(model, replace(base.config, tiers=replace(probe, ssd_path=str(tmp_path / "x"),
+                                                         ssd_bytes=3 * state)))
+
+
 @pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
 def test_memory_bytes_count_the_pools_and_the_files(model, tmp_path, policy):
     """engine.stats()["memory_bytes"]: the device pools' entries in use at their size (a KV
