@@ -51,13 +51,14 @@ from backend.cache.chunk_format import (
     ChunkHeader,
     Expected,
     header_len_of,
+    unpack_header,
 )
 from backend.cache.file_io import PosixChunkIO
 from backend.cache.host_pool import aligned_empty, cuda_present
 from backend.cache.io_pool import IOPool, Priority
 from backend.cache.page_io import copy_tensor
 from backend.cache.pools import PagePool
-from backend.cache.tier_stats import IO_ERROR
+from backend.cache.tier_stats import BAD_HEADER, FOREIGN, IO_ERROR, LAYOUT
 
 SUFFIX = ".st"
 _SEGMENT_ALIGN = 64
@@ -174,7 +175,10 @@ class StateTier:
 
     def _scan(self) -> None:
         """Indexes the state files of an earlier run (newest per prefix hash, at most
-        `ssd_slots`); deletes the rest and anything else in the folder."""
+        `ssd_slots`); deletes the rest and anything else in the folder (this model's files
+        of another state layout or replay configuration too: never served), but another
+        model's files (read from their headers): another engine sharing the directory may
+        own them, as its page chunks (they are counted, never served)."""
         newest: dict[bytes, tuple[int, str]] = {}
         for path in self.dir.iterdir():
             parts = path.name.split(".")
@@ -183,7 +187,14 @@ class StateTier:
                 ok = len(parts) == 3 and "." + parts[2] == SUFFIX
             except (ValueError, IndexError):
                 ok = False
-            if not ok:  # a torn temporary file or a stranger
+            if ok:
+                reason = self._scanned_header(str(path), key)
+                if reason is not None:
+                    self.stats.chunk_rejects[f"state_{reason}"] += 1
+                if reason == FOREIGN:
+                    continue  # another model's: left alone
+                ok = reason is None  # (this model's under another layout or replay: stale)
+            if not ok:  # a torn temporary file, a bad header or a stranger
                 path.unlink(missing_ok=True)
                 continue
             old = newest.get(key)
@@ -197,6 +208,23 @@ class StateTier:
         self.found = OrderedDict(kept[max(len(kept) - self.ssd_slots, 0):])
         self._seq = max((seq for seq, _ in newest.values()), default=0)
         self.stats.restored_state_files += len(self.found)
+
+    def _scanned_header(self, path: str, key: bytes) -> str | None:
+        """Why a state file found at start-up is not this engine's to index (FOREIGN:
+        another model's; LAYOUT: another state layout or replay configuration; else damaged),
+        None where it is. Its payload is checked when it is read."""
+        try:
+            data, size = self.file_io.read_head(path, self.header_len)
+            h = unpack_header(data)
+        except (ChunkError, ValueError, OSError) as exc:
+            return exc.reason if isinstance(exc, ChunkError) else BAD_HEADER
+        if h.fingerprint != self.tiers.fingerprint:
+            return FOREIGN
+        if h.layout != self.text or h.kv_len != self.layout.nbytes:
+            return LAYOUT
+        if h.prefix_hash != key or h.header_len != self.header_len or size != self.file_bytes:
+            return BAD_HEADER
+        return None
 
     def adopt(self, node, prefix_hash: bytes) -> bool:
         """A node back in the tree (restored from SSD, or inserted again) takes the state

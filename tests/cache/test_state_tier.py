@@ -10,6 +10,7 @@ import xxhash
 from tier_helpers import hold_io
 
 from backend.cache import CacheConfig, PrefixStore
+from backend.cache.chunk_format import ChunkHeader, fingerprint_hash, pack_header, prefix_hash
 from backend.cache.page_io import DeviceBuffers
 from backend.cache.tier_config import TierConfig
 from backend.cache.tiers import TieredBackend
@@ -233,16 +234,37 @@ def test_state_slots_below_the_device_need_a_policy_that_saves_states():
         assert config.tiers.host_checkpoint_slots == 4 and config.cache.max_cached_pages == 16
 
 
+def _page_tokens(i: int) -> bytes:
+    return bytes([i]) * (4 * PAGE)  # a root page's key: PAGE int32 token ids
+
+
+def _write_state_files(tmp_path, names, fingerprint: str = "m") -> None:
+    """State files of `names` (<prefix hash>.<seq>.st, the hash of a root page of
+    `_page_tokens(i)`) as an engine of model `fingerprint` writes them (valid headers, zero
+    states)."""
+    _, tiers = _make(tmp_path / "probe", ssd_slots=1)
+    states = tiers.states
+    folder = tmp_path / "states"
+    folder.mkdir(exist_ok=True)
+    by_key = {prefix_hash(bytes(16), _page_tokens(i)): _page_tokens(i) for i in range(8)}
+    for name in names:
+        key = bytes.fromhex(name.split(".")[0])
+        header = ChunkHeader(fingerprint_hash(fingerprint), bytes(16), key, bytes(16), 1, PAGE,
+                             states.layout.nbytes, 0, 0, states.text, by_key[key],
+                             states.header_len)
+        (folder / name).write_bytes(pack_header(header) + bytes(states.layout.nbytes))
+    tiers.close()
+
+
 def test_start_up_keeps_the_newest_state_file_per_prefix_within_the_slot_limit(tmp_path):
     """An earlier run's state files: the newest per prefix hash, at most `ssd_slots` (newest
     first), wait for their nodes; older duplicates, files past the limit and strangers go."""
     folder = tmp_path / "states"
-    folder.mkdir()
-    keys = [bytes([i]) * 16 for i in range(4)]
+    keys = [prefix_hash(bytes(16), _page_tokens(i)) for i in range(4)]
     names = [f"{keys[0].hex()}.1.st", f"{keys[0].hex()}.7.st", f"{keys[1].hex()}.2.st",
-             f"{keys[2].hex()}.5.st", f"{keys[3].hex()}.6.st", "junk.txt",
-             f"{keys[1].hex()}.3.st.tmp"]
-    for n in names:
+             f"{keys[2].hex()}.5.st", f"{keys[3].hex()}.6.st"]
+    _write_state_files(tmp_path, names)
+    for n in ("junk.txt", f"{keys[1].hex()}.3.st.tmp"):
         (folder / n).write_bytes(b"x")
     _, tiers = _make(tmp_path, ssd_slots=3)
     states = tiers.states
@@ -250,4 +272,20 @@ def test_start_up_keeps_the_newest_state_file_per_prefix_within_the_slot_limit(t
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         [f"{keys[0].hex()}.7.st", f"{keys[2].hex()}.5.st", f"{keys[3].hex()}.6.st"])
     assert states._seq == 7 and tiers.stats.restored_state_files == 3
+    tiers.assert_invariants()
+
+
+def test_start_up_leaves_another_models_state_files_alone(tmp_path):
+    """Another model's files (by their headers) are neither indexed nor deleted nor counted
+    against the slots; a damaged header is deleted."""
+    keys = [prefix_hash(bytes(16), _page_tokens(i)) for i in range(4)]
+    theirs = [f"{keys[0].hex()}.1.st", f"{keys[1].hex()}.2.st", f"{keys[2].hex()}.3.st"]
+    _write_state_files(tmp_path, theirs, fingerprint="other")
+    _write_state_files(tmp_path, [f"{keys[3].hex()}.4.st"])
+    (tmp_path / "states" / f"{keys[0].hex()}.9.st").write_bytes(b"x" * 100)  # torn
+    _, tiers = _make(tmp_path, ssd_slots=1)
+    assert list(tiers.states.found) == [keys[3]]
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == sorted(
+        [*theirs, f"{keys[3].hex()}.4.st"])
+    assert tiers.stats.chunk_rejects["state_foreign_model"] == 3
     tiers.assert_invariants()
