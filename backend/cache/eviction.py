@@ -50,24 +50,47 @@ class Evictor:
 
     # Retention --------------------------------------------------------------------------
     def priority_of(self, node: PageNode) -> int:
-        """`node`'s retention priority now (an expired one is the default's)."""
+        """`node`'s retention priority now (an expired one gives way to the strongest grant
+        still running, else the default)."""
+        now = self.clock()
         until = node.priority_until
-        return node.priority if until is None or self.clock() < until else DEFAULT_PRIORITY
+        if until is None or now < until:
+            return node.priority
+        live = [p for p, u in node.priority_later if u is None or now < u]
+        return max(live, default=DEFAULT_PRIORITY)
 
     def retain(self, nodes: Sequence[PageNode], priorities: Sequence[PagePriority],
                log: bool = True) -> int:
         """Gives each node the given priority where no request gave it one yet, else raises
-        it (`retention.py`: a higher priority, or the same one expiring later); returns how
-        many changed. Each change goes to the tier (`on_retain`) unless `log` is false (a
-        priority the tier itself restored)."""
+        it (`retention.py`: a higher priority, or the same one expiring later); a grant it
+        does not raise is kept for later where it outlasts the current one (when that ends,
+        the strongest grant still running takes over: one request's shorter raise does not
+        end another's longer priority). Returns how many nodes' priority changed. Each grant
+        kept goes to the tier (`on_retain`) unless `log` is false (a priority the tier
+        itself restored)."""
         self.expire()
         now = self.clock()
         changed = 0
         for node, (priority, duration) in zip(nodes, priorities, strict=True):
             until = None if duration is None else now + duration
-            if node.priority_set and (priority < node.priority or (
-                    priority == node.priority and not outlasts(until, node.priority_until))):
+            if not node.priority_set:
+                node.priority_later = []
+            elif priority < node.priority or (
+                    priority == node.priority and not outlasts(until, node.priority_until)):
+                # Not a raise: kept for later where it outlasts the current grant
+                # (the default for good is what every grant ends in: nothing to keep)
+                if outlasts(until, node.priority_until) and \
+                        (priority, until) != (DEFAULT_PRIORITY, None) and \
+                        _kept(node.priority_later, (priority, until)):
+                    if log:
+                        self.tier.on_retain(node, priority, duration)
                 continue
+            else:  # a raise: the grants that outlast it stay for later
+                later = [(node.priority, node.priority_until), *node.priority_later]
+                node.priority_later = []
+                for grant in later:
+                    if outlasts(grant[1], until):
+                        _kept(node.priority_later, grant)
             node.priority, node.priority_until, node.priority_set = priority, until, True
             if until is not None:
                 heapq.heappush(self._expiries, (until, next(self._expiry_seq), node))
@@ -79,16 +102,27 @@ class Evictor:
         return changed
 
     def expire(self) -> None:
-        """Priorities whose duration ended revert to the default (and their nodes take their
-        place in the eviction order again)."""
+        """Priorities whose duration ended give way to the strongest grant still running,
+        else revert to the default (and their nodes take their place in the eviction order
+        again)."""
         now = self.clock()
         while self._expiries and self._expiries[0][0] <= now:
             until, _, node = heapq.heappop(self._expiries)
-            if node.alive and node.priority_until == until:
+            if not (node.alive and node.priority_until == until):
+                continue
+            live = [g for g in node.priority_later if g[1] is None or g[1] > now]
+            if live:
+                best = max(live, key=lambda g: (g[0], g[1] is None, g[1] or 0.0))
+                live.remove(best)
+                node.priority, node.priority_until = best
+                node.priority_later = live
+                if best[1] is not None:
+                    heapq.heappush(self._expiries, (best[1], next(self._expiry_seq), node))
+            else:
                 node.priority, node.priority_until = DEFAULT_PRIORITY, None
-                node.priority_set = False
-                self.push_leaf(node)
-                self.push_state(node)
+                node.priority_set, node.priority_later = False, []
+            self.push_leaf(node)
+            self.push_state(node)
 
     def evict_pages(self, num_pages: int, reason: str) -> int:
         """Up to `num_pages` device leaves in policy order; returns how many went."""
@@ -257,3 +291,15 @@ class Evictor:
                 self.drop_state(n, WITH_PAGE, spill=False)
             self.tier.on_remove(n)
             self.tree.remove_leaf(n)
+
+
+def _kept(grants: list[tuple[int, float | None]], grant: tuple[int, float | None]) -> bool:
+    """Adds `grant` to `grants` unless one of them is at least as strong for at least as
+    long; drops those it is (grants stay few: one per priority at the most). Whether it was
+    added."""
+    priority, until = grant
+    if any(p >= priority and not outlasts(until, u) for p, u in grants):
+        return False
+    grants[:] = [(p, u) for p, u in grants if not (priority >= p and not outlasts(u, until))]
+    grants.append(grant)
+    return True

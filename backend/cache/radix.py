@@ -68,6 +68,7 @@ class PageNode:
         "priority",
         "priority_until",
         "priority_set",
+        "priority_later",
         "num_device_children",
         "tier_data",
         "alive",
@@ -94,6 +95,9 @@ class PageNode:
         self.priority = DEFAULT_PRIORITY
         self.priority_until: float | None = None
         self.priority_set = False  # no request gave it one yet (or it expired)
+        # Weaker grants that outlast the current one: (priority, until), taken in turn when
+        # it ends (`Evictor.expire`)
+        self.priority_later: list[tuple[int, float | None]] = []
         self.num_device_children = 0
         self.tier_data: Any = None
         self.alive = True

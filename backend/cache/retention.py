@@ -11,9 +11,10 @@ How the store uses them (`backend/cache/eviction.py`, `policy.py`, `tier_space.p
   cancelled or preempted): the first such request's priority for that page, after which
   only raised by later ones (a higher priority, or the same one expiring later). So one
   request cannot lower what another asked for; a priority ends only by its duration, and
-  then the next request sets it again. A request without a retention config gives its
-  pages the default, so a low-priority page that later requests reuse stops being first to
-  go.
+  then the strongest grant still running holds (a lower one that outlasts it: a shorter
+  raise does not end a longer priority), else the default until the next request sets it
+  again. A request without a retention config gives its pages the default, so a
+  low-priority page that later requests reuse stops being first to go.
 - A page's priority for a request: the highest of the ranges that overlap its tokens (with
   that range's duration; the longest one where several share it); pages holding generated
   tokens also take the decode priority; pages no range covers take the default.

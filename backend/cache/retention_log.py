@@ -7,7 +7,10 @@ gives the page its priority. So each priority a request sets on a page is also a
 
     <prefix hash, 32 hex digits> <priority> <expiry: wall-clock seconds, or "-": never>
 
-The last line of a prefix hash wins. At start-up the file is read (lines that do not parse,
+A page keeps every grant still running that no other outdoes (a higher priority for
+longer): a shorter raise of another request ends before a longer, lower priority does, which
+then holds again (`Evictor.expire`); a line with the default priority for good forgets the
+page's grants (it left every tier). At start-up the file is read (lines that do not parse,
 and priorities already expired, are skipped: a cache may forget, never mistake one page for
 another, since the prefix hash names the page and its whole prefix in its namespace) and
 rewritten with what is left; when it grows to several times its live entries it is rewritten
@@ -26,7 +29,7 @@ import time
 from collections.abc import Container
 from pathlib import Path
 
-from backend.cache.retention import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY
+from backend.cache.retention import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, outlasts
 
 FILE_NAME = "retention.log"
 COMPACT_MIN_LINES = 4096  # rewrite once the file holds this many lines and ...
@@ -42,7 +45,8 @@ class RetentionLog:
         pages are dropped; None: all kept)."""
         self.path = Path(directory) / FILE_NAME
         self.clock = clock
-        self.entries: dict[bytes, tuple[int, float | None]] = {}
+        # prefix hash -> its grants: (priority, expiry in wall-clock seconds or None)
+        self.entries: dict[bytes, list[tuple[int, float | None]]] = {}
         self.skipped = 0  # lines that did not parse (a torn last line, a foreign file)
         self.write_errors = 0  # appends and rewrites that failed (OSError)
         self._read()
@@ -56,8 +60,8 @@ class RetentionLog:
         if priority == DEFAULT_PRIORITY and expires is None:
             if self.entries.pop(prefix_hash, None) is None:
                 return
-        else:
-            self.entries[prefix_hash] = (priority, expires)
+        elif not self._add(prefix_hash, priority, expires, self.clock()):
+            return  # outdone by a grant it holds: nothing to log
         try:
             with open(self.path, "a") as f:
                 f.write(_line(prefix_hash, priority, expires))
@@ -65,20 +69,36 @@ class RetentionLog:
             self._failed("appending to", error)
             return
         self.lines += 1
-        if self.lines >= COMPACT_MIN_LINES and self.lines >= COMPACT_FACTOR * len(self.entries):
+        if self.lines >= COMPACT_MIN_LINES and self.lines >= COMPACT_FACTOR * self._num_grants():
             self._rewrite()
 
+    def _add(self, key: bytes, priority: int, expires: float | None, now: float) -> bool:
+        """Adds a grant to the page's, dropping the expired ones and those it outdoes;
+        False where one it holds outdoes it."""
+        grants = [(p, e) for p, e in self.entries.get(key, ()) if e is None or e > now]
+        if any(p >= priority and not outlasts(expires, e) for p, e in grants):
+            self.entries[key] = grants
+            return False
+        grants = [(p, e) for p, e in grants if not (priority >= p and not outlasts(e, expires))]
+        self.entries[key] = [*grants, (priority, expires)]
+        return True
+
+    def _num_grants(self) -> int:
+        return sum(map(len, self.entries.values()))
+
+    def grants(self, prefix_hash: bytes) -> list[tuple[int, float | None]]:
+        """The page's grants still running: (priority, seconds left: None = never expires),
+        strongest first."""
+        now = self.clock()
+        found = [(p, None if e is None else e - now) for p, e in self.entries.get(prefix_hash, ())
+                 if e is None or e > now]
+        return sorted(found, key=lambda g: (-g[0], g[1] is not None, -(g[1] or 0.0)))
+
     def lookup(self, prefix_hash: bytes) -> tuple[int, float | None] | None:
-        """(priority, seconds left: None = never expires) of a page, None where none is
-        logged or it expired."""
-        found = self.entries.get(prefix_hash)
-        if found is None:
-            return None
-        priority, expires = found
-        if expires is None:
-            return priority, None
-        left = expires - self.clock()
-        return (priority, left) if left > 0 else None
+        """(priority, seconds left: None = never expires) of a page's strongest grant now,
+        None where none is logged or every one expired."""
+        found = self.grants(prefix_hash)
+        return found[0] if found else None
 
     def _read(self) -> None:
         self.lines = 0
@@ -95,21 +115,21 @@ class RetentionLog:
                 self.skipped += 1
                 continue
             key, priority, expires = parsed
-            if (priority == DEFAULT_PRIORITY and expires is None) or \
-                    (expires is not None and expires <= now):
+            if priority == DEFAULT_PRIORITY and expires is None:
                 self.entries.pop(key, None)
-            else:
-                self.entries[key] = (priority, expires)
+            elif expires is None or expires > now:
+                self._add(key, priority, expires, now)
 
     def _rewrite(self) -> None:
         """The live entries only, written to a new file that replaces the old one whole."""
         now = self.clock()
-        live = {k: v for k, v in self.entries.items() if v[1] is None or v[1] > now}
+        live = {k: kept for k, v in self.entries.items()
+                if (kept := [(p, e) for p, e in v if e is None or e > now])}
         self.entries = live
         tmp = self.path.with_suffix(".tmp")
         try:
             with open(tmp, "w") as f:
-                f.writelines(_line(k, p, e) for k, (p, e) in live.items())
+                f.writelines(_line(k, p, e) for k, v in live.items() for p, e in v)
             os.replace(tmp, self.path)
         except OSError as error:
             self._failed("rewriting", error)
@@ -118,7 +138,7 @@ class RetentionLog:
             except OSError:
                 pass
             return
-        self.lines = len(live)
+        self.lines = self._num_grants()
 
     def _failed(self, doing: str, error: OSError) -> None:
         if not self.write_errors:

@@ -65,9 +65,10 @@ def _adopt_state(tiers, node, prefix_hash: bytes) -> None:
 def _adopt_priority(tiers, node, prefix_hash: bytes) -> None:
     """The retention priority a request gave this page in an earlier run, for the rest of
     its duration (`retention_log.py`)."""
-    found = None if tiers.retention_log is None else tiers.retention_log.lookup(prefix_hash)
-    if found is not None:
-        tiers.store.evictor.retain([node], [found], log=False)
+    found = [] if tiers.retention_log is None else tiers.retention_log.grants(prefix_hash)
+    for grant in found:  # the strongest first: the others wait behind it
+        tiers.store.evictor.retain([node], [grant], log=False)
+    if found:
         tiers.stats.restored_priorities += 1
 
 

@@ -53,8 +53,25 @@ def test_the_log_is_rewritten_when_it_grows(tmp_path, monkeypatch):
     lines = (tmp_path / FILE_NAME).read_text().splitlines()
     assert len(lines) < 8 and lines[-1] == f"{key.hex()} 59 -"
     assert RetentionLog(tmp_path).lookup(key) == (59, None)
-    log.record(key, 70, time.time() - 1)  # already expired: gone at the next start
+    log.record(key, 70, time.time() - 1)  # already expired: nothing, 59 holds
+    assert log.lookup(key) == (59, None) == RetentionLog(tmp_path).lookup(key)
+    log.record(key, DEFAULT_PRIORITY, None)  # the page left every tier: forgotten
     assert log.lookup(key) is None and RetentionLog(tmp_path).lookup(key) is None
+
+
+def test_a_shorter_raise_ends_and_the_longer_grant_holds_again_after_a_restart(tmp_path):
+    """A page at 50 for 100 s, raised to 60 for 1 s by another request: the log kept only
+    the last line, so a restart 2 s later found the page at the default."""
+    now = [1000.0]
+    log = RetentionLog(tmp_path, clock=lambda: now[0])
+    key = bytes(range(16))
+    log.record(key, 50, 1100.0)
+    log.record(key, 60, 1001.0)
+    log.record(key, 40, 1050.0)  # outdone by the 50: nothing to log
+    assert log.grants(key) == [(60, 1.0), (50, 100.0)]
+    now[0] = 1002.0
+    restarted = RetentionLog(tmp_path, clock=lambda: now[0])
+    assert restarted.lookup(key) == (50, 98.0) and restarted.grants(key) == [(50, 98.0)]
 
 
 def test_without_an_ssd_tier_nothing_is_logged(tmp_path):

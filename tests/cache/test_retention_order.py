@@ -127,6 +127,28 @@ def test_a_priority_reverts_to_the_default_when_its_duration_ends():
     store.assert_invariants()
 
 
+def test_a_shorter_raise_gives_way_to_the_longer_grant_it_outdid():
+    """A at 50 for 100 s, then B at 60 for 1 s: when B's ended the page fell to the default
+    although A's 50 still ran; and C's 40 for ever (after both) holds once A's ended."""
+    store, paths = _four_leaves()
+    clock, node = store.evictor.clock, paths["A"][0]
+    assert store.retain(paths["A"], [(50, 100.0)]) == 1
+    assert store.retain(paths["A"], [(60, 1.0)]) == 1
+    assert store.retain(paths["A"], [(40, None)]) == 0  # not a raise: kept for later
+    assert store.retain(paths["A"], [(30, 50.0)]) == 0  # outdone by A's: dropped
+    assert store.evictor.priority_of(node) == 60
+    clock.now += 2
+    assert store.evictor.priority_of(node) == 50
+    store.evictor.expire()
+    assert (node.priority, node.priority_later) == (50, [(40, None)])
+    store.retain(paths["D"], [(45, None)])
+    assert store.evict(3) == 3 and _cached(store) == "A"  # B, C (35), D (45) before A (50)
+    clock.now += 100
+    store.evictor.expire()
+    assert (node.priority, node.priority_until, node.priority_later) == (40, None, [])
+    store.assert_invariants()
+
+
 def test_a_later_expiry_at_the_same_priority_extends_it():
     store, paths = _four_leaves()
     clock = store.evictor.clock
