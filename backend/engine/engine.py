@@ -456,8 +456,11 @@ class Engine:
         return outputs
 
     def _count_queued(self) -> None:
-        """Publishes how many requests wait in the scheduler (a beam search once)."""
-        waiting = sum(1 for s in self.scheduler.waiting if s.beam is None or s is s.beam.leader)
+        """Publishes how many requests wait in the scheduler for their first slot (a beam
+        search once; a preempted request waiting to resume is not counted: the engine's own
+        preemptions do not make the queue refuse new requests)."""
+        waiting = sum(1 for s in self.scheduler.waiting
+                      if (s.beam is None or s is s.beam.leader) and s.first_scheduled_time is None)
         with self._lock:
             self._queued = waiting
 

@@ -92,3 +92,23 @@ def test_no_limit_by_default_and_a_negative_one_is_refused(model):
     with pytest.raises(ValueError, match="max_queue_size must be >= 0"):
         EngineConfig(max_queue_size=-1)
     assert EngineConfig.from_params({"max_queue_size": "64"}).max_queue_size == 64
+
+
+def test_a_preempted_request_does_not_fill_the_queue(model):
+    """A running request preempted by a more urgent one waits to resume: it is not a new
+    request waiting, so the queue's limit does not count it (it made the queue refuse
+    requests for the engine's own preemptions)."""
+    engine = _engine(model, max_queue_size=1)
+    low = _request(0, max_tokens=16)
+    engine.submit(replace(low, priority=5))
+    engine.step()  # running
+    engine.submit(_request(1))  # more urgent: preempts it at the next step
+    engine.step()
+    assert engine.scheduler.num_preemptions == 1
+    assert [s.request.request_id for s in engine.scheduler.waiting] == ["r0"]
+    engine.submit(_request(2))  # the queue holds no new request: room for one
+    with pytest.raises(QueueFull):
+        engine.submit(_request(3))
+    _finish(engine)
+    assert engine.stats()["finished_requests"] == 3
+    assert_no_leak(engine)
