@@ -475,15 +475,16 @@ class Scheduler:
         self.num_rewinds += len(done)
 
     def _grow(self, seq: Sequence, end: int) -> int | None:
-        """Pages for a decode step; preempts another sequence when none are free: the least
-        urgent (`urgency`: the highest priority value, aged), the youngest among equals;
-        `seq` itself where every other is more urgent."""
+        """Pages for a decode step; preempts a sequence when none are free: the least
+        urgent (`urgency`: the highest priority value, aged), the youngest among equals,
+        `seq` itself where that is it (an older request of the same priority is not
+        preempted for a younger one, as vLLM's)."""
         while self.cache.ensure_pages(seq, end) < end:
             victims = [s for s in self.running
                        if s is not seq and (seq.beam is None or s.beam is not seq.beam)]
-            now = time.perf_counter()
-            victim = max(victims, key=self._preemption_order(now)) if victims else None
-            if victim is None or self.urgency(victim, now) < self.urgency(seq, now):
+            order = self._preemption_order(time.perf_counter())
+            victim = max(victims, key=order) if victims else None
+            if victim is None or order(victim) < order(seq):
                 self._preempt(seq)
                 return None
             self._preempt(victim)

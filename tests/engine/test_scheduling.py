@@ -325,3 +325,17 @@ def test_look_ahead_protection_ends_with_the_queue(model):
     engine.step()
     assert not any(engine.store.policy.is_protected(n) for n in nodes)
     assert_no_leak(engine)
+
+
+def test_out_of_pages_a_younger_request_of_the_same_priority_gives_way(model):
+    """The younger request needs a page first: it gives way (it preempted the older one, of
+    the same priority); both outputs are the greedy ones."""
+    vocab = model.config.vocab_size
+    old, young = random_prompt(40, vocab, seed=60), random_prompt(30, vocab, seed=61)
+    engine = make_engine(model, max_num_seqs=2, num_kv_pages=5)
+    _, done, tokens = _run(engine, [("old", old, 12, 0), ("young", young, 12, 0)])
+    assert engine.scheduler.num_preemptions >= 1
+    assert done == ["old", "young"]
+    want = greedy_generate(model, [old, young], max_new_tokens=12, page_size=16)
+    assert tokens["old"] == want[0] and tokens["young"] == want[1]
+    assert_no_leak(engine)
