@@ -29,9 +29,10 @@ Rules (all on the engine thread; I/O threads touch only files and the buffers gi
     the state as the payload), written and read through `PosixChunkIO`.
   - Warm restart: the files found at start-up (the newest per prefix hash, at most
     `ssd_slots`, newest first) wait, unread, until their node comes back: a KV page restored
-    from SSD (`tier_restore.py`, lazily per namespace) or inserted again adopts the state
-    file of its prefix hash as its SSD copy (`adopt`). The header is checked when the file
-    is read, as for any other; files not adopted give way first when room is needed.
+    from SSD (`tier_restore.py`, lazily per namespace) adopts the state file of its prefix
+    hash as its SSD copy (`adopt`; a page computed again instead does not: its file waits
+    until room is needed). The header is checked when the file is read, as for any other;
+    files not adopted give way first when room is needed.
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class StateTier:
         return None
 
     def adopt(self, node, prefix_hash: bytes) -> bool:
-        """A node back in the tree (restored from SSD, or inserted again) takes the state
+        """A node back in the tree (restored from SSD) takes the state
         file an earlier run left for its prefix hash as its SSD copy."""
         found = self.found.pop(prefix_hash, None)
         if found is None:
