@@ -39,6 +39,7 @@ class CacheManager:
         self.num_replayed_anchors = 0
         self.num_live_state_hits = 0
         self.num_recomputed_tokens = 0
+        self._locked: list = []  # during `admit`: the path it locked so far
 
     # Admission --------------------------------------------------------------------------
     def admit(self, seq: Sequence, replays: list[tuple[int, torch.Tensor, int]]) -> None:
@@ -49,21 +50,30 @@ class CacheManager:
         key = b"" if seq.request.needs_prompt_logits else seq.prefix_key()
         match = self.store.match_prefix(key, seq.salt, count_hits=False)
         found_on = self.store.locations(match)  # before promotion moves them
-        nodes = self._usable_prefix(match)
-        n = len(nodes)
-        live = match.live_state if n == match.num_matched_pages else None
-        if self.policy == "suffixreplay" and not self.config.replay.live_state:
-            live = None
-        restored, branch_point = False, None
-        if n and self.policy == "checkpoint":
-            nodes, restored = self._resume_checkpoint(seq, nodes)
-            n, live = len(nodes), None
-        elif n and live is None and self.policy == "suffixreplay" and \
-                self.config.replay.live_state:
-            restored = self._resume_at_end(seq, nodes[-1])
-            if not restored:
-                nodes, live = self._resume_short(match, nodes)
-                n = len(nodes)
+        self._locked = []  # the path locked so far (`_usable_prefix`, `_relock`)
+        try:
+            nodes = self._usable_prefix(match)
+            n = len(nodes)
+            live = match.live_state if n == match.num_matched_pages else None
+            if self.policy == "suffixreplay" and not self.config.replay.live_state:
+                live = None
+            restored, branch_point = False, None
+            if n and self.policy == "checkpoint":
+                nodes, restored = self._resume_checkpoint(seq, nodes)
+                n, live = len(nodes), None
+            elif n and live is None and self.policy == "suffixreplay" and \
+                    self.config.replay.live_state:
+                restored = self._resume_at_end(seq, nodes[-1])
+                if not restored:
+                    nodes, live = self._resume_short(match, nodes)
+                    n = len(nodes)
+        except BaseException:
+            # (a state load or a promotion failed before the sequence holds its path: the
+            # caller's release would find nothing to unlock, and the pages stayed locked)
+            self.store.unlock(self._locked)
+            raise
+        finally:
+            self._locked = []
         if self.sglang_placement and match.num_cached_pages > n:
             # KV cached past the deepest state: SGLang's branch point (where the "sglang"
             # placement saves this prompt's state, for the siblings that follow).
@@ -123,8 +133,8 @@ class CacheManager:
         slots = self.store.alloc_state_slots(1)
         if slots is None:
             return
-        self.executor.save_state(seq.run_slot, slots[0])
-        seq.pending_states[seq.num_computed] = slots[0]
+        seq.pending_states[seq.num_computed] = slots[0]  # (before the copy: a failed one
+        self.executor.save_state(seq.run_slot, slots[0])  # is released with the sequence)
 
     def _resume_checkpoint(self, seq: Sequence, nodes: list) -> tuple[list, bool]:
         """Checkpoint policy: the deepest node of the locked usable path `nodes` with a saved
@@ -175,7 +185,9 @@ class CacheManager:
         """Keeps the lock on `nodes[:n]` only (a locked path is unlocked root first)."""
         if n < len(nodes):
             self.store.unlock(nodes)
+            self._locked = []
             self.store.lock(nodes[:n])
+            self._locked = nodes[:n]
         return nodes[:n]
 
     def _usable_prefix(self, match) -> list:
@@ -187,9 +199,11 @@ class CacheManager:
                 n = min(n, len(match.anchor_blocks))
             nodes = match.nodes[:n]
             self.store.lock(nodes)
+            self._locked = nodes
             return nodes
         nodes = match.nodes[: self.tiers.prefetcher.wait_for(match.nodes)]
         self.store.lock(nodes)
+        self._locked = nodes
         if not self.store.promote(nodes):
             on_device = 0
             while on_device < len(nodes) and nodes[on_device].on_device:
@@ -278,7 +292,11 @@ class CacheManager:
         slots = self.store.alloc_state_slots(1) or self._give_up_shallowest(seq, pos)
         if slots is None:
             return  # an optimisation only: no free slot, no snapshot
-        self.executor.save_state(seq.run_slot, slots[0])
+        try:
+            self.executor.save_state(seq.run_slot, slots[0])
+        except BaseException:  # (the slot is no one's yet: it leaked)
+            self.store.free_state_slots(slots)
+            raise
         self._keep_state(seq, pos, slots[0])
 
     @staticmethod

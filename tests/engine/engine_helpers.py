@@ -60,6 +60,9 @@ def assert_no_leak(engine: Engine) -> None:
     store.assert_invariants()
     assert not store.kv.ids and not store.anchors.ids and not store.states.ids
     assert engine.stats()["active_requests"] == 0
+    if not engine.scheduler.running:  # nothing runs: no page is locked
+        locked = [n for n in store.tree.iter_nodes() if n.lock_ref]
+        assert not locked, f"{len(locked)} pages still locked"
 
 
 def reference_adjust(logits: torch.Tensor, prompt: list[int], generated: list[int],

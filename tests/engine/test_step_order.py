@@ -105,3 +105,32 @@ def test_cache_work_that_fails_fails_its_requests_and_leaks_nothing(model, monke
     assert out.finish_reason == "length" and len(out.new_token_ids) == 4
     assert engine.stats()["cached_pages"] == 4
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("where", ["admit_load_state", "after_forward", "keep_replayed"])
+def test_a_failed_state_copy_leaks_no_lock_and_no_slot(model, monkeypatch, where):
+    """A state load failing during admission left the matched path locked for good (its
+    pages could never be evicted); a state save failing after a forward or a replay left
+    the slot it was filling held."""
+    from backend.replay.budget import ReplayConfig
+
+    policy = "checkpoint" if where == "admit_load_state" else "suffixreplay"
+    engine = make_engine(model, policy=policy, interval=32, num_checkpoint_slots=8,
+                         replay=ReplayConfig.exact())
+    prompt = random_prompt(64 if policy == "checkpoint" else 40,
+                           model.config.vocab_size, seed=4)
+    if where != "after_forward":  # (after_forward: a fresh prompt saves its states)
+        engine.generate(prompt, SAMPLING)
+    if where == "keep_replayed":  # the pages stay, their states go: the next one replays
+        engine.store.evict_checkpoints(100)
+    name = "load_state" if where == "admit_load_state" else "save_state"
+
+    def boom(*args, **kwargs):
+        raise RuntimeError(f"injected {name} failure")
+
+    monkeypatch.setattr(engine.executor, name, boom)
+    out = engine.generate(prompt + [3, 4], SAMPLING)
+    monkeypatch.undo()
+    assert out.finish_reason == "error" and f"injected {name} failure" in out.error
+    assert_no_leak(engine)
+    assert engine.reset_prefix_cache()["kept_pages"] == 0
