@@ -513,10 +513,10 @@ def stream_http(
     if isinstance(params, GenerateParams):
         body = params.fields(True)
     else:  # a value per prompt
-        lists = sorted(name for p in params for name, value in p.fields(True).items()
-                       if isinstance(value, list) or getattr(value, "size", 1) > 1)
+        lists = {name for p in params for name, value in p.fields(True).items()
+                 if isinstance(value, list) or getattr(value, "size", 1) > 1}
         if lists:
-            raise ValueError(f"a batched request over HTTP cannot set {sorted(set(lists))}: "
+            raise ValueError(f"a batched request over HTTP cannot set {sorted(lists)}: "
                              "Triton's generate endpoints take no list input in a batch; "
                              "send it over gRPC (stream_grpc_batch)")
         body = {name: [_json_row(row) for row in array]
@@ -554,9 +554,10 @@ def http_chunk(body: dict[str, Any], elapsed_s: float, final: bool = False) -> C
 
 
 def _json_row(row: np.ndarray) -> Any:
-    """One prompt's row of a batched input as JSON: its one value, or a list."""
-    values = [v.decode("utf-8") if isinstance(v, bytes) else v.item() for v in row.reshape(-1)]
-    return values[0] if len(values) == 1 else values
+    """One prompt's row of a batched input as JSON: its one value (list inputs are refused
+    before)."""
+    value = row.reshape(-1)[0]
+    return value.decode("utf-8") if isinstance(value, bytes) else value.item()
 
 
 def _first(value: Any) -> Any:

@@ -16,7 +16,13 @@ from backend.cache.base import EvictAction, Tier, TierBackend
 from backend.cache.policy import LookaheadLRU, has_evictable_state, is_evictable_leaf
 from backend.cache.pools import PagePool
 from backend.cache.radix import PageNode, RadixTree
-from backend.cache.retention import DEFAULT_PRIORITY, PagePriority, outlasts
+from backend.cache.retention import (
+    DEFAULT_PRIORITY,
+    PagePriority,
+    keep_grant,
+    outlasts,
+    strongest,
+)
 from backend.cache.stats import RESET, WITH_PAGE, CacheStats
 
 # Requests resuming from a state that make it a branch point (never shadowed).
@@ -81,7 +87,7 @@ class Evictor:
                 # (the default for good is what every grant ends in: nothing to keep)
                 if outlasts(until, node.priority_until) and \
                         (priority, until) != (DEFAULT_PRIORITY, None) and \
-                        _kept(node.priority_later, (priority, until)):
+                        keep_grant(node.priority_later, (priority, until)):
                     if log:
                         self.tier.on_retain(node, priority, duration)
                 continue
@@ -90,7 +96,7 @@ class Evictor:
                 node.priority_later = []
                 for grant in later:
                     if outlasts(grant[1], until):
-                        _kept(node.priority_later, grant)
+                        keep_grant(node.priority_later, grant)
             node.priority, node.priority_until, node.priority_set = priority, until, True
             if until is not None:
                 heapq.heappush(self._expiries, (until, next(self._expiry_seq), node))
@@ -112,7 +118,7 @@ class Evictor:
                 continue
             live = [g for g in node.priority_later if g[1] is None or g[1] > now]
             if live:
-                best = max(live, key=lambda g: (g[0], g[1] is None, g[1] or 0.0))
+                best = strongest(live)
                 live.remove(best)
                 node.priority, node.priority_until = best
                 node.priority_later = live
@@ -291,15 +297,3 @@ class Evictor:
                 self.drop_state(n, WITH_PAGE, spill=False)
             self.tier.on_remove(n)
             self.tree.remove_leaf(n)
-
-
-def _kept(grants: list[tuple[int, float | None]], grant: tuple[int, float | None]) -> bool:
-    """Adds `grant` to `grants` unless one of them is at least as strong for at least as
-    long; drops those it is (grants stay few: one per priority at the most). Whether it was
-    added."""
-    priority, until = grant
-    if any(p >= priority and not outlasts(until, u) for p, u in grants):
-        return False
-    grants[:] = [(p, u) for p, u in grants if not (priority >= p and not outlasts(u, until))]
-    grants.append(grant)
-    return True

@@ -136,3 +136,15 @@ def strongest(found: Iterable[PagePriority]) -> PagePriority:
 def outlasts(a: float | None, b: float | None) -> bool:
     """Whether an expiry (or duration) `a` is later than `b` (None: never)."""
     return b is not None and (a is None or a > b)
+
+
+def keep_grant(grants: list[PagePriority], grant: PagePriority) -> bool:
+    """Adds `grant` (priority, expiry) to a page's `grants` unless one of them is at least
+    as strong for at least as long; drops those it outdoes (grants stay few: one per
+    priority at the most). Whether it was added."""
+    priority, until = grant
+    if any(p >= priority and not outlasts(until, u) for p, u in grants):
+        return False
+    grants[:] = [(p, u) for p, u in grants if not (priority >= p and not outlasts(u, until))]
+    grants.append(grant)
+    return True

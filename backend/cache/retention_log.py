@@ -29,7 +29,7 @@ import time
 from collections.abc import Container
 from pathlib import Path
 
-from backend.cache.retention import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, outlasts
+from backend.cache.retention import DEFAULT_PRIORITY, MAX_PRIORITY, MIN_PRIORITY, keep_grant
 
 FILE_NAME = "retention.log"
 COMPACT_MIN_LINES = 4096  # rewrite once the file holds this many lines and ...
@@ -76,12 +76,8 @@ class RetentionLog:
         """Adds a grant to the page's, dropping the expired ones and those it outdoes;
         False where one it holds outdoes it."""
         grants = [(p, e) for p, e in self.entries.get(key, ()) if e is None or e > now]
-        if any(p >= priority and not outlasts(expires, e) for p, e in grants):
-            self.entries[key] = grants
-            return False
-        grants = [(p, e) for p, e in grants if not (priority >= p and not outlasts(e, expires))]
-        self.entries[key] = [*grants, (priority, expires)]
-        return True
+        self.entries[key] = grants
+        return keep_grant(grants, (priority, expires))
 
     def _num_grants(self) -> int:
         return sum(map(len, self.entries.values()))
