@@ -48,11 +48,37 @@ def _char(ch: str) -> str:
 
 
 def _scalar(token: str) -> str:
-    """A number or literal as Python reads and writes it (as it is where it does not read)."""
+    """A number or literal as Python reads and writes it; as it is where it does not read as
+    JSON or reads as no finite number (1e400: Python's inf, which json.dumps would write as
+    `Infinity`, not JSON)."""
     try:
-        return json.dumps(json.loads(token))
+        return json.dumps(loads(token), allow_nan=False)
     except ValueError:
         return token
+
+
+def _finite(text: str) -> float:
+    number = float(text)
+    if number - number != 0:  # inf (a number too large for a double)
+        raise ValueError(f"{text} is out of the float range")
+    return number
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(text: str) -> Any:
+    """json.loads of strict JSON: no NaN / Infinity literals and no number out of the float
+    range (Python would read them, and json.dumps write them back as text no JSON parser
+    takes); ValueError for either."""
+    return json.loads(text, parse_float=_finite, parse_constant=_constant)
+
+
+def properties(schema: Any) -> dict[str, Any]:
+    """A parameters schema's `properties` (empty where the schema or they are not objects)."""
+    found = schema.get("properties") if isinstance(schema, dict) else None
+    return found if isinstance(found, dict) else {}
 
 
 def _hex(digits: str) -> int | None:
@@ -325,7 +351,7 @@ class XmlCall:
         return events + [("args", "}" if self.sent else "{}")]
 
     def _schema(self, key: str) -> Any:
-        return ((self.known[self.name] or {}).get("properties") or {}).get(key)
+        return properties(self.known[self.name]).get(key)
 
     def _read(self, final: bool) -> list[Event]:
         events: list[Event] = []
@@ -467,7 +493,7 @@ class CallArray:
         if self.state == "reject":
             return None if not self.begun else []
         try:
-            items = json.loads(self.text)
+            items = loads(self.text)
         except ValueError:
             return None if not self.begun else []
         if not isinstance(items, list):

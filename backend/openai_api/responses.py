@@ -21,6 +21,7 @@ references, images and files, `truncation: "auto"`, `top_logprobs`, `max_tool_ca
 from __future__ import annotations
 
 import copy
+import json
 import re
 import time
 import uuid
@@ -148,8 +149,8 @@ def to_chat(body: Any, store: ResponseStore) -> Conversion:
     choice = body.get("tool_choice")
     if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    if choice is not None:
-        chat["tool_choice"] = choice
+    if choice is not None and not (choice == "auto" and "tools" not in chat):
+        chat["tool_choice"] = choice  # ("auto", the Responses default, holds without tools)
     text = body.get("text")
     if text is not None and not isinstance(text, dict):
         raise RequestError(f"'text' must be an object (text.format: the output's format), got "
@@ -435,14 +436,16 @@ class ResponseBuilder:
 
     def answer(self) -> dict[str, Any]:
         """The answer as a chat message (what the next response's history holds). A function
-        call that max_output_tokens cut ("incomplete": its arguments are not JSON) is left
-        out of it, so that a follow-up through previous_response_id still renders."""
+        call whose arguments are no JSON object (max_output_tokens cut it: "incomplete", or
+        the model wrote them so) is left out of it, so that a follow-up through
+        previous_response_id still renders (chat templates take arguments as objects)."""
         text = "".join(i["content"][0]["text"] for i in self.body["output"]
                        if i["type"] == "message")
         calls = [{"id": i["call_id"], "type": "function",
                   "function": {"name": i["name"], "arguments": i["arguments"] or "{}"}}
                  for i in self.body["output"]
-                 if i["type"] == "function_call" and i.get("status") != "incomplete"]
+                 if i["type"] == "function_call" and i.get("status") != "incomplete"
+                 and _json_object(i["arguments"] or "{}")]
         message: dict[str, Any] = {"role": "assistant", "content": text}
         thought = "".join(i["content"][0]["text"] for i in self.body["output"]
                           if i["type"] == "reasoning")
@@ -451,3 +454,10 @@ class ResponseBuilder:
         if calls:
             message["tool_calls"] = calls
         return message
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False

@@ -703,7 +703,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 REQUEST_ID = "X-Request-Id"
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # (fullmatch: "$" takes a final \n)
 
 
 def _request_id(request: web.Request, body: Any) -> str | None:
@@ -715,7 +715,7 @@ def _request_id(request: web.Request, body: Any) -> str | None:
         given, where = request.headers.get(REQUEST_ID), REQUEST_ID
     if given is None:
         return None
-    if not isinstance(given, str) or not _REQUEST_ID.match(given):
+    if not isinstance(given, str) or not _REQUEST_ID.fullmatch(given):
         raise RequestError(f"'{where}' must be 1 to 128 letters, digits or . _ : -, got "
                            f"{given!r:.80}", where)
     return given

@@ -45,11 +45,13 @@ from backend.openai_api.call_scan import (
     CallArray,
     CallBlock,
     Event,
+    loads,
+    properties,
     tag_prefix_len,
 )
 from backend.openai_api.errors import RequestError
 
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (fullmatch)
 CHOICES = ("none", "auto", "required")
 
 
@@ -125,8 +127,8 @@ def parse_tools(body: Mapping[str, Any]) -> ToolPlan | None:
         raise RequestError(f"'parallel_tool_calls' must be true or false, got {parallel!r}",
                            "parallel_tool_calls")
     if tools in (None, []):
-        # "required" over an empty list reads as "none", as vLLM does it (after OpenAI)
-        if choice not in (None, "none") and not (tools == [] and choice == "required"):
+        # "auto" and "required" over an empty list read as "none", as vLLM does it
+        if choice not in (None, "none") and not (tools == [] and choice in CHOICES):
             raise RequestError("'tool_choice' needs 'tools'", "tool_choice")
         return None
     if not isinstance(tools, list):
@@ -168,7 +170,7 @@ def _tool(tool: Any, where: str) -> dict[str, Any]:
     if not isinstance(function, dict):
         raise RequestError(f"{where}.function must be an object", "tools")
     name = function.get("name")
-    if not isinstance(name, str) or not NAME.match(name):
+    if not isinstance(name, str) or not NAME.fullmatch(name):
         raise RequestError(f"{where}.function.name must be 1-64 letters, digits, '_' or '-', "
                            f"got {name!r}", "tools")
     description = function.get("description")
@@ -326,12 +328,12 @@ class CallReader:
             if match is None or match.group(1).strip() not in self.known:
                 return None
             name = match.group(1).strip()
-            properties = (self.known[name] or {}).get("properties") or {}
-            arguments = {key.strip(): _xml_value(value, properties.get(key.strip()))
+            schemas = properties(self.known[name])
+            arguments = {key.strip(): _xml_value(value, schemas.get(key.strip()))
                          for key, value in PARAMETER.findall(match.group(2))}
             return [(name, json.dumps(arguments, ensure_ascii=False))]
         try:
-            found = json.loads(body)
+            found = loads(body)
         except ValueError:
             return None
         call = self._item(found)
@@ -345,7 +347,7 @@ class CallReader:
         arguments = call.get("arguments", call.get("parameters", {}))
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments)
+                arguments = loads(arguments)
             except ValueError:
                 return None
         if not isinstance(arguments, dict):
@@ -428,13 +430,15 @@ def _xml_value(text: str, schema: Any) -> Any:
                 return int(word)
             if kind == "number":
                 number = float(word)
+                if number - number != 0:
+                    continue  # nan, inf, 1e400: no JSON number
                 return int(number) if number.is_integer() and "." not in word \
                     and "e" not in word.lower() else number
             if kind == "boolean":
                 if word.lower() in ("true", "false"):
                     return word.lower() == "true"
                 continue
-            value = json.loads(word)
+            value = loads(word)
             if isinstance(value, dict if kind == "object" else list):
                 return value
         except ValueError:
@@ -455,9 +459,11 @@ def _types(schema: Any) -> set[str | None]:
     if not isinstance(schema, dict):
         return {None}
     kind = schema.get("type")
-    if kind is not None:
-        return set(kind) if isinstance(kind, list) else {kind}
-    members = [m for key in ("anyOf", "oneOf") for m in schema.get(key) or []]
+    if kind is not None:  # (a malformed one, not a name or a list of names: any value)
+        kinds = kind if isinstance(kind, list) else [kind]
+        return {k for k in kinds if isinstance(k, str)} or {None}
+    members = [m for key in ("anyOf", "oneOf")
+               for m in (schema.get(key) if isinstance(schema.get(key), list) else [])]
     if members:
         kinds = set().union(*(_types(m) for m in members))
         return {None} if None in kinds else kinds

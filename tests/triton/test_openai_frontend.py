@@ -1184,6 +1184,9 @@ def test_a_client_request_id_names_the_response_and_the_triton_request(frontend:
         assert status == 400 and json.loads(text)["error"]["param"] == where
     status, _, text = post({**body, "request_id": 7}, {})
     assert status == 400 and "'request_id' must be" in json.loads(text)["error"]["message"]
+    # a final newline passed a "$"-anchored check and then broke the response's header
+    status, _, text = post({**body, "request_id": "abc\n"}, {})
+    assert status == 400 and "'request_id' must be" in json.loads(text)["error"]["message"]
 
 
 def test_the_triton_request_is_sent_under_the_given_id():

@@ -227,3 +227,34 @@ def test_a_call_cut_by_max_output_tokens_does_not_break_the_next_response():
                       "input": "try again"}, store)
     [prompt] = parse_chat(follow.chat, MODELS, TEMPLATE).prompts
     assert prompt.endswith("try again<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_call_whose_arguments_are_not_json_does_not_break_the_next_response():
+    """A call the model closed with arguments that are no JSON object ({"zone": UTC}) is
+    shown as written but left out of the stored answer, as a cut one is: every follow-up
+    through previous_response_id was a 400."""
+    store = ResponseStore()
+    conv = to_chat({"model": "tiny", "input": "hi", "tools": [TOOL]}, store)
+    builder = ResponseBuilder(conv, "tiny")
+    builder.start()
+    builder.feed("", "", [{"index": 0, "id": "call_1", "type": "function",
+                           "function": {"name": "get_time", "arguments": '{"zone": UTC}'}}])
+    builder.finish("tool_calls", USAGE)
+    [call] = builder.body["output"]
+    assert call["status"] == "completed" and call["arguments"] == '{"zone": UTC}'
+    assert "tool_calls" not in builder.answer()
+    store.put(conv.id, Stored(conv.history + [builder.answer()], builder.body))
+    follow = to_chat({"model": "tiny", "previous_response_id": conv.id, "tools": [TOOL],
+                      "input": [{"type": "function_call_output", "call_id": "call_1",
+                                 "output": "12:00"}]}, store)
+    parse_chat(follow.chat, MODELS, TEMPLATE)
+
+
+@pytest.mark.parametrize("tools", [None, []])
+def test_tool_choice_auto_without_tools_is_the_responses_default(tools):
+    """"auto" is the Responses API's default tool_choice: sent without tools it was a 400."""
+    body = {"model": "tiny", "input": "hi", "tool_choice": "auto"}
+    if tools is not None:
+        body["tools"] = tools
+    conv = to_chat(body, ResponseStore())
+    assert parse_chat(conv.chat, MODELS, TEMPLATE).tools is None

@@ -120,6 +120,7 @@ BAD = [
     (chat(tools="x"), "'tools' must be a list"),
     (chat(tools=[{"type": "retrieval"}]), "only function tools"),
     (chat(tools=[{"type": "function", "function": {"name": "has space"}}]), "1-64 letters"),
+    (chat(tools=[{"type": "function", "function": {"name": "f\n"}}]), "1-64 letters"),
     (chat(tools=[WEATHER, WEATHER]), "'get_weather' is given more than once"),
     (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": []}}]),
      "parameters must be a JSON schema object"),
@@ -701,8 +702,64 @@ def test_an_end_tag_inside_a_string_argument_does_not_end_the_call(pieces):
 
 
 def test_required_over_an_empty_tool_list_means_none():
-    """As vLLM (after OpenAI): tool_choice "required" with tools [] is no tools; without a
-    tools list it stays a 400."""
+    """As vLLM: tool_choice "required" or "auto" with tools [] is no tools; without a tools
+    list it stays a 400."""
     assert parse_tools(chat(tools=[], tool_choice="required")) is None
+    assert parse_tools(chat(tools=[], tool_choice="auto")) is None
+    with pytest.raises(RequestError, match="'tool_choice' needs 'tools'"):
+        parse_tools(chat(tools=None, tool_choice="auto"))
     with pytest.raises(RequestError, match="'tool_choice' needs 'tools'"):
         parse_tools(chat(tools=None, tool_choice="required"))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "properties": {"x": {"anyOf": 5}}},
+    {"type": "object", "properties": {"x": {"type": {"x": 1}}}},
+    {"type": "object", "properties": {"x": {"type": ["string", ["null"]]}}},
+    {"type": "object", "properties": {"x": {"oneOf": [{"type": {}}]}}},
+    {"type": "object", "properties": "x"},
+])
+def test_odd_parameter_schemas_do_not_break_the_xml_reader(schema):
+    """A parameters schema is any JSON object: one the reader cannot read types from gives
+    text values (it raised TypeError / AttributeError mid-stream: a 500 or a cut stream)."""
+    known = {"f": schema}
+    xml = "<tool_call>\n<function=f>\n<parameter=x>\n5\n</parameter>\n</function>\n</tool_call>"
+    _, [call] = read_calls(xml, known)
+    assert json.loads(call["function"]["arguments"]) == {"x": "5"}
+    reader = CallReader(known)  # streamed, a character at a time
+    events = []
+    for ch in xml:
+        events += reader.feed(ch)[1]
+    events += reader.finish()[1]
+    assert events[0] == ("call", "f")
+    assert "".join(text for kind, text in events if kind == "args") == '{"x": "5"}'
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(name)
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_arguments_stay_json_where_a_number_does_not_fit_a_float():
+    """1e400 is a JSON number Python reads as inf, which json.dumps wrote as `Infinity` (no
+    JSON parser takes it); an XML value `nan` / `inf` became NaN / Infinity the same way.
+    Now a streamed number keeps its text, an XML one that is no finite number stays text,
+    and a call read whole with one is not read as a call."""
+    known = {"f": {"type": "object", "properties": {"x": {"type": "number"}}}}
+    streamed = '<tool_call>\n{"name": "f", "arguments": {"x": 1e400}}\n</tool_call>'
+    _, [call] = read_calls(streamed, known)
+    assert call["function"]["arguments"] == '{"x": 1e400}'
+    for word in ("1e400", "nan", "inf", "-Infinity"):
+        xml = f"<tool_call>\n<function=f>\n<parameter=x>\n{word}\n</parameter>\n" \
+              "</function>\n</tool_call>"
+        _, [call] = read_calls(xml, known)
+        assert _strict(call["function"]["arguments"]) == {"x": word}
+    xml = xml.replace("-Infinity", "2.5")
+    assert _strict(read_calls(xml, known)[1][0]["function"]["arguments"]) == {"x": 2.5}
+    swapped = '<tool_call>\n{"arguments": {"x": 1e400}, "name": "f"}\n</tool_call>'
+    assert read_calls(swapped, known) is None
+    for text in (swapped.replace("1e400", "NaN"), swapped.replace("1e400", "3")):
+        found = read_calls(text, known)
+        assert found is None if "NaN" in text else \
+            _strict(found[1][0]["function"]["arguments"]) == {"x": 3}
