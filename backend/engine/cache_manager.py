@@ -281,13 +281,7 @@ class CacheManager:
         pos = seq.num_computed
         if caught_up is None:
             caught_up = pos >= len(seq.tokens)
-        is_checkpoint = pos in seq.capture_positions
-        if self.sglang_placement:  # decode: at multiples of the track interval only
-            at_boundary = pos % self.config.cache.checkpoint_interval == 0 and \
-                pos > seq.num_prompt_tokens
-        else:
-            at_boundary = pos % self.page_size == 0 and pos > seq.num_tree_pages * self.page_size
-        if not (is_checkpoint or (at_boundary and caught_up)):
+        if not (pos in seq.capture_positions or (caught_up and self._at_boundary(seq, pos))):
             return
         slots = self.store.alloc_state_slots(1) or self._give_up_shallowest(seq, pos)
         if slots is None:
@@ -298,6 +292,27 @@ class CacheManager:
             self.store.free_state_slots(slots)
             raise
         self._keep_state(seq, pos, slots[0])
+
+    def _every(self) -> int:
+        """How often a generating sequence's state is saved: a page (under SGLang's placement,
+        its interval)."""
+        return self.config.cache.checkpoint_interval if self.sglang_placement \
+            else self.page_size
+
+    def _at_boundary(self, seq: Sequence, pos: int) -> bool:
+        floor = seq.num_prompt_tokens if self.sglang_placement \
+            else seq.num_tree_pages * self.page_size
+        return pos % self._every() == 0 and pos > floor
+
+    def draft_room(self, pos: int) -> int | None:
+        """Draft tokens a step that computes up to `pos` may verify after it without passing
+        the next position where `after_forward` may save a generating sequence's state
+        (`pos` itself included: the state there is the step's own only without drafts): the
+        kept tokens may reach it, not go past it, or its state would not be saved (a later
+        turn would replay, or resume a page earlier). None: no limit (no states saved)."""
+        if not self.snapshots:
+            return None
+        return -pos % self._every()
 
     @staticmethod
     def _give_up_shallowest(seq: Sequence, upto: int) -> list[int] | None:

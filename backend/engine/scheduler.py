@@ -393,8 +393,9 @@ class Scheduler:
     def _draft(self, chunks: list[Chunk], budget: int) -> None:
         """Speculative drafts for the chunks that compute a generating sequence's last tokens
         (within the step's remaining budget, each request's max_tokens, the context and the
-        pages to be had without preempting anyone), cut to the length `DraftPolicy` finds
-        worth its cost: from the request's prediction where it has one that proposes, else
+        pages to be had without preempting anyone, and the next position whose state is
+        saved: `CacheManager.draft_room`), cut to the length `DraftPolicy` finds worth its
+        cost: from the request's prediction where it has one that proposes, else
         from the engine's drafter."""
         proposals = []
         for c in chunks:
@@ -425,7 +426,8 @@ class Scheduler:
             cap = policy.choose(len(chunks), [(len(d), policy.accept_rate(c.seq))
                                               for c, d in proposals])
         for c, draft in proposals:
-            draft = draft[:min(cap, budget)]
+            room = self.cache.draft_room(c.end)
+            draft = draft[:min(cap, budget, room if room is not None else cap)]
             if draft:
                 covered = self.cache.ensure_pages(c.seq, c.end + len(draft))
                 draft = draft[:covered - c.end]
@@ -440,7 +442,9 @@ class Scheduler:
         (`rewind`: the step's recurrences, stopped there), or where it cannot, gives the
         states before the step back and the sequence computes those tokens again in its next
         step (their KV and anchors are rewritten the same). A sequence that `finished` keeps
-        the KV of every token it kept (its states are not used again)."""
+        the KV of every token it kept, and the state of a draft kept whole (drafts end at
+        the next position whose state is saved: `CacheManager.draft_room`); a rejected
+        draft's states are not used again."""
         rewind = []
         for row, c in chunks:
             seq = c.seq
@@ -454,7 +458,7 @@ class Scheduler:
             self.draft_policy.settled(seq, kept, kept < len(c.draft))
             if kept == len(c.draft) or id(seq) in finished:
                 seq.num_computed = c.end + kept
-                if id(seq) not in finished:
+                if kept == len(c.draft):
                     self.cache.after_forward(seq, caught_up=True)
             else:
                 rewind.append((row, c, kept))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -299,6 +300,33 @@ def test_a_preempted_request_with_a_prediction_resumes_without_leaking_a_state_s
     assert [t for o in outs for t in o.new_token_ids] == want
     engine.reset_prefix_cache()
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
+def test_a_drafted_answer_saves_the_states_a_token_a_step_saves(engines, policy):
+    """A decode saves its state at each page boundary it reaches, so the next turn resumes
+    exactly where the answer's last whole page ends. A verified draft moved up to 5 tokens a
+    step and stepped over those boundaries: the next turn replayed anchors (suffix replay)
+    or resumed a page earlier (checkpoint). Drafts now stop at the boundary."""
+    from backend.cache.config import CacheConfig
+
+    got = []
+    for config in (EngineConfig(), EngineConfig(**SPEC)):
+        engine = Engine.from_model_dir(MODEL_DIR, replace(config, cache=CacheConfig(
+            policy=policy, page_size=16)))
+        prompt = engine.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[2])
+        answer = engine.generate(prompt, SamplingParams(max_tokens=100, top_k=1))
+        turn = prompt + answer.new_token_ids + engine.tokenizer.encode(" and then")
+        out = engine.generate(turn, SamplingParams(max_tokens=8, top_k=1))
+        computed = len(prompt) + len(answer.new_token_ids) - 1  # (the last one was not)
+        got.append((out.cached_tokens, out.replayed_anchors, out.new_token_ids))
+        if config.speculative_method == "ngram":
+            assert _spec_stats(engine)[1] > 20  # drafts were kept
+        engine.reset_prefix_cache()
+        assert_no_leak(engine)
+    plain, drafted = got
+    assert plain[:2] == (computed // 16 * 16, 0)  # the answer's last boundary
+    assert drafted == plain
 
 
 def test_speculative_settings_are_checked():
