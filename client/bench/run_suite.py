@@ -480,6 +480,24 @@ def ratios(results: dict, p: dict) -> dict:
     return r
 
 
+def fit_rows(records: dict[str, list[dict]], groups: int) -> dict[str, list[dict]]:
+    """The cost model's rows (`CostModel.fit`) of a run's closed-loop records, by workload:
+    RAG's left out (queueing is not in the cost model), failed requests too; anchors in
+    `simulate`'s unit (the engine counts k a replay, which runs through each of the `groups`)."""
+    rows: dict[str, list[dict]] = {}
+    for key, recs in records.items():
+        if key.startswith("rag"):
+            continue
+        for rec in recs:
+            if rec.get("error"):
+                continue
+            rows.setdefault(key.split("/")[0], []).append({
+                "recomputed": rec["prompt_tokens"] - rec["cached_tokens"],
+                "context": rec["prompt_tokens"], "anchors": rec["replayed_anchors"] * groups,
+                "ttft": rec["ttft"], "e2el": rec["e2el"], "output_tokens": rec["output_tokens"]})
+    return rows
+
+
 def simulation(runner, jobs, results: dict) -> dict:
     """Fits the cost model on the closed-loop runs, validates the simulator against them and
     projects to real model shapes on an H200 (stated assumptions). Validation is held out:
@@ -488,19 +506,12 @@ def simulation(runner, jobs, results: dict) -> dict:
     from backend.cache.accounting import CONFIG_DIR
     from backend.config import ModelConfig
 
-    rows: dict[str, list[dict]] = {}  # by workload
-    for key, records in runner.records.items():
-        if key.startswith("rag"):
-            continue  # queueing is not in the cost model
-        for rec in records:
-            if rec.get("error"):
-                continue
-            rows.setdefault(key.split("/")[0], []).append({
-                "recomputed": rec["prompt_tokens"] - rec["cached_tokens"],
-                "context": rec["prompt_tokens"], "anchors": rec["replayed_anchors"],
-                "ttft": rec["ttft"], "e2el": rec["e2el"], "output_tokens": rec["output_tokens"]})
-    cost = simulator.CostModel.fit([r for rs in rows.values() for r in rs])
     shapes = simulator.shapes_of(runner.cfg, dtype_bytes=4, k_max=runner.k_max)
+    rows = fit_rows(runner.records, shapes.groups)
+    if not rows:
+        return {"sim_validation_error": float("nan"), "sim_validation_errors": {},
+                "sim_note": "no closed-loop request finished: nothing to fit the cost model on"}
+    cost = simulator.CostModel.fit([r for rs in rows.values() for r in rs])
     errors, in_sample = {}, {}
     for _, workload, systems, budget in jobs:
         if workload.name.startswith("rag"):
@@ -527,7 +538,7 @@ def simulation(runner, jobs, results: dict) -> dict:
                                   ("nemotron_h_8b", 8.0, 512)):
         cfg = ModelConfig.from_file(CONFIG_DIR / f"{name}.json")
         gpu = simulator.CostModel.h200(params_b, len(cfg.attention_layer_ids),
-                                       cfg.num_key_value_heads, cfg.head_dim,
+                                       cfg.num_attention_heads, cfg.head_dim,
                                        len(cfg.groups[0]) / cfg.num_hidden_layers)
         sh = simulator.shapes_of(cfg, dtype_bytes=2, k_max=k_max)
         proj = {}

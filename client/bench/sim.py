@@ -9,11 +9,13 @@ resumed from going first once it saved a deeper one, as `PrefixStore.shadow_stat
 the match end or,
 when recomputing the pages between is cheaper, a few pages short of it; no cache never hits.
 Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
-least-recently-used; a DRAM tier behind the device holds what it evicts when the system has one,
-and an SSD tier behind DRAM what DRAM evicts. (In the tiers checkpoints ride with their pages,
-as `state_tier.py` keeps them: a hit's resume checkpoint loads from its page's tier; suffix
-replay's live states that lose their slot spill to DRAM / SSD state slots where the system
-has them, and a hit whose match ends on one loads it instead of replaying.)
+least-recently-used, a prefix's deepest pages first (a request touches its pages from the
+deepest to the first, so a chain's first page is its newest: the engine evicts leaves, never a
+page another cached page extends); a DRAM tier behind the device holds what it evicts when the
+system has one, and an SSD tier behind DRAM what DRAM evicts. (In the tiers checkpoints ride
+with their pages, as `state_tier.py` keeps them: a hit's resume checkpoint loads from its
+page's tier; suffix replay's live states that lose their slot spill to DRAM / SSD state slots
+where the system has them, and a hit whose match ends on one loads it instead of replaying.)
 
 TTFT of a request = overhead + prefill of the recomputed tokens (linear in tokens and in
 tokens x context for attention) + replay of the anchors + loading tier-resident KV (and the
@@ -51,7 +53,10 @@ class CostModel:
 
     @classmethod
     def fit(cls, rows: list[dict]) -> CostModel:
-        """rows: recomputed, context, anchors, ttft (s), output_tokens, e2el (s)."""
+        """rows: recomputed, context, anchors (anchor-group replays: the engine's k times its
+        groups, `simulate`'s unit), ttft (s), output_tokens, e2el (s)."""
+        if not rows:
+            raise ValueError("CostModel.fit needs at least one measured request")
         a = np.array([[1.0, r["recomputed"], r["recomputed"] * r["context"], r["anchors"]]
                       for r in rows])
         y = np.array([r["ttft"] for r in rows])
@@ -62,16 +67,17 @@ class CostModel:
         return cls(*map(float, coef), float(np.median(decode)) if decode else 0.0)
 
     @classmethod
-    def h200(cls, params_b: float, attn_layers: int, kv_heads: int, head_dim: int,
+    def h200(cls, params_b: float, attn_layers: int, q_heads: int, head_dim: int,
              group_fraction: float) -> CostModel:
         """Assumptions (stated, not measured): H200 989 TFLOP/s dense bf16 at 40% utilisation
         for prefill, 4.8 TB/s HBM for decode (weights read once per step), PCIe Gen5 x16
         about 50 GB/s host-to-device, an NVMe RAID read of 12 GB/s; 2 x params FLOPs per
-        token plus 4 x layers x heads x head_dim per token-pair for attention; replaying one
+        token plus 4 x layers x query heads x head_dim per token-pair for attention (QK and PV,
+        a multiply-add each); replaying one
         anchor through one group costs that group's share of the layers (`group_fraction`)."""
         flops = 989e12 * 0.4
         per_token = 2 * params_b * 1e9 / flops
-        per_pair = 4 * attn_layers * kv_heads * 8 * head_dim / flops  # GQA: 8 q heads per kv
+        per_pair = 4 * attn_layers * q_heads * head_dim / flops
         per_anchor = per_token * group_fraction
         decode = 2 * params_b * 1e9 / 4.8e12
         return cls(0.004, per_token, per_pair, per_anchor, decode, 50e9, 12e9, "h200-assumed")
@@ -209,6 +215,8 @@ class _LiveStates(_Tier):
 
 
 def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostModel) -> dict:
+    if not workload.requests:
+        raise ValueError(f"workload {workload.name!r} has no requests to simulate")
     ps = shapes.page_size
     device, dram = _Tier(system.device_bytes), _Tier(system.dram_bytes)
     ssd = _Tier(system.ssd_bytes)
@@ -227,11 +235,14 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
         tiers: list[str] = []  # where each hit page is
         if system.policy != "none":
             for key in keys[: (len(req.prompt) - 1) // ps]:  # the last token is always computed
-                where = "device" if device.get(key) else "dram" if dram.get(key) else \
-                    "ssd" if ssd.get(key) else None
+                where = "device" if key in device.items else "dram" if key in dram.items else \
+                    "ssd" if key in ssd.items else None
                 if where is None:
                     break
                 tiers.append(where)
+            by_name = {"device": device, "dram": dram, "ssd": ssd}
+            for key, where in reversed(list(zip(keys, tiers))):  # touched leaf first
+                by_name[where].get(key)
             if system.policy == "checkpoint":
                 while tiers and not (keys[len(tiers) - 1] in kept if tiered
                                      else checkpoints.get(keys[len(tiers) - 1])):
@@ -280,7 +291,8 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             live.put(keys[-1], 1)  # the state at the prompt's last page boundary
             if system.shadow_states and len(keys) > len(tiers):  # past the resume point
                 live.shadow(keys[: len(tiers)])
-        for i, key in enumerate(keys):  # insert every full page of the prompt
+        # Insert every full page of the prompt, the deepest first (leaves go first).
+        for i, key in reversed(list(enumerate(keys))):
             for k, _size in device.put(key, page_bytes):
                 if isinstance(k, tuple):  # a checkpoint held in the byte budget
                     checkpoints.items.pop(k[1], None)
@@ -288,9 +300,14 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                 spilled = [k]  # down the tiers the system has; what falls off the last is gone
                 for tier in (t for t in (dram, ssd) if t.capacity):
                     spilled = [e for s in spilled for e, _ in tier.put(s, shapes.kv_page)]
-                kept.difference_update(spilled)
+                # (a lower tier's copy of a page promoted since is not the page's last)
+                kept.difference_update(e for e in spilled if e not in device.items
+                                       and e not in dram.items)
             end = (i + 1) * ps
-            if system.policy == "checkpoint" and (end % system.interval == 0 or i == len(keys) - 1):
+            # The engine saves states past its resume point only (`checkpoint_positions`
+            # from the cached length); the one it resumed from was touched by the lookup.
+            if system.policy == "checkpoint" and end > cached and \
+                    (end % system.interval == 0 or i == len(keys) - 1):
                 if tiered:
                     kept.add(key)
                 elif slots is not None:
@@ -299,11 +316,16 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
                     checkpoints.put(key, 0)
                     device.put(("ckpt", key), shapes.checkpoint)
     total = sum(r["prompt"] for r in rows)
+    if all(req.arrival is not None for req in workload.requests):  # open loop: over the span
+        span = max(req.arrival + r["e2el"] for req, r in zip(workload.requests, rows)) - \
+            min(req.arrival for req in workload.requests)
+    else:  # closed loop: one request after another
+        span = sum(r["e2el"] for r in rows)
     return {"hit_rate": sum(r["cached"] for r in rows) / max(total, 1),
             "ttft_mean_s": float(np.mean([r["ttft"] for r in rows])),
             "ttft_by_tag_s": {t: float(np.mean([r["ttft"] for r in rows if r["tag"] == t]))
                               for t in dict.fromkeys(r["tag"] for r in rows)},
-            "throughput_requests_per_s": len(rows) / max(sum(r["e2el"] for r in rows), 1e-9)}
+            "throughput_requests_per_s": len(rows) / max(span, 1e-9)}
 
 
 def _resume_point(keys: list, hit_pages: int, live: _Tier, shapes: Shapes, cost: CostModel,

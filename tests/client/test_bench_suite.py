@@ -302,7 +302,7 @@ def test_rag_projection_compares_pcr_with_sccache_at_each_load(model):
 
     corpus = W.rag_corpus(num_chunks=8, num_queries=10, chunk_tokens=128)
     cfg = model.config
-    gpu = sim.CostModel.h200(4.0, len(cfg.attention_layer_ids), cfg.num_key_value_heads,
+    gpu = sim.CostModel.h200(4.0, len(cfg.attention_layer_ids), cfg.num_attention_heads,
                              cfg.head_dim, 0.75)
     out = rag_projection(W.rag(corpus, rate=2.0), sim.shapes_of(cfg, dtype_bytes=2), gpu)
     assert list(out) == [f"load{u:g}" for u in RAG_PROJECTION_LOADS]
@@ -318,7 +318,7 @@ def test_branch_projection_compares_policies_per_budget(model):
     from client.bench.run_suite import _branch_reduction
 
     cfg = model.config
-    gpu = sim.CostModel.h200(4.0, len(cfg.attention_layer_ids), cfg.num_key_value_heads,
+    gpu = sim.CostModel.h200(4.0, len(cfg.attention_layer_ids), cfg.num_attention_heads,
                              cfg.head_dim, 0.75)
     shapes = sim.shapes_of(cfg, dtype_bytes=2)
     wl = W.agentic(2_000, fanout=3, depth=2, grow=1)
@@ -579,3 +579,97 @@ def test_a_finished_suite_run_writes_intervals_beside_its_keys(tmp_path, monkeyp
     assert (out / "report.md").read_text() == report
     with pytest.raises(SystemExit, match="no finished run"):
         main(["report", str(tmp_path / "nothing")])
+
+
+_DOC = [(7 * i + 3) % 251 for i in range(2048)]
+_OTHER = [(11 * i + 5) % 241 for i in range(2048)]
+_PER_TOKEN = sim.CostModel(0.0, 1e-3, 0.0, 0.0, 0.0)  # TTFT = recomputed tokens x 1 ms
+
+
+def _cached(out: dict, wl: W.Workload) -> dict[str, int]:
+    """Each tag's cached tokens (one request a tag), read back from its TTFT."""
+    prompt = {r.tag: len(r.prompt) for r in wl.requests}
+    return {t: prompt[t] - round(s / 1e-3) for t, s in out["ttft_by_tag_s"].items()}
+
+
+def test_simulator_evicts_the_deepest_pages_first_as_the_engine(model):
+    """A device of 5 pages: A (4 pages), then B (2 pages) makes room for one. The engine evicts
+    a leaf, A's last page, and A comes back hitting 3 pages (seen in-process); the simulator
+    evicted A's first page (the least recently touched), which stranded the other three."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    R = W.BenchRequest
+    wl = W.Workload("evict", [R("A", _DOC[:257], 1, tag="A", salt="a"),
+                              R("B", _OTHER[:129], 1, tag="B", salt="b"),
+                              R("A2", _DOC[:257] + [9] * 10, 1, tag="A2", salt="a")])
+    page = shapes.kv_page + shapes.anchor_page
+    out = sim.simulate(wl, sim.SimSystem("suffixreplay", 5 * page), shapes, _PER_TOKEN)
+    assert _cached(out, wl) == {"A": 0, "B": 0, "A2": 192}
+
+
+def test_simulator_saves_checkpoints_past_the_resume_point_only(model):
+    """Three checkpoint slots. A2 resumes from A's state at 512 and saves one at 576 (the
+    engine saves past its resume point only: A's state at 256 is not touched again and goes);
+    so the branch of A at 300 finds no state at 256 and Q's is gone too (seen in-process:
+    512 / 0 / 0). The simulator re-saved every checkpoint along A2's prompt, keeping 256."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    R = W.BenchRequest
+    wl = W.Workload("ckpt", [R("A", _DOC[:513], 1, tag="A", salt="a"),
+                             R("Q", _OTHER[:257], 1, tag="Q", salt="q"),
+                             R("A2", _DOC[:600], 1, tag="A2", salt="a"),
+                             R("Abr", _DOC[:300] + [1] * 100, 1, tag="Abr", salt="a"),
+                             R("Q2", _OTHER[:257] + [2] * 100, 1, tag="Q2", salt="q")])
+    system = sim.SimSystem("checkpoint", 1 << 30, checkpoint_slots=3)
+    assert _cached(sim.simulate(wl, system, shapes, _PER_TOKEN), wl) == {
+        "A": 0, "Q": 0, "A2": 512, "Abr": 0, "Q2": 0}
+
+
+def test_simulator_keeps_the_checkpoint_of_a_page_back_on_the_device(model):
+    """Checkpoint policy over device (5 pages) + DRAM (4): A's pages go to DRAM, A2 brings
+    them back, and when DRAM drops its now stale copies A's state still rides with its pages
+    on the device: A3 hits 192 tokens (seen in-process); the simulator forgot the state."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    R = W.BenchRequest
+    wl = W.Workload("tiered", [R("A", _DOC[:193], 1, tag="A", salt="a"),
+                               R("B", _OTHER[:321], 1, tag="B", salt="b"),
+                               R("A2", _DOC[:193] + [5] * 64, 1, tag="A2", salt="a"),
+                               R("A3", _DOC[:193] + [6] * 64, 1, tag="A3", salt="a")])
+    system = sim.SimSystem("checkpoint", 5 * shapes.kv_page, 4 * shapes.kv_page,
+                           checkpoint_slots=8)
+    cached = _cached(sim.simulate(wl, system, shapes, _PER_TOKEN), wl)
+    assert cached["A2"] == cached["A3"] == 192
+
+
+def test_simulator_open_loop_throughput_is_over_the_span(model):
+    """Four requests arriving at once on one server, 0.1 s each: 10 requests a second (it
+    was 1 / mean end-to-end latency: 4 a second)."""
+    shapes = sim.shapes_of(model.config, dtype_bytes=4)
+    wl = W.Workload("burst", [W.BenchRequest(f"r{i}", [i + 1] * 100, 1, arrival=0.0)
+                              for i in range(4)])
+    out = sim.simulate(wl, sim.SimSystem("none", 1 << 30), shapes, _PER_TOKEN)
+    assert math.isclose(out["throughput_requests_per_s"], 10.0)
+    with pytest.raises(ValueError, match="no requests"):
+        sim.simulate(W.Workload("empty", []), sim.SimSystem("none", 1 << 30), shapes,
+                     _PER_TOKEN)
+    with pytest.raises(ValueError, match="at least one"):
+        sim.CostModel.fit([])
+
+
+def test_fit_rows_count_anchors_per_group():
+    """The engine records k anchors a replay; the simulator charges each group's replay of
+    them, so the fit's anchors are k x groups (they were k: the fitted per-anchor cost was
+    `groups` times the simulator's). RAG and failed requests are left out."""
+    from client.bench.run_suite import fit_rows
+
+    rec = {"prompt_tokens": 300, "cached_tokens": 256, "replayed_anchors": 16, "ttft": 0.05,
+           "e2el": 0.2, "output_tokens": 4}
+    rows = fit_rows({"agentic5k/suffixreplay": [rec, {**rec, "error": "x"}],
+                     "rag_r1/ours": [rec]}, groups=3)
+    assert rows == {"agentic5k": [{"recomputed": 44, "context": 300, "anchors": 48,
+                                   "ttft": 0.05, "e2el": 0.2, "output_tokens": 4}]}
+
+
+def test_h200_attention_cost_uses_the_query_heads():
+    """4 x layers x query heads x head_dim FLOPs a token pair (it assumed 8 query heads per
+    KV head: 2x for Qwen3.5-4B's 16 / 4)."""
+    gpu = sim.CostModel.h200(4.0, 8, 16, 256, 0.25)
+    assert math.isclose(gpu.per_token_ctx_s, 4 * 8 * 16 * 256 / (989e12 * 0.4))
