@@ -4,10 +4,10 @@ The cache is simulated at page granularity on the workload's real token ids: a p
 longest cached page-aligned prefix; the checkpoint baseline can only resume at a boundary that
 holds a checkpoint (every `interval` tokens and at prompt ends); suffix replay at any page
 boundary, paying the replay of k = min(ceil(f n), k_max) anchors per group, or none where it
-keeps a live state (prompt ends, replayed states; LRU over its slots, the states a request
-resumed from going first once it saved a deeper one, as `PrefixStore.shadow_states`) at
-the match end or,
-when recomputing the pages between is cheaper, a few pages short of it; no cache never hits.
+keeps a live state (prompt ends, outputs' last page boundaries, replayed states; LRU over its
+slots, the states a request resumed from going first once it saved a deeper one, as
+`PrefixStore.shadow_states`) at the match end or, when recomputing the pages between is
+cheaper, a few pages short of it; no cache never hits.
 Capacity is a byte budget (KV plus checkpoints or anchors, from the model's shapes), evicted
 least-recently-used, a prefix's deepest pages first (a request touches its pages from the
 deepest to the first, so a chain's first page is its newest: the engine evicts leaves, never a
@@ -289,6 +289,11 @@ def simulate(workload: Workload, system: SimSystem, shapes: Shapes, cost: CostMo
             continue
         if keys:
             live.put(keys[-1], 1)  # the state at the prompt's last page boundary
+            if (len(req.prompt) + req.max_tokens - 1) // ps > len(keys):
+                # The decode's state at the output's last page boundary joins too, with a
+                # slot of its own; the workloads' next prompts never match it (they carry
+                # their own answers, not the model's), but it takes part in the LRU.
+                live.put(("decode", keys[-1]), 1)
             if system.shadow_states and len(keys) > len(tiers):  # past the resume point
                 live.shadow(keys[: len(tiers)])
         # Insert every full page of the prompt, the deepest first (leaves go first).

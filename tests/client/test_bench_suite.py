@@ -673,3 +673,30 @@ def test_h200_attention_cost_uses_the_query_heads():
     KV head: 2x for Qwen3.5-4B's 16 / 4)."""
     gpu = sim.CostModel.h200(4.0, 8, 16, 256, 0.25)
     assert math.isclose(gpu.per_token_ctx_s, 4 * 8 * 16 * 256 / (989e12 * 0.4))
+
+
+def test_simulator_counts_the_decode_state_a_request_leaves_as_the_engine(model):
+    """Three live-state slots. A request whose output crosses a page boundary leaves two
+    states (its prompt's last page boundary and its output's), so after A and B the first
+    to come, A's prompt end, is gone and A's next turn replays (seen in-process, the engine
+    beside the simulator's twin); the simulator kept one state a request and resumed A2
+    from a live state."""
+    cfg = model.config
+    shapes = sim.shapes_of(cfg, dtype_bytes=4, k_max=64)
+    unit = sim.CostModel(0.0, 0.0, 0.0, 1.0, 0.0)  # TTFT = anchors replayed (x groups)
+    R = W.BenchRequest
+    wl = W.Workload("decode", [R("A", _DOC[:150], 60, tag="A", salt="a"),
+                               R("B", _OTHER[:150], 60, tag="B", salt="b"),
+                               R("A2", _DOC[:150] + [7] * 60, 4, tag="A2", salt="a")])
+    from dataclasses import replace
+
+    config = engine_config("suffixreplay", cfg, Budget(), 64)
+    config = replace(config, cache=replace(config.cache, num_checkpoint_slots=3))
+    twin = sim.system_of(config, shapes)
+    assert twin.live_slots == 3
+    out = sim.simulate(wl, twin, shapes, unit)
+    _, records = measure_in_process(model, config, wl)
+    engine = {req.tag: (r["cached_tokens"], r["replayed_anchors"])
+              for req, r in zip(wl.requests, records)}
+    assert engine["A2"][0] == 128 and engine["A2"][1] > 0  # replayed
+    assert round(out["ttft_by_tag_s"]["A2"]) == engine["A2"][1] * shapes.groups
