@@ -14,8 +14,12 @@ as pages come and go. This is vLLM's and SGLang's publishing layout, on ZeroMQ:
     "lora_name": None}`: pages that joined the prefix tree, in order along one path (each
     page's parent is the one before it; the first page's is `parent_block_hash`, None for a
     prompt's first page); token ids are the pages' tokens, page size of them each; medium is
-    where the KV is now, in vLLM's names: "GPU" (the device tier), "CPU" (DRAM) or "STORAGE"
-    (SSD: a page restored at a warm restart);
+    where the KV was when the page joined, in vLLM's names: "GPU" (the device tier), "CPU"
+    (DRAM) or "STORAGE" (SSD: a page restored at a warm restart). A page that moves between
+    tiers later (demoted, promoted) is not announced again: it stays cached, on whichever
+    tier, until a BlockRemoved (a hit on any tier is a hit; announcing the move as vLLM's
+    offloading does, a removal from one medium and a store in another, would make routers
+    that do not track media drop the page);
   - `{"type": "BlockRemoved", "block_hashes": [hash, ...], "medium": None}`: pages that left
     the tree (every tier);
   - `{"type": "AllBlocksCleared"}`: the first message of a starting server (forget what it

@@ -1,25 +1,30 @@
 """KV-aware routing over several Triton replicas of one model (`--triton-url` more than once).
 
-Each replica's prefix cache announces its pages (`kv_events_endpoint`, `--kv-events` here in
-the same order; `backend/cache/events.py`); `Router` keeps one index of page hashes per
-replica from those events (a thread reads them) and sends each prompt to the replica that
-holds its longest cached prefix: the prompt's page hashes are computed as the server computes
-them (its `cache_salt`, page by page), so the count is the `cached_tokens` that replica will
-report. Ties (no replica holds any of it, or several hold as much) go to the replica with the
-fewest requests in flight, then in turn. A replica without events gets the ties only.
+Each replica's prefix cache announces its pages (`kv_events_endpoint`, `--kv-events` here in the
+same order; `backend/cache/events.py`); `Router` keeps one index of page hashes per replica from
+those events (a thread reads them) and sends each prompt to the replica that holds its longest
+cached prefix: the prompt's page hashes are computed as the server computes them (its `cache_salt`,
+page by page, up to its last token), so the count is the `cached_tokens` that replica will report (a
+request for prompt log probabilities computes its whole prompt: the router, which does not see that,
+counts its pages the same). Ties (no replica holds any of it, or several hold as much) go to the
+replica with the fewest requests in flight, then in turn. A replica without events gets the ties
+only.
 
-The index is a hint: a page may leave a replica between the choice and the request's arrival
-(the request then computes it), and nothing is ever served from it. A replica that restarts
-says AllBlocksCleared (its index empties). With a replay endpoint (`--kv-events PUB,REPLAY`)
-the index starts from the messages the replica still keeps, and a lost message (a gap in the
-sequence numbers) is read again from it; without one, pages announced before the frontend
-came are not known, and a gap empties the index until the replica announces pages again.
+The index is a hint: a page may leave a replica between the choice and the request's arrival (the
+request then computes it), and nothing is ever served from it. A replica that restarts says
+AllBlocksCleared (its index empties); without a replay endpoint that first message goes out as the
+server starts, often before this frontend's subscription has reconnected, and is lost: the index
+then keeps the old pages until the replica's next message shows the restart (its numbers start
+again), so the first requests after a restart may go there for nothing. With a replay endpoint
+(`--kv-events PUB,REPLAY`) the index starts from the messages the replica still keeps, and a lost
+message (a gap in the sequence numbers) is read again from it; without one, pages announced before
+the frontend came are not known, and a gap empties the index until the replica announces pages
+again.
 
-A replica that cannot be reached (the request failed before its first response: gRPC
-UNAVAILABLE) is marked down for `down_s` seconds and the request goes to the next best one;
-a down replica gets requests again after that, or sooner when no other is up. A replica
-whose request queue is full (`max_queue_size`) hands the request to the next best one too,
-without being marked down.
+A replica that cannot be reached (the request failed before its first response: gRPC UNAVAILABLE) is
+marked down for `down_s` seconds and the request goes to the next best one; a down replica gets
+requests again after that, or sooner when no other is up. A replica whose request queue is full
+(`max_queue_size`) hands the request to the next best one too, without being marked down.
 """
 
 from __future__ import annotations
@@ -37,6 +42,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PAGE_SIZE = 64
 DEFAULT_DOWN_S = 5.0
+
+
+def check_router_settings(max_imbalance: int, down_s: float) -> None:
+    """ValueError naming the setting (as its option) that is out of range."""
+    if isinstance(max_imbalance, bool) or not isinstance(max_imbalance, int) or \
+            max_imbalance < 0:
+        raise ValueError(f"router-max-imbalance must be a whole number >= 0, got "
+                         f"{max_imbalance!r}")
+    if not (isinstance(down_s, (int, float)) and 0 <= down_s < float("inf")):
+        raise ValueError(f"router-down-s must be a finite number of seconds >= 0, got "
+                         f"{down_s!r}")
 
 
 @dataclass
@@ -73,6 +89,7 @@ class Router:
         busy one gets no more until that evens out (a hot prefix does not pile every request
         on one replica), as SGLang's router's balance threshold. `down_s`: how long a
         replica that could not be reached is passed over."""
+        check_router_settings(max_imbalance, down_s)
         self.replicas = [ReplicaIndex() for _ in range(num_replicas)]
         self.max_imbalance = max_imbalance
         self.down_s = down_s
@@ -132,8 +149,9 @@ class Router:
         for i, r in enumerate(self.replicas):
             if r.events and r.pages:
                 hashes = chains.get(r.page_size)
-                if hashes is None:
-                    hashes = chains[r.page_size] = self._hashes(ids, salt, r.page_size)
+                if hashes is None:  # (the server computes a prompt's last token always: a
+                    # prompt that ends on a page boundary hits one page less than it has)
+                    hashes = chains[r.page_size] = self._hashes(ids[:-1], salt, r.page_size)
                 scores.append(self._cached(i, hashes, r.page_size))
             else:
                 scores.append(0)

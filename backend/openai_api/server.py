@@ -46,7 +46,7 @@ from backend.openai_api.chat import ChatTemplate
 from backend.openai_api.metrics import GENERATION, FrontendMetrics
 from backend.openai_api.protocol import Plan, RequestError, StopFilter, TokenLogprob, TokenNames
 from backend.openai_api.reasoning import PARSERS, ReasoningReader
-from backend.openai_api.router import Router
+from backend.openai_api.router import Router, check_router_settings
 from backend.openai_api.tools import LAYOUTS, QWEN, Layout, ToolStream
 from backend.openai_api.upstream import ServedModel, Upstream, UpstreamError
 
@@ -1118,6 +1118,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "--triton-url")
     if not Path(args.model_repository).is_dir():  # where the tokenizer is found
         parser.error(f"--model-repository {args.model_repository}: no such folder")
+    try:
+        check_router_settings(args.router_max_imbalance, args.router_down_s)
+    except ValueError as exc:
+        parser.error(f"--{exc}")
     return args
 
 

@@ -60,6 +60,40 @@ def test_the_longest_cached_prefix_wins_and_ties_go_to_the_least_busy():
     assert router.cached_tokens(1, b) == 0
 
 
+def test_a_prompt_that_ends_on_a_page_boundary_scores_the_pages_it_can_hit():
+    """The server computes a prompt's last token always, so a prompt of exactly two pages
+    hits one (`cached_tokens` 64) on a replica that holds both: a replica holding the first
+    page only is as good, and the less busy one gets it (the router counted both pages and
+    sent it to the busy replica for nothing)."""
+    router = Router(2)
+    for r in router.replicas:
+        r.events = True
+    a = list(range(1, 129))  # two whole pages
+    router.replicas[0].apply(_message(0, [_stored(a)]))
+    router.replicas[1].apply(_message(0, [_stored(a[:64])]))
+    for _ in range(3):
+        router.pick(list(range(500, 600)))  # nothing cached: in turn, 0 first
+    assert [r.inflight for r in router.replicas] == [2, 1]
+    assert router.pick(a) == 1
+    assert router.pick(a + [7]) == 0  # one token more: both pages count
+
+
+@pytest.mark.parametrize("settings, bad", [(dict(max_imbalance=-1), "max-imbalance"),
+                                           (dict(down_s=float("nan")), "down-s"),
+                                           (dict(down_s=-2.0), "down-s")])
+def test_router_settings_out_of_range_are_refused(settings, bad):
+    """max_imbalance -1 failed every pick (no replica open); down_s nan never let a failed
+    replica back."""
+    with pytest.raises(ValueError, match=bad):
+        Router(2, **settings)
+    from backend.openai_api.server import parse_args
+
+    option = {"max_imbalance": "--router-max-imbalance", "down_s": "--router-down-s"}
+    [(name, value)] = settings.items()
+    with pytest.raises(SystemExit):
+        parse_args(["--model-repository", "model_repo", option[name], str(value)])
+
+
 def test_a_busy_replica_is_passed_over_past_the_imbalance_limit():
     router = Router(2, max_imbalance=2)
     router.replicas[0].events = True
