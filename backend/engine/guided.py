@@ -19,7 +19,13 @@ Rules:
   one, is the grammar's stop token; with end_id -1 (no end token) the grammar's end is still
   where the output stops.
 - The guide outranks min_tokens and bad words: they remove tokens only where the grammar
-  leaves another choice (a guided output may end before min_tokens).
+  leaves another choice (a guided output may end before min_tokens: "eos", its end not
+  output). An output the grammar completes on the last token max_tokens allows is "stop".
+- A token the grammar forces (the only one it allows) is taken, not drawn, so a seeded
+  request's tokens are the same with or without jump-forward, log probabilities or logits;
+  jump-forward appends forced runs up to the next position whose state the cache saves.
+- An end id the grammar needs as text (XGrammar then takes it as the grammar's end only) can
+  leave no token to follow: the request fails with a message naming it.
 - A guide whose grammar allows no output at all (an empty-string regex) is rejected.
 """
 
@@ -219,10 +225,18 @@ class GuideState:
         row.masked_fill_(~self.allowed.to(row.device), float("-inf"))
 
     def accept(self, token: int) -> None:
-        """Moves past `token` (sampled from `allowed`); ValueError if the grammar rejects it."""
+        """Moves past `token` (sampled from `allowed`); ValueError if the grammar rejects it
+        or allows no token after it, not even its end (a dead end: e.g. the request's end id
+        is a token the grammar needs as text, which XGrammar then takes as its end only)."""
         if not self.matcher.accept_token(int(token)):
             raise ValueError(f"token {token} does not follow the guide")
         self._refresh()
+        if self.words.any() or self.matcher.is_terminated():
+            return
+        raise ValueError("the guide allows no token after this one, not even its end"
+                         + (f" (end_id {self.end_id} is a token the grammar may need as "
+                            "text: it is only the grammar's end)"
+                            if self.end_id is not None else ""))
 
     def _refresh(self) -> None:
         # With an end id, terminated = it took that token; without one XGrammar reports a

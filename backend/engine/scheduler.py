@@ -592,18 +592,26 @@ class Scheduler:
         active = list(range(len(seqs)))
         for i in range(logits.shape[1]):
             rows, active = active, []
-            # A token the guide forces after one drawn in this step is the one jump-forward
-            # would append without a step: taken, not drawn (a draw would move a seeded
-            # request's generator, and the tokens after it would differ from those of a step
-            # a token). Only where jump-forward applies to the row.
-            forced = {r: seqs[r].guide.forced for r in rows if i > 0 and self._jumps(seqs[r])
-                      and seqs[r].guide.forced is not None}
+            # A token the guide forces (the only one its grammar allows) is taken, not drawn:
+            # a draw would move a seeded request's generator, so the tokens after it would
+            # depend on whether jump-forward appended it without a step (it does not where
+            # the request returns log probabilities or logits, or is cut at a saved state's
+            # position). Its log probability is scored as a drawn one's.
+            forced = {r: seqs[r].guide.forced for r in rows
+                      if seqs[r].guide is not None and seqs[r].guide.forced is not None}
             drawn = [r for r in rows if r not in forced]
             picks = dict(zip(drawn, zip(*self._draw([seqs[r] for r in drawn],
                                                     logits[drawn, i])))) if drawn else {}
-            self.num_forced_tokens += len(forced)
+            if forced:
+                taken = list(forced)
+                scored = self._score([seqs[r].request.sampling for r in taken],
+                                     logits[taken, i], torch.tensor([forced[r] for r in taken]))
+                picks.update(zip(taken, zip([forced[r] for r in taken], *scored)))
+            # (counted where they save a step: after a token drawn in this step, as jump-
+            # forward appends them)
+            self.num_forced_tokens += sum(i > 0 and self._jumps(seqs[r]) for r in forced)
             for r in rows:
-                token, lp, top = (forced[r], None, None) if r in forced else picks[r]
+                token, lp, top = picks[r]
                 seq = seqs[r]
                 if i == 0 and not seq.prefix_inserted:
                     self._after.append(partial(self._insert_prompt, seq, len(seq.tokens)))
@@ -668,8 +676,15 @@ class Scheduler:
         tokens = sample(logits, params, [s.generator for s in seqs],
                         [s.num_output_tokens for s in seqs], [s.output_ids for s in seqs],
                         counts, masks, repeats)
-        lps: list[float | None] = [None] * len(seqs)
-        tops: list[list[tuple[int, float]] | None] = [None] * len(seqs)
+        return (tokens.tolist(), *self._score(params, logits, tokens))
+
+    @staticmethod
+    def _score(params: list, logits: torch.Tensor, tokens: torch.Tensor
+               ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """The chosen tokens' log probabilities (rows that return them, else None) and
+        their likeliest alternatives (rows that ask for top_log_probs, else None)."""
+        lps: list[float | None] = [None] * len(params)
+        tops: list[list[tuple[int, float]] | None] = [None] * len(params)
         wanted = [row for row, p in enumerate(params) if p.return_log_probs]
         if wanted:
             top = max(params[row].top_log_probs for row in wanted)
@@ -680,7 +695,7 @@ class Scheduler:
                 n = params[row].top_log_probs
                 if n:
                     tops[row] = list(zip(ids[i][:n], values[i][:n]))
-        return tokens.tolist(), lps, tops
+        return lps, tops
 
     def _jumps(self, seq: Sequence) -> bool:
         """Whether tokens `seq`'s guide forces are appended without a draw (jump-forward:
@@ -691,10 +706,16 @@ class Scheduler:
 
     def _jump_forward(self, seq: Sequence, new_ids: list[int]) -> str | None:
         """Appends the tokens the guide forces after the one just sampled (each the only
-        token its grammar allows), up to the sequence's end; the next step computes them as
-        one chunk. Returns the finish reason, if one of them ends the sequence."""
+        token its grammar allows), up to the sequence's end or the next position whose
+        state is saved (`CacheManager.draft_room`: a page boundary; a chunk past it would
+        not save it, and the next turn would resume a page earlier or replay); the next
+        step computes them as one chunk. Returns the finish reason, if one of them ends the
+        sequence."""
         reason = None
-        while reason is None and seq.guide.forced is not None:
+        room = self.cache.draft_room(len(seq.tokens))
+        while reason is None and seq.guide.forced is not None and room != 0:
+            if room is not None:
+                room -= 1
             token = seq.guide.forced
             seq.tokens.append(token)
             seq.guide.accept(token)
@@ -709,8 +730,15 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         reason = finish_reason(seq.output_ids, seq.request.sampling)
-        if reason is None and seq.guide is not None and not seq.guide.continues:
-            reason = "stop"  # the grammar is complete: only its end could follow
+        guide = seq.guide
+        if guide is not None and not guide.continues and reason != "eos":
+            if guide.end_id is not None and seq.tokens[-1] == guide.end_id:
+                # its end, drawn before min_tokens: the guide outranks min_tokens (its
+                # end was the only token left), and an end id is not output
+                reason = "eos"
+            elif reason in (None, "length"):
+                reason = "stop"  # the grammar is complete (on the last token max_tokens
+                # allows too): only its end could follow
         if reason is None and len(seq.tokens) >= self.config.max_context_len:
             reason = "length"
         return reason

@@ -354,3 +354,84 @@ def test_structural_tags_guide_tagged_json_after_a_trigger(engine, prompt, form)
 def test_a_bad_structural_tag_is_a_value_error(engine, tag):
     with pytest.raises(ValueError, match="not a valid structural_tag: Invalid structural tag"):
         engine.grammars().compile(Guide("structural_tag", tag))
+
+
+LONG_KEYS = {"type": "object", "properties": {
+    "description_of_the_item": {"type": "string", "maxLength": 12},
+    "a_long_forced_property_name_number_one": {"type": "integer", "minimum": 0, "maximum": 150},
+    "another_long_forced_property_name_two": {"type": "boolean"}},
+    "required": ["description_of_the_item", "a_long_forced_property_name_number_one",
+                 "another_long_forced_property_name_two"]}
+
+
+@pytest.mark.parametrize("policy", ["suffixreplay", "checkpoint"])
+def test_a_jump_forward_answer_saves_the_states_a_token_a_step_saves(prompt, policy):
+    """Forced runs (the long property names) crossed page boundaries in one chunk, which saves
+    a state at its end only: the next turn resumed pages earlier (checkpoint) or replayed
+    (suffix replay). A jump now stops at the next page boundary."""
+    from dataclasses import replace
+
+    from backend.cache.config import CacheConfig
+
+    got = []
+    for jump in (False, True):
+        config = replace(EngineConfig(guided_jump_forward=jump),
+                         cache=CacheConfig(policy=policy, page_size=16))
+        engine = Engine.from_model_dir(MODEL_DIR, config)
+        answer = engine.generate(prompt, SamplingParams(
+            max_tokens=200, top_k=1, guide=Guide("json_schema", json.dumps(LONG_KEYS))))
+        assert answer.finish_reason == "stop"
+        turn = prompt + answer.new_token_ids + engine.tokenizer.encode(" and then")
+        out = engine.generate(turn, SamplingParams(max_tokens=4, top_k=1))
+        got.append((answer.new_token_ids, out.cached_tokens, out.replayed_anchors))
+        if jump:
+            assert engine.stats()["guided_forced_tokens"] > 60
+        engine.reset_prefix_cache()
+        assert_no_leak(engine)
+    assert got[1] == got[0]
+    computed = len(prompt) + len(got[0][0]) - 1
+    assert got[0][1:] == (computed // 16 * 16, 0)
+
+
+def test_seeded_guided_tokens_do_not_depend_on_log_probs_or_jump_forward(prompt):
+    """A forced token is taken, not drawn, whether jump-forward appends it or a step samples
+    it (a request with log probabilities or logits, or jump-forward off): drawing it moved
+    the seeded generator, and every token after the first forced run differed."""
+    guide = Guide("json_schema", json.dumps(SCHEMA))
+    runs = []
+    for jump in (True, False):
+        engine = Engine.from_model_dir(MODEL_DIR, EngineConfig(guided_jump_forward=jump))
+        for extra in ({}, {"return_log_probs": True}):
+            out = engine.generate(prompt, SamplingParams(max_tokens=60, seed=3, temperature=1.0,
+                                                         guide=guide, **extra))
+            runs.append(out.new_token_ids)
+            if extra:
+                assert len(out.log_probs) == len(out.new_token_ids)
+                assert all(lp <= 0 for lp in out.log_probs)
+        assert_no_leak(engine)
+    assert all(r == runs[0] for r in runs), runs
+
+
+def test_a_grammar_completed_on_the_last_allowed_token_stops(engine, prompt):
+    """The output 'abc' is whole on the max_tokens-th token: "stop" (it read "length", which
+    tells a client the answer was cut)."""
+    text, out = generate(engine, prompt, Guide("regex", "abc"), top_k=1, max_tokens=3)
+    assert text == "abc" and out.finish_reason == "stop"
+
+
+def test_the_grammar_end_drawn_before_min_tokens_is_an_end_not_an_output(engine, prompt):
+    """After 'a' the grammar allows 'b' (a bad word) or its end (banned by min_tokens): the
+    bans give way and the end is drawn; it was output as a token with reason "stop"."""
+    eos = engine.eos_token_id
+    text, out = generate(engine, prompt, Guide("regex", "ab?"), top_k=1, min_tokens=5,
+                         bad_words=((ord("b"),),), logit_bias=((eos, 20.0),))
+    assert out.new_token_ids == [ord("a")] and out.finish_reason == "eos"
+
+
+def test_an_end_id_the_grammar_needs_as_text_fails_the_request(engine, prompt):
+    """end_id 10 (a newline) with a grammar that writes a newline: XGrammar takes 10 as the
+    grammar's end only, so after 'a' nothing may follow; that read as a complete output
+    ('a', "stop", not a match). Now the request fails with a clear message."""
+    text, out = generate(engine, prompt, Guide("regex", "a\nb"), top_k=1, end_id=10)
+    assert out.finish_reason == "error" and "end_id 10" in out.error
+    assert_no_leak(engine)
