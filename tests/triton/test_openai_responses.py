@@ -205,49 +205,37 @@ def test_a_cut_answer_is_incomplete_and_an_empty_one_still_has_a_message():
     assert [i["status"] for i in whole.body["output"]] == ["completed"]
 
 
-def test_a_call_cut_by_max_output_tokens_does_not_break_the_next_response():
-    """The answer a response stores leaves out a function call that max_output_tokens cut
-    (its arguments are not JSON), so a follow-up through previous_response_id renders; the
-    response itself still shows the cut call, incomplete. (Before, every follow-up was a 400
-    about a 'messages[1]' the client never sent.)"""
+@pytest.mark.parametrize("extra, pieces, reason, status", [
+    ({"max_output_tokens": 5}, ["", '{"zone": "U'], "length", "incomplete"),
+    ({}, ['{"zone": UTC}'], "tool_calls", "completed")], ids=["cut", "not_json"])
+def test_a_call_whose_arguments_are_no_json_object_does_not_break_the_next_response(
+        extra, pieces, reason, status):
+    """The answer a response stores leaves out a function call whose arguments are no JSON
+    object: one max_output_tokens cut (incomplete) or one the model closed so ({"zone":
+    UTC}), so a follow-up through previous_response_id renders; the response itself still
+    shows the call as written. (Before, every follow-up was a 400 about a 'messages[1]' the
+    client never sent.)"""
     store = ResponseStore()
-    conv = to_chat({"model": "tiny", "input": "hi", "tools": [TOOL], "max_output_tokens": 5},
-                   store)
+    conv = to_chat({"model": "tiny", "input": "hi", "tools": [TOOL], **extra}, store)
     builder = ResponseBuilder(conv, "tiny")
     builder.start()
     builder.feed("", "", [{"index": 0, "id": "call_1", "type": "function",
-                           "function": {"name": "get_time", "arguments": ""}}])
-    builder.feed("", "", [{"index": 0, "function": {"arguments": '{"zone": "U'}}])
-    builder.finish("length", USAGE)
+                           "function": {"name": "get_time", "arguments": pieces[0]}}])
+    for piece in pieces[1:]:
+        builder.feed("", "", [{"index": 0, "function": {"arguments": piece}}])
+    builder.finish(reason, USAGE)
     [call] = builder.body["output"]
-    assert call["type"] == "function_call" and call["status"] == "incomplete"
+    assert call["type"] == "function_call" and call["status"] == status
+    assert call["arguments"] == "".join(pieces)
     assert "tool_calls" not in builder.answer()
     store.put(conv.id, Stored(conv.history + [builder.answer()], builder.body))
-    follow = to_chat({"model": "tiny", "previous_response_id": conv.id, "tools": [TOOL],
-                      "input": "try again"}, store)
-    [prompt] = parse_chat(follow.chat, MODELS, TEMPLATE).prompts
-    assert prompt.endswith("try again<|im_end|>\n<|im_start|>assistant\n")
-
-
-def test_a_call_whose_arguments_are_not_json_does_not_break_the_next_response():
-    """A call the model closed with arguments that are no JSON object ({"zone": UTC}) is
-    shown as written but left out of the stored answer, as a cut one is: every follow-up
-    through previous_response_id was a 400."""
-    store = ResponseStore()
-    conv = to_chat({"model": "tiny", "input": "hi", "tools": [TOOL]}, store)
-    builder = ResponseBuilder(conv, "tiny")
-    builder.start()
-    builder.feed("", "", [{"index": 0, "id": "call_1", "type": "function",
-                           "function": {"name": "get_time", "arguments": '{"zone": UTC}'}}])
-    builder.finish("tool_calls", USAGE)
-    [call] = builder.body["output"]
-    assert call["status"] == "completed" and call["arguments"] == '{"zone": UTC}'
-    assert "tool_calls" not in builder.answer()
-    store.put(conv.id, Stored(conv.history + [builder.answer()], builder.body))
-    follow = to_chat({"model": "tiny", "previous_response_id": conv.id, "tools": [TOOL],
-                      "input": [{"type": "function_call_output", "call_id": "call_1",
-                                 "output": "12:00"}]}, store)
-    parse_chat(follow.chat, MODELS, TEMPLATE)
+    for follow_input in ("try again", [{"type": "function_call_output", "call_id": "call_1",
+                                        "output": "12:00"}]):
+        follow = to_chat({"model": "tiny", "previous_response_id": conv.id, "tools": [TOOL],
+                          "input": follow_input}, store)
+        [prompt] = parse_chat(follow.chat, MODELS, TEMPLATE).prompts
+        if follow_input == "try again":
+            assert prompt.endswith("try again<|im_end|>\n<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("tools", [None, []])
