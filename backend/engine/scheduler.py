@@ -698,8 +698,9 @@ class Scheduler:
         return lps, tops
 
     def _jumps(self, seq: Sequence) -> bool:
-        """Whether tokens `seq`'s guide forces are appended without a draw (jump-forward:
-        not where the request returns per-token log probabilities or logits)."""
+        """Whether tokens `seq`'s guide forces are appended without a step of their own
+        (jump-forward: not where the request returns per-token log probabilities or logits,
+        which are a step's)."""
         return seq.guide is not None and self.config.guided_jump_forward \
             and not seq.request.sampling.return_log_probs \
             and not seq.request.return_generation_logits
