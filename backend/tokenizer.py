@@ -155,6 +155,24 @@ class Tokenizer:
             return bytes(_BYTE_DECODER[c] for c in piece)
         return piece.replace("\u2581", " ").encode("utf-8")
 
+    def shown_bytes(self, token_id: int, skip_special_tokens: bool = True) -> bytes:
+        """What `token_id` adds to `decode`'s UTF-8 where `decodes_bytes`: its bytes, or b""
+        for a special token that is skipped."""
+        if skip_special_tokens and token_id in self._special_ids:
+            return b""
+        return self.token_bytes(token_id)
+
+    @cached_property
+    def decodes_bytes(self) -> bool:
+        """Whether `decode(ids)` is the UTF-8 of the ids' `token_bytes` joined, invalid bytes
+        as U+FFFD: a ByteLevel decoder alone (GPT-2, Llama 3, Qwen, the byte tokenizer)."""
+        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        return decoder.get("type") == "ByteLevel"
+
+    @cached_property
+    def _special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+
     @cached_property
     def _added_ids(self) -> frozenset[int]:
         return frozenset(self.tok.get_added_tokens_decoder())

@@ -14,9 +14,11 @@ span ids of two responses (up to 4 byte tokens per character). Postprocessing st
 so the state travels with the request: `hybrid_llm` sends the last DEFAULT_CONTEXT_LEN (8) ids
 it already streamed as PREFIX_TOKENS and FLUSH=false except on the final response. OUTPUT is
 then `decode_delta(prefix, new)`: the text the new ids add, holding back an unfinished
-character until a later response completes it (FLUSH=true emits it as U+FFFD). Concatenating
-the streamed OUTPUTs gives the non-streaming text; see backend/detokenize.py for the one
-documented exception (runs of invalid bytes longer than the window).
+character until a later response completes it (FLUSH=true emits it as U+FFFD). With a
+byte-level tokenizer (its text is its tokens' bytes joined) the delta is computed on the bytes
+(`bytes_delta`), and concatenating the streamed OUTPUTs gives the non-streaming text for any
+output; otherwise (`decode_delta`, on text) for valid UTF-8 without U+FFFD of its own: see
+backend/detokenize.py for the exceptions.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from backend.detokenize import decode_delta
+from backend.detokenize import bytes_delta, decode_delta
 from backend.tokenizer import Tokenizer
 from backend.triton.errors import RequestError
 
@@ -88,11 +90,17 @@ class Postprocessor:
         for b, k in np.ndindex(*tokens.shape[:2]):
             new_ids = self._ids(tokens[b, k, : lengths[b, k]], "TOKENS_BATCH")
             prefix_ids = self._ids(prefix[b, k, : prefix_lengths[b, k]], "PREFIX_TOKENS")
-            text = decode_delta(
-                self.tokenizer.decode, prefix_ids, new_ids, bool(flush[b]), self.skip_special_tokens
-            )
+            final = bool(flush[b])
+            if self.tokenizer.decodes_bytes and (prefix_ids or not final):  # (exact: any bytes)
+                text = bytes_delta(self._shown_bytes, prefix_ids, new_ids, final)
+            else:  # (on text; a whole output's delta is its decode either way)
+                text = decode_delta(self.tokenizer.decode, prefix_ids, new_ids, final,
+                                    self.skip_special_tokens)
             texts[b, k] = text.encode("utf-8")
         return {"OUTPUT": texts}
+
+    def _shown_bytes(self, token_id: int) -> bytes:
+        return self.tokenizer.shown_bytes(token_id, self.skip_special_tokens)
 
     def _ids(self, ids: np.ndarray, name: str) -> list[int]:
         vocab_size = self.tokenizer.vocab_size

@@ -40,8 +40,8 @@ def test_keeps_special_tokens_when_configured():
     assert texts(out) == [["A<|im_end|>"]]
 
 
-def test_streamed_responses_concatenate_to_full_text(post):
-    ids = TOK.encode("a😀 世界!")
+def streamed(post: Postprocessor, ids: list[int]) -> list[str]:
+    """Each id's response, with the last 8 ids before it as hybrid_llm sends them."""
     pieces = []
     for start in range(len(ids)):
         step = tokens(ids[start : start + 1])
@@ -50,8 +50,24 @@ def test_streamed_responses_concatenate_to_full_text(post):
         step["PREFIX_LENGTH"] = np.array([[len(prefix)]], dtype=np.int32)
         step["FLUSH"] = np.array([[start == len(ids) - 1]])
         pieces.append(texts(post(step))[0][0])
+    return pieces
+
+
+def test_streamed_responses_concatenate_to_full_text(post):
+    pieces = streamed(post, TOK.encode("a😀 世界!"))
     assert "".join(pieces) == "a😀 世界!"
     assert pieces[1:5] == ["", "", "", "😀"]
+
+
+@pytest.mark.parametrize("ids", [
+    TOK.encode("\ufffd\ufffd\ufffdab"),  # real U+FFFD, 9 ids held back on text
+    [*TOK.encode("中"), *[258] * 5, *TOK.encode("中")],  # hidden ids between characters
+    [0xE4, 256, 256, 0xB8, 257, 0xAD, 0x80, 0xFF, *TOK.encode("é"), 0xC3],  # invalid bytes
+], ids=["real-fffd", "hidden-specials", "invalid-bytes"])
+def test_any_output_streams_as_it_decodes_whole(post, ids):
+    # (on text, the first two streamed an extra U+FFFD: a window starting inside a character
+    # held back or shown reads as U+FFFD like an unfinished one)
+    assert "".join(streamed(post, ids)) == texts(post(tokens(ids)))[0][0] == TOK.decode(ids)
 
 
 def test_unflushed_response_holds_back_a_split_character(post):
