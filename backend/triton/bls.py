@@ -118,8 +118,10 @@ class HybridLlmBls:
         try:
             self.check_s = int(period) / 1000
         except ValueError:
-            raise ConfigError("parameter cancellation_check_period_ms must be an integer, "
-                              f"got {period!r}") from None
+            self.check_s = 0.0
+        if self.check_s <= 0:  # (0 or less: the cancel watcher would spin on the cores)
+            raise ConfigError("parameter cancellation_check_period_ms must be an integer > 0, "
+                              f"got {period!r}")
         self.open: dict[int, OpenStream] = {}
         self.lock = threading.Lock()
         # Every call into pb_utils from this model's threads holds it (the stub crashed,

@@ -64,7 +64,10 @@ def stop_cancelled(pb_utils: ModuleType, requests: list[Any]) -> int:
         if not is_cancelled(request):
             continue
         num_cancelled += 1
-        key = request_key(request)
-        if key is not None:
-            stop_generation(pb_utils, key)
+        try:  # (an error here would fail the whole batch and leave the stream hanging)
+            key = request_key(request)
+            if key is not None:
+                stop_generation(pb_utils, key)
+        except Exception as e:  # noqa: BLE001 - e.g. the server stopping, a key not UTF-8
+            log(pb_utils, f"stopping a cancelled request's generation failed: {e!r}", "warn")
     return num_cancelled

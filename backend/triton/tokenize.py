@@ -165,22 +165,35 @@ class Preprocessor:
         words = word_rows(inputs, "EMBEDDING_BIAS_WORDS", batch_size)
         weights = inputs.get("EMBEDDING_BIAS_WEIGHTS")
         by_id = self._bias_by_id(inputs, batch_size)
-        if (words is None or weights is None) and by_id is None:
+        if (words is None) != (weights is None):
+            missing = "EMBEDDING_BIAS_WORDS" if words is None else "EMBEDDING_BIAS_WEIGHTS"
+            raise RequestError(f"EMBEDDING_BIAS_WORDS and EMBEDDING_BIAS_WEIGHTS go together; "
+                               f"{missing} is missing")
+        if words is None and by_id is None:
             return np.zeros((batch_size, 0), dtype=np.float32)
         bias = np.zeros((batch_size, self.tokenizer.vocab_size), dtype=np.float32)
-        if words is not None and weights is not None:
-            if weights.shape != (batch_size, len(words[0])):
+        if words is not None:
+            if weights.shape != (batch_size, len(words[0])) or weights.dtype.kind not in "fiu":
                 raise RequestError(
-                    f"EMBEDDING_BIAS_WEIGHTS shape {list(weights.shape)} does not match "
-                    f"EMBEDDING_BIAS_WORDS shape {[batch_size, len(words[0])]}"
+                    f"EMBEDDING_BIAS_WEIGHTS must be a number tensor of EMBEDDING_BIAS_WORDS' "
+                    f"shape {[batch_size, len(words[0])]}, got {list(weights.shape)} "
+                    f"{weights.dtype}"
                 )
-            for b, (item_words, item_weights) in enumerate(zip(words, weights)):
-                for word, weight in zip(item_words, item_weights):
-                    for token_id in self.tokenizer.encode(word):
-                        bias[b, token_id] += weight
+            if not np.all(np.isfinite(weights)):
+                raise RequestError("EMBEDDING_BIAS_WEIGHTS holds a value that is not finite")
+            with np.errstate(over="ignore"):  # (checked below)
+                for b, (item_words, item_weights) in enumerate(zip(words, weights)):
+                    for word, weight in zip(item_words, item_weights):
+                        for token_id in self.tokenizer.encode(word):
+                            bias[b, token_id] += np.float32(weight)
         if by_id is not None:
             ids, values = by_id
-            np.add.at(bias, (np.arange(batch_size)[:, None], ids), values)
+            with np.errstate(over="ignore"):
+                np.add.at(bias, (np.arange(batch_size)[:, None], ids), values)
+        if not np.all(np.isfinite(bias)):  # (finite weights on one token add up past float32)
+            b, token_id = (int(i) for i in np.argwhere(~np.isfinite(bias))[0])
+            raise RequestError(f"the embedding bias weights on token {token_id} of request "
+                               f"{b} add up to {bias[b, token_id]}, not a finite float32")
         return bias
 
     def _bias_by_id(self, inputs: Tensors, batch_size: int,

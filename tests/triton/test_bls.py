@@ -17,7 +17,7 @@ import uuid
 import numpy as np
 import pytest
 
-from backend.triton.bls import ensemble_steps, read_config
+from backend.triton.bls import HybridLlmBls, ensemble_steps, read_config
 from backend.triton.errors import ConfigError
 from client.generate import (
     GenerateError,
@@ -62,6 +62,15 @@ def test_an_ensemble_it_cannot_follow_is_a_config_error(tmp_path):
     steps["ensemble_scheduling"]["step"].reverse()
     with pytest.raises(ConfigError, match="preprocessing -> the LLM -> postprocessing"):
         ensemble_steps(steps)
+
+
+@pytest.mark.parametrize("period", ["0", "-5", "1.5"])
+def test_a_cancellation_period_that_is_no_positive_integer_is_a_config_error(period):
+    config = read_config(MODEL_REPO / BLS / "config.pbtxt")
+    config["parameters"]["cancellation_check_period_ms"] = {"string_value": period}
+    args = {"model_config": json.dumps(config), "model_repository": str(MODEL_REPO / BLS)}
+    with pytest.raises(ConfigError, match=f"must be an integer > 0, got '{period}'"):
+        HybridLlmBls(None, args)  # (0 had the cancel watcher spin: wait(0) in a loop)
 
 
 @pytest.fixture(scope="module")

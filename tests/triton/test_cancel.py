@@ -244,3 +244,44 @@ def test_each_sequence_of_a_stopped_request_is_told_why_it_ended(llm_server: Ser
     client.close()
     assert ended == ["cancelled", "cancelled"]
     idle_pool(llm_server, timeout_s=20)
+
+
+class _Request:
+    """What stop_cancelled reads of a postprocessing request: is_cancelled and REQUEST_KEY."""
+
+    def __init__(self, key: bytes, cancelled: bool = True) -> None:
+        self.key, self.cancelled = key, cancelled
+
+    def is_cancelled(self) -> bool:
+        return self.cancelled
+
+    def inputs(self) -> list:
+        tensor = type("T", (), {"name": lambda _: "REQUEST_KEY",
+                                "as_numpy": lambda _: np.array([[self.key]], dtype=object)})
+        return [tensor()]
+
+
+def test_a_stop_that_fails_leaves_the_batch_answered(capsys):
+    """The BLS stop request failing (the server stopping) or a key that is no UTF-8 is logged;
+    the other requests of the batch are still stopped (an exception would fail the batch)."""
+    sent = []
+
+    class Stub:  # pb_utils' two calls, the first one failing
+        Tensor = staticmethod(lambda name, value: (name, value))
+
+        class InferenceRequest:
+            def __init__(self, request_id: str, **_) -> None:
+                self.request_id = request_id
+
+            def exec(self, decoupled: bool):
+                if self.request_id == "a":
+                    raise RuntimeError("server is stopping")
+                sent.append(self.request_id)
+                return []
+
+    from backend.triton.cancel import stop_cancelled
+    requests = [_Request(b"a"), _Request(b"\xff"), _Request(b"c", cancelled=False), _Request(b"d")]
+    assert stop_cancelled(Stub, requests) == 3
+    assert sent == ["d"]
+    logged = capsys.readouterr().out
+    assert "server is stopping" in logged and "UnicodeDecodeError" in logged
