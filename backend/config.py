@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,8 @@ class ModelConfig:
                 f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
                 f"linear_num_key_heads={self.linear_num_key_heads}"
             )
+        if not (self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ValueError(f"rope_theta must be a finite number > 0, got {self.rope_theta}")
         act = "relu2" if self.is_nemotron_h else "silu"
         if self.hidden_act != act:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (only {act!r})")
@@ -223,12 +226,12 @@ class ModelConfig:
                 rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
             ),
             max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(
-                raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-            ),
-            attention_bias=bool(text.get("attention_bias", False)),
+            tie_word_embeddings=_flag(
+                raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False)),
+                "tie_word_embeddings"),
+            attention_bias=_flag(text.get("attention_bias", False), "attention_bias"),
             hidden_act=str(text.get("hidden_act", "silu")),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_id=_eos(eos),
             model_type=model_type,
             extra={"rope_type": rope.get("rope_type", "default"),
                    **({"moe": moe} if moe else {})},
@@ -275,17 +278,24 @@ class ModelConfig:
             rms_norm_eps=float(pick("layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
             partial_rotary_factor=0.0,
             max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
+            tie_word_embeddings=_flag(raw.get("tie_word_embeddings", False),
+                                      "tie_word_embeddings"),
+            # transformers' Nemotron-H attention has no biases whatever attention_bias says
+            attention_bias=False,
             hidden_act=str(pick("mlp_hidden_act", default="relu2")),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_id=_eos(eos),
             model_type=NEMOTRON_H,
             extra={
-                "use_conv_bias": bool(pick("use_conv_bias", "mamba_conv_bias", default=True)),
-                "mamba_proj_bias": bool(pick("use_bias", "mamba_proj_bias", default=False)),
-                "mlp_bias": bool(raw.get("mlp_bias", False)),
-                # transformers' prefill clamps dt to [time_step_min, inf); we clamp in
-                # every form, decode included, so a cached state equals a prefilled one.
+                "use_conv_bias": _flag(pick("use_conv_bias", "mamba_conv_bias", default=True),
+                                       "use_conv_bias"),
+                "mamba_proj_bias": _flag(pick("use_bias", "mamba_proj_bias", default=False),
+                                         "use_bias"),
+                "mlp_bias": _flag(raw.get("mlp_bias", False), "mlp_bias"),
+                # dt = softplus(.) clamped to time_step_limit, as transformers 5 does (every
+                # form, decode included, so a cached state equals a prefilled one);
+                # time_step_min only sets dt_bias at initialisation (training).
+                "dt_limit": _dt_limit(pick("time_step_limit", "mamba_dt_limit",
+                                           default=(0.0, math.inf))),
                 "dt_min": float(pick("time_step_min", "mamba_dt_min", default=0.001)),
                 **({"moe": _moe_config(raw, pick)} if MOE in types else {}),
             },
@@ -394,3 +404,36 @@ def _qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> dict[str, Any] | No
         "norm_topk_prob": bool(raw.get("norm_topk_prob", True)),
         "layers": tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
     })
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A config's true / false: a JSON boolean (0 / 1 as some exporters write them); a
+    string such as "false" is refused (bool("false") would read it as true)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError(f"config field {name!r} must be true or false, got {value!r}")
+
+
+def _eos(value: Any) -> int | None:
+    """eos_token_id: an id, a list of ids (the first is the engine's end id) or none."""
+    first = value[0] if isinstance(value, list) and value else value
+    if first is None or isinstance(first, int) and not isinstance(first, bool) and first >= 0:
+        return first
+    raise ValueError(f"eos_token_id must be a token id (an integer >= 0) or a list of them, "
+                     f"got {value!r}")
+
+
+def _dt_limit(value: Any) -> tuple[float, float]:
+    """Nemotron-H's time_step_limit: [low, high] with 0 <= low <= high (high may be inf:
+    transformers writes it {"__float__": "Infinity"}, Python's json Infinity)."""
+    try:
+        low, high = (float(v["__float__"] if isinstance(v, dict) else v) for v in value)
+    except (TypeError, ValueError):
+        raise ValueError(f"time_step_limit must be [low, high], got {value!r}") from None
+    if not 0 <= low <= high:
+        raise ValueError(f"time_step_limit must be [low, high] with 0 <= low <= high, got "
+                         f"{value!r}")
+    return low, high
+

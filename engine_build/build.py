@@ -28,6 +28,7 @@ at the checkpoint.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import sys
@@ -104,6 +105,12 @@ def check_repository(repo: Path, force: bool) -> None:
             raise BuildError(f"--repo {repo}: {parent} is a file, not a folder")
     if repo.exists() and any(repo.iterdir()) and not force:
         raise BuildError(f"{repo} exists and is not empty (use --force to replace it)")
+    nearest = next(p for p in (repo.resolve(), *repo.resolve().parents) if p.exists())
+    try:  # (a folder made and removed where the repository's first new folder goes)
+        os.rmdir(tempfile.mkdtemp(prefix=".build-probe-", dir=nearest))
+    except OSError as e:
+        raise BuildError(f"--repo {repo}: cannot write in {nearest} ({e.strerror or e})") \
+            from None
 
 
 def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force: bool,
@@ -111,6 +118,14 @@ def write_repository(model_dir: Path, repo: Path, params: dict[str, str], force:
     """Copies the models' configurations and code; points them at `model_dir`; puts
     `calibration` (a folder holding calibration.json / .png) in as `hybrid_llm/1/`'s."""
     check_repository(repo, force)
+    try:
+        return _write_repository(model_dir, repo, params, calibration)
+    except OSError as e:
+        raise BuildError(f"--repo {repo}: writing the repository failed: {e}") from None
+
+
+def _write_repository(model_dir: Path, repo: Path, params: dict[str, str],
+                      calibration: Path | None) -> Path:
     if repo.exists() and any(repo.iterdir()):
         for name in MODELS:
             shutil.rmtree(repo / name, ignore_errors=True)

@@ -52,7 +52,7 @@ def hf_config(cfg: ModelConfig) -> dict:
 def nemotron_h_config(cfg: ModelConfig) -> dict:
     """The config.json of a Nemotron-H checkpoint, as NVIDIA's are written (the layer layout
     as `hybrid_override_pattern`); transformers' NemotronHConfig reads it."""
-    return {
+    config = {
         "architectures": ["NemotronHForCausalLM"],
         "model_type": "nemotron_h",
         "vocab_size": cfg.vocab_size,
@@ -83,6 +83,10 @@ def nemotron_h_config(cfg: ModelConfig) -> dict:
         "bos_token_id": None,
         "torch_dtype": "float32",
     }
+    low, high = cfg.extra.get("dt_limit", (0.0, float("inf")))
+    if (low, high) != (0.0, float("inf")):  # (transformers' default otherwise: [0, inf))
+        config["time_step_limit"] = [low, high if high < float("inf") else 1e30]
+    return config
 
 
 def save_hf_directory(model: HybridForCausalLM, out: str | Path) -> Path:

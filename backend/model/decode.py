@@ -450,7 +450,7 @@ class _MambaBlock(_Fused):
         self.h, self.p, self.g, self.n = m.num_heads, m.head_dim, m.n_groups, m.d_state
         self.xbc_sizes = [m.inner, m.n_groups * m.d_state, m.n_groups * m.d_state]
         self.neg_a = -m.A_log.detach().float().exp()
-        self.dt_bias, self.dt_min = m.dt_bias.detach(), m.dt_min
+        self.dt_bias, self.dt_limit = m.dt_bias.detach(), (m.dt_lo, m.dt_hi)
         self.skip = m.D.detach().float().unsqueeze(-1)  # [H, 1]
         self.g_norm, self.g_eps, self.g_size = m.norm.weight.detach(), m.norm.eps, m.norm.group_size
         self.proj_out = _Product([m.out_proj])
@@ -467,7 +467,7 @@ class _MambaBlock(_Fused):
         if self.conv_bias is not None:
             mixed = mixed + self.conv_bias
         xs, b, c = F.silu(mixed).split(self.xbc_sizes, -1)
-        dt = F.softplus(dt + self.dt_bias).clamp(min=self.dt_min)  # [B, H]
+        dt = F.softplus(dt + self.dt_bias).clamp(*self.dt_limit)  # [B, H]
         bc = torch.stack((b, c), 1).view(B, 2, G, 1, N).expand(B, 2, G, H // G, N)
         bc = bc.reshape(B, 2, H, N)  # each group's B and C serve H / G heads
         xs = xs.view(B, H, P)
@@ -489,7 +489,7 @@ class _MambaBlock(_Fused):
         mixed, new_conv, full = _conv_steps(conv_state.to(x.dtype), xbc.view(B, T, -1),
                                             self.taps, self.conv_bias, steps)
         xs, b, c = F.silu(mixed).split(self.xbc_sizes, -1)
-        dt = F.softplus(dt.view(B, T, H) + self.dt_bias).clamp(min=self.dt_min)
+        dt = F.softplus(dt.view(B, T, H) + self.dt_bias).clamp(*self.dt_limit)
         decay = (dt * self.neg_a).exp()
         if steps.keep is not None:  # padding: no decay, no update
             decay = decay.masked_fill(~steps.keep.unsqueeze(-1), 1.0)

@@ -3,6 +3,7 @@ HybridForCausalLM (memory-mapped safetensors)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,8 +41,12 @@ def _weight_files(path: Path) -> list[Path]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
-            raise CheckpointError(f"{index}: unreadable shard index ({e})") from e
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: unreadable shard index ({e!r})") from e
+        if not isinstance(weight_map, dict) or \
+                not all(isinstance(f, str) for f in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file "
+                                  f"names, got {type(weight_map).__name__}")
         return [path / f for f in sorted(set(weight_map.values()))]
     single = path / "model.safetensors"
     if not single.exists():
@@ -65,6 +70,21 @@ def _read_tensors(files: list[Path]) -> dict[str, tuple[Path, str]]:
     return found
 
 
+def _same_tensor(found: dict[str, tuple[Path, str]], a: str, b: str) -> bool:
+    """Whether two stored tensors hold the same values (False where one is missing)."""
+    if a not in found or b not in found:
+        return False
+    try:
+        tensors = []
+        for name in (a, b):
+            f, key = found[name]
+            with safe_open(str(f), framework="pt") as st:
+                tensors.append(st.get_tensor(key))
+    except (OSError, SafetensorError) as e:
+        raise CheckpointError(f"unreadable tensor ({e})") from e
+    return tensors[0].shape == tensors[1].shape and torch.equal(tensors[0], tensors[1])
+
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     pack: bool = True,
@@ -85,13 +105,18 @@ def load_model(
         cfg = ModelConfig.from_file(cfg_file)
     except (ValueError, FileNotFoundError) as e:
         raise CheckpointError(str(e)) from e
+    found = _read_tensors(_weight_files(path))
+    embedding = "model.embeddings.weight" if cfg.is_nemotron_h else "model.embed_tokens.weight"
+    if cfg.tie_word_embeddings and "lm_head.weight" in found and \
+            not _same_tensor(found, "lm_head.weight", embedding):
+        # A stored output head of its own is used, as transformers does (Nemotron-H never
+        # ties; Qwen3.5 warns and keeps both): tying would drop it and change the logits.
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     with torch.device("meta"):
         model = HybridForCausalLM(cfg)
     expected = {n: p for n, p in model.named_parameters()}
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    found = _read_tensors(_weight_files(path))
-    if cfg.tie_word_embeddings:
         found.pop("lm_head.weight", None)
     derived = _qwen3_next_projections(cfg, found) if cfg.model_type == QWEN3_NEXT else {}
     _check_names(path, expected, found)

@@ -95,7 +95,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise AdapterError(f"LoRA adapter {name!r}: rank_pattern / alpha_pattern are not "
                            "supported")
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool):  # ("false" read as true: the wrong scale, silently)
+        raise AdapterError(f"LoRA adapter {name!r}: {config_file} use_rslora must be true or "
+                           f"false, got {rslora!r}")
+    scale = alpha / math.sqrt(rank) if rslora else alpha / rank
     if not math.isfinite(scale):  # (NaN / Infinity parse as JSON numbers; 1e308 / r < 1 ...)
         raise AdapterError(f"LoRA adapter {name!r}: {config_file}: lora_alpha={alpha!r} gives "
                            f"the scale {scale}, not a finite number")

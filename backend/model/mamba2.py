@@ -31,7 +31,7 @@ class Mamba2Mixer(nn.Module):
         self.n_groups, self.d_state = cfg.linear_num_key_heads, cfg.linear_key_head_dim
         self.inner = cfg.linear_value_dim  # heads * head_dim
         self.conv_dim = cfg.conv_dim  # inner + 2 * n_groups * d_state
-        self.dt_min = float(cfg.extra.get("dt_min", 0.0))
+        self.dt_lo, self.dt_hi = cfg.extra.get("dt_limit", (0.0, float("inf")))
         W = cfg.linear_conv_kernel_dim
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, W, groups=self.conv_dim,
                                 bias=bool(cfg.extra.get("use_conv_bias", True)), padding=W - 1)
@@ -85,7 +85,7 @@ class Mamba2Mixer(nn.Module):
         `valid` [*]: dt = 0 at padding (no decay and no write: the state passes it by)."""
         xs, b, c = xbc.split([self.inner, self.n_groups * self.d_state,
                               self.n_groups * self.d_state], dim=-1)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.dt_min)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(self.dt_lo, self.dt_hi)
         if valid is not None:
             dt = dt * valid.unsqueeze(-1)
         lead = xs.shape[:-1]

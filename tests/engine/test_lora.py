@@ -232,6 +232,10 @@ def test_bad_adapters_and_names_are_errors(setup, tmp_path):
     (bad / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(AdapterError, match="use_dora"):
         engine.load_lora("dora", bad)
+    # "false" as a string read as true: the adapter loaded at alpha / sqrt(r), silently
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": "false"}))
+    with pytest.raises(AdapterError, match="use_rslora must be true or false"):
+        engine.load_lora("rslora", bad)
     # a lora_alpha that is not a finite number (NaN / Infinity parse as JSON), or one that
     # takes lora_B times the scale out of the dtype's range: its requests' logits were NaN,
     # and its KV poisoned the base-model rows that read its pages as padding

@@ -61,6 +61,15 @@ def test_broken_checkpoints_are_refused(tmp_path, capsys):
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()
 
 
+def test_a_repository_where_nothing_can_be_written_is_refused_before_the_steps(capsys):
+    """/proc takes no new folder, for root too: the checkpoint was validated, then the
+    repository's mkdir raised a traceback (FileNotFoundError / PermissionError)."""
+    rc = build.main(["--model", str(MODEL_REPO / DEFAULT_MODEL), "--repo",
+                     "/proc/hybrid_llm_build_probe/repo"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cannot write in /proc" in err and "Traceback" not in err
+
+
 def test_tensorrt_backend_says_tensorrt_is_missing(tmp_path, capsys):
     pytest.importorskip("triton")
     from plugins.tensorrt import tensorrt_available

@@ -102,3 +102,49 @@ def test_missing_files(broken, tmp_path):
     (broken / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="not valid JSON"):
         load_model(broken)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("tie_word_embeddings", "false", "'tie_word_embeddings' must be true or false"),
+    ("attention_bias", "no", "'attention_bias' must be true or false"),
+    ("eos_token_id", "256", "eos_token_id must be a token id"),
+    ("eos_token_id", 256.5, "eos_token_id must be a token id"),
+    ("rope_theta", 0, "rope_theta must be a finite number > 0"),
+    ("rope_theta", -5, "rope_theta must be a finite number > 0"),
+])
+def test_odd_config_values_are_refused(broken, field, value, message):
+    """A string "false" read as true (bool("false")), a string end id (a TypeError at build),
+    a rotary base of 0 or below (garbage positions) loaded or crashed."""
+    config = json.loads((broken / "config.json").read_text())
+    target = config.get("text_config", config)
+    if field == "rope_theta" and "rope_parameters" in target:
+        target["rope_parameters"]["rope_theta"] = value
+    else:
+        target[field] = value
+    (broken / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(broken)
+
+
+@pytest.mark.parametrize("index", [[], {"weight_map": []}, {"weight_map": None},
+                                   {"weight_map": {"x": 5}}])
+def test_a_malformed_shard_index_is_a_clear_error(broken, index):
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json"):
+        load_model(broken)
+
+
+def test_nemotron_h_time_step_limit_forms():
+    """transformers writes an unbounded limit {"__float__": "Infinity"}; a bad one is refused."""
+    from hf_oracle import nemotron_h_config_dict
+
+    from backend.config import ModelConfig
+
+    raw = {"model_type": "nemotron_h", **nemotron_h_config_dict()}
+    for given, want in (([0.0, {"__float__": "Infinity"}], (0.0, float("inf"))),
+                        ([0.001, 0.1], (0.001, 0.1)), (None, (0.0, float("inf")))):
+        cfg = ModelConfig.from_hf_dict({**raw, "time_step_limit": given})
+        assert cfg.extra["dt_limit"] == want
+    for bad in ([0.1, 0.01], [-1, 2], "x", [1]):
+        with pytest.raises(ValueError, match="time_step_limit"):
+            ModelConfig.from_hf_dict({**raw, "time_step_limit": bad})

@@ -100,3 +100,52 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
     return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("case", ["dt_below_time_step_min", "time_step_limit", "attention_bias",
+                                  "tied_config_own_head"])
+def test_unusual_nemotron_h_checkpoints_match_transformers(case, tmp_path):
+    """dt under time_step_min (transformers 5 clamps to time_step_limit only: we clamped at
+    time_step_min), a time_step_limit (ignored), attention_bias true (transformers' attention
+    has no biases whatever it says: we asked for bias tensors) and tie_word_embeddings true
+    (transformers' Nemotron-H never ties and stores its head: we dropped it). Prefill and
+    decode steps."""
+    overrides = {"time_step_limit": (0.0, 0.05)} if case == "time_step_limit" else \
+        {"attention_bias": True} if case == "attention_bias" else \
+        {"tie_word_embeddings": True} if case == "tied_config_own_head" else {}
+    hf = make_nemotron_h_checkpoint(tmp_path, seed=3, **overrides)
+    if case == "dt_below_time_step_min":
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.endswith("dt_bias"):
+                    p.fill_(-9.0)  # softplus: ~1.2e-4 < 1e-3
+        hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    ids = torch.randint(0, hf.config.vocab_size, (1, 120), generator=torch.Generator()
+                        .manual_seed(5))
+    with torch.no_grad():
+        ref = hf(ids, use_cache=False).logits[0]
+    assert_close(ours.logits(ids)[0], ref)
+    session = PagedSession(ours, batch_size=1, max_tokens=120, page_size=64)
+    assert_close(session.step([ids[0, :100].tolist()])[0], ref[99])
+    for t in range(100, 120):
+        assert_close(session.step([[int(ids[0, t])]])[0], ref[t])
+
+
+def test_a_tied_qwen_config_with_its_own_stored_head_uses_it(tmp_path):
+    """transformers keeps a stored lm_head.weight that differs from the embeddings (it warns
+    and does not tie); we dropped it for the embeddings."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    make_hf_checkpoint(tmp_path, seed=7, tie_word_embeddings=True)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["lm_head.weight"] = torch.randn_like(tensors["model.embed_tokens.weight"])
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours = load_model(tmp_path)
+    assert not ours.config.tie_word_embeddings
+    ids = torch.randint(0, hf.config.vocab_size, (1, 64), generator=torch.Generator()
+                        .manual_seed(2))
+    with torch.no_grad():
+        assert_close(ours.logits(ids)[0], hf(ids, use_cache=False).logits[0])
