@@ -139,8 +139,10 @@ class PageNode:
 LORA_SEP = "\x00lora:"
 
 
-def lora_namespace(salt: str, adapter: str | None) -> str:
-    """The namespace of a request's cache_salt under LoRA `adapter` (None: the salt)."""
+def lora_namespace(salt: str | None, adapter: str | None) -> str:
+    """The namespace of a request's cache_salt under LoRA `adapter` (None: the salt; a salt
+    of None is "", the default namespace, as everywhere)."""
+    salt = normalize_salt(salt)
     return salt if adapter is None else f"{salt}{LORA_SEP}{adapter}"
 
 

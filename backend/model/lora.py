@@ -19,8 +19,9 @@ anchors and states.
 
 Supported targets: the linear layers the loader maps one to one from the checkpoint
 (attention q/k/v/o, Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
-out_proj, Mamba2's in_proj / out_proj, dense MLP projections). Not: embeddings, lm_head, MoE
-experts and router, Qwen3-Next's packed in_proj_qkvz / in_proj_ba (refused at load, by name).
+out_proj, Mamba2's in_proj / out_proj, dense MLP projections, an MoE block's router and shared
+expert). Not: embeddings, lm_head, the routed MoE experts, Qwen3-Next's packed in_proj_qkvz /
+in_proj_ba (refused at load, by name).
 """
 
 from __future__ import annotations
@@ -150,7 +151,11 @@ def load_adapter(name: str, path: str | Path, model: nn.Module) -> LoraAdapter:
         if not torch.isfinite(scaled).all():  # (lora_alpha 1e30: B * scale past the dtype)
             raise AdapterError(f"LoRA adapter {name!r}: {module!r}: lora_B times the scale "
                                f"{scale:g} leaves the range of {dtype}")
-        adapter.weights[module] = (a.to(device=device, dtype=dtype).contiguous(), scaled)
+        a = a.to(device=device, dtype=dtype).contiguous()
+        if not torch.isfinite(a).all():  # (float32 1e5 on a float16 model)
+            raise AdapterError(f"LoRA adapter {name!r}: {module!r}: lora_A leaves the range of "
+                               f"{dtype}")
+        adapter.weights[module] = (a, scaled)
     return adapter
 
 

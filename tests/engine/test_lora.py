@@ -175,6 +175,14 @@ def test_a_namespace_reset_covers_its_adapters(setup):
     assert engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math").cached_tokens > 0
     assert engine.reset_prefix_cache("t", every_salt=False)["dropped_pages"] > 0
     assert engine.generate(prompt, GREEDY, cache_salt="t", lora_name="math").cached_tokens == 0
+    # No salt is the default namespace under an adapter too (it was "None\x00lora:math":
+    # shared with salt "None", untouched by a reset of "")
+    engine.generate(prompt, GREEDY, cache_salt=None, lora_name="math")
+    assert engine.generate(prompt, GREEDY, cache_salt="", lora_name="math").cached_tokens > 0
+    assert engine.generate(prompt, GREEDY, cache_salt="None", lora_name="math"
+                           ).cached_tokens == 0
+    assert engine.reset_prefix_cache(None, every_salt=False)["dropped_pages"] > 0
+    assert engine.generate(prompt, GREEDY, cache_salt=None, lora_name="math").cached_tokens == 0
 
 
 def test_a_salt_cannot_name_an_adapters_namespace(setup):
@@ -246,6 +254,15 @@ def test_bad_adapters_and_names_are_errors(setup, tmp_path):
         (bad / "adapter_config.json").write_text(text)
         with pytest.raises(AdapterError, match=message):
             engine.load_lora("alpha", bad)
+    # a float64 lora_A past float32's range: finite as stored, inf in the model's dtype
+    (bad / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(src / "adapter_model.safetensors"))
+    key = next(k for k in tensors if k.endswith("lora_A.weight"))
+    tensors[key] = tensors[key].double()
+    tensors[key][0, 0] = 1e300
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match="lora_A leaves the range of torch.float32"):
+        engine.load_lora("wide", bad)
     with pytest.raises(ValueError, match="executor 'torch'"):
         EngineConfig(executor="compiled", lora_adapters="math=/x")
     with pytest.raises(ValueError, match="not NAME=PATH"):
