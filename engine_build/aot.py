@@ -7,7 +7,8 @@ An engine directory holds
 - `decode.pt2`: the same step with one token per sequence;
 - `replay_<g>.pt2`: group g's linear layers from zero state over packed anchors;
 - `engine.json` (written last): format version, device, dtype, torch version, the source
-  checkpoint's path and signature (`checkpoint_signature`: an engine loads only beside it);
+  checkpoint's path and signature (`checkpoint_signature`: an engine loads only beside it),
+  each package's digest (`package_digest`: a package changed since does not load);
 - `config.json`: the model configuration (buffer shapes for the executor).
 Page pools, state slots and anchor pools are inputs mutated in place, so their sizes are free
 at run time (the serving configuration chooses them). `backend.engine.compiled.CompiledExecutor`
@@ -25,7 +26,7 @@ import torch
 from torch.export import Dim
 from tqdm import tqdm
 
-from backend.engine.compiled import ENGINE_FORMAT, checkpoint_signature
+from backend.engine.compiled import ENGINE_FORMAT, checkpoint_signature, package_digest
 from backend.engine.config import DTYPES
 from backend.model import load_model
 from backend.model.hybrid import HybridForCausalLM
@@ -163,6 +164,8 @@ def build_aot_engine(model_dir: str | Path, out_dir: str | Path, device: str = "
     meta = {"format": ENGINE_FORMAT, "backend": "aot", "device": device, "dtype": dtype,
             "torch": torch.__version__, "num_groups": model.config.num_groups,
             "packages": packages, "compile_seconds": timings, "step_snapshots": snapshots,
+            "package_digests": {name: package_digest(out / file)
+                                for name, file in packages.items()},
             "inductor_configs": inductor_configs or {},
             "source_model": str(Path(model_dir).resolve()),
             "source_signature": checkpoint_signature(model_dir)}

@@ -30,7 +30,9 @@ from backend.model.batch import SNAPSHOT_ALIGN, ForwardBatch, SeqInput
 from backend.model.packed import packed_from_batch
 from backend.model.quant import dequantize_int8, quantize_int8
 
-ENGINE_FORMAT = 2  # 2: engine.json names its checkpoint's signature (`checkpoint_signature`)
+# 2: engine.json names its checkpoint's signature (`checkpoint_signature`); 3: and each
+# package's digest (`package_digest`)
+ENGINE_FORMAT = 3
 REBUILD = "rebuild it with engine_build/build.py --backend aot"
 
 
@@ -57,16 +59,51 @@ def read_engine_meta(engine_dir: str | Path) -> dict:
     for name, kind, ok in (("num_groups", "an integer >= 1", lambda v: isinstance(v, int)
                             and not isinstance(v, bool) and v >= 1),
                            ("packages", "an object", lambda v: isinstance(v, dict)),
+                           ("package_digests", "an object", lambda v: isinstance(v, dict)),
                            ("device", "a string", lambda v: isinstance(v, str)),
                            ("dtype", f"one of {sorted(DTYPES)}", lambda v: v in DTYPES),
                            ("source_signature", "a string", lambda v: isinstance(v, str))):
         if not ok(meta.get(name)):
             raise EngineFormatError(f"{meta_file}: {name} must be {kind}, got "
                                     f"{meta.get(name)!r:.60} ({REBUILD})")
-    for name in ["prefill", "decode"] + [f"replay_{g}" for g in range(meta["num_groups"])]:
+    for name in package_names(meta["num_groups"]):
         if not (engine_dir / str(meta["packages"].get(name, f"{name}.pt2"))).exists():
             raise EngineFormatError(f"{engine_dir}: package {name!r} is missing")
+        if not isinstance(meta["package_digests"].get(name), str):
+            raise EngineFormatError(f"{meta_file}: package_digests holds no digest of "
+                                    f"{name!r} ({REBUILD})")
     return meta
+
+
+def package_names(num_groups: int) -> list[str]:
+    """An engine's packages: its prefill and decode steps and a replay per layer group."""
+    return ["prefill", "decode"] + [f"replay_{g}" for g in range(num_groups)]
+
+
+def package_digest(path: str | Path) -> str:
+    """xxh3-128 of a whole package file: the weights are frozen into its compiled library,
+    so a flipped byte there loads and runs, with other logits (the zip's CRCs are not
+    checked at load)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def load_package(engine_dir: Path, meta: dict, name: str):
+    """Package `name` of the engine in `engine_dir`, checked against its digest in
+    engine.json; EngineFormatError, naming the file, for one changed or unloadable."""
+    path = engine_dir / str(meta["packages"].get(name, f"{name}.pt2"))
+    if package_digest(path) != meta["package_digests"][name]:
+        raise EngineFormatError(f"{path}: its bytes differ from those the build wrote "
+                                f"(corrupt or replaced; {REBUILD})")
+    try:
+        return torch._inductor.aoti_load_package(str(path))
+    except (RuntimeError, OSError, ValueError) as e:
+        raise EngineFormatError(f"{path}: cannot be loaded ({e}; {REBUILD})") from e
 
 
 def checkpoint_signature(model_dir: str | Path) -> str:
@@ -126,11 +163,9 @@ class CompiledExecutor(ExecutorBuffers):
                     page_size, num_run_slots, num_saved_slots, num_anchor_rows, int8_anchors)
         self.meta = meta
         self._snapshots = bool(meta.get("step_snapshots", False))
-        load = torch._inductor.aoti_load_package
-        pkg = meta["packages"]
-        self.prefill = load(str(engine_dir / pkg["prefill"]))
-        self.decode = load(str(engine_dir / pkg["decode"]))
-        self.replays = [load(str(engine_dir / pkg[f"replay_{g}"]))
+        self.prefill = load_package(engine_dir, meta, "prefill")
+        self.decode = load_package(engine_dir, meta, "decode")
+        self.replays = [load_package(engine_dir, meta, f"replay_{g}")
                         for g in range(cfg.num_groups)]
 
     @classmethod

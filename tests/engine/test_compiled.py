@@ -11,7 +11,7 @@ import torch
 from engine_helpers import assert_no_leak, make_engine, random_prompt
 
 from backend.engine import Engine, EngineConfig, SamplingParams
-from backend.engine.compiled import CompiledExecutor, EngineFormatError
+from backend.engine.compiled import CompiledExecutor, EngineFormatError, package_digest
 from backend.engine.executor import TorchExecutor
 from backend.model import SeqInput, load_model
 from backend.replay.budget import ReplayConfig
@@ -313,6 +313,39 @@ def test_an_engine_loads_only_beside_the_checkpoint_it_was_built_from(tmp_path, 
     (tmp_path / "engine.json").write_text("[]")
     with pytest.raises(EngineFormatError, match="not a JSON object"):
         CompiledExecutor(tmp_path, *SIZES)
+
+
+def test_a_changed_package_is_refused(tmp_path, aot_engine):
+    """Bytes flipped inside a package's compiled library (its frozen weights) loaded and ran
+    with other logits; a truncated one failed in torch naming no file. Both are
+    EngineFormatErrors naming the package now, as is an engine.json without digests."""
+    import shutil
+
+    model_dir, engine_dir = aot_engine
+    if model_dir.name != "tiny":
+        pytest.skip("one family is enough for the packages' digests")
+    meta = json.loads((engine_dir / "engine.json").read_text())
+    assert set(meta["package_digests"]) == set(meta["packages"])
+    out = shutil.copytree(engine_dir, tmp_path / "aot")
+    decode = out / meta["packages"]["decode"]
+    intact = decode.read_bytes()
+    middle = len(intact) // 2
+    decode.write_bytes(intact[:middle] + bytes(b ^ 0xFF for b in intact[middle:middle + 64])
+                       + intact[middle + 64:])
+    with pytest.raises(EngineFormatError, match=f"{decode.name}: its bytes differ"):
+        CompiledExecutor(out, *SIZES)
+    decode.write_bytes(intact[:middle])  # truncated, with engine.json's digest made to fit
+    (out / "engine.json").write_text(json.dumps(
+        {**meta, "package_digests": {**meta["package_digests"],
+                                     "decode": package_digest(decode)}}))
+    with pytest.raises(EngineFormatError, match=f"{decode.name}: cannot be loaded"):
+        CompiledExecutor(out, *SIZES)
+    decode.write_bytes(intact)
+    (out / "engine.json").write_text(json.dumps({**meta, "package_digests": {}}))
+    with pytest.raises(EngineFormatError, match="no digest of 'prefill'"):
+        CompiledExecutor(out, *SIZES)
+    (out / "engine.json").write_text(json.dumps(meta))
+    CompiledExecutor(out, *SIZES)  # intact again: loads
 
 
 def test_a_rebuild_that_stops_part_way_leaves_no_engine(tmp_path, aot_engine, monkeypatch):
