@@ -19,9 +19,10 @@ anchors and states.
 
 Supported targets: the linear layers the loader maps one to one from the checkpoint
 (attention q/k/v/o, Gated DeltaNet's in_proj_qkv / in_proj_z / in_proj_b / in_proj_a /
-out_proj, Mamba2's in_proj / out_proj, dense MLP projections, an MoE block's router and shared
-expert). Not: embeddings, lm_head, the routed MoE experts, Qwen3-Next's packed in_proj_qkvz /
-in_proj_ba (refused at load, by name).
+out_proj, Mamba2's in_proj / out_proj, dense MLP projections, an MoE block's shared expert,
+Qwen3-Next's router and shared expert gate, Nemotron-H's latent projections). Not: embeddings,
+lm_head, the routed MoE experts, Qwen3-Next's packed in_proj_qkvz / in_proj_ba (refused at
+load, by name), Nemotron-H's router (no linear layer).
 """
 
 from __future__ import annotations

@@ -423,3 +423,47 @@ def test_adapters_load_and_unload_at_run_time(setup):
     per_adapter = sum(a.numel() + b.numel() for a, b in layers.values()) * 4  # float32
     assert stats["memory_bytes"]["lora"] == 2 * per_adapter  # chat and math, same shapes
     assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "nemotron_h_moe"])
+def test_an_adapter_on_the_moe_router_and_shared_expert(tmp_path, family):
+    """The MoE block's linear layers but its routed experts (Qwen3-Next's router, shared
+    expert and its gate; Nemotron-H's shared expert and latent projections) take an adapter:
+    its tokens are those of the model with the adapter merged into those weights; the routed
+    experts are refused."""
+    from backend.model.linear import Linear
+    from backend.model.lora import save_adapter
+
+    family_checkpoint(tmp_path / "m", family, seed=3)
+    model = load_model(tmp_path / "m")
+    moe = {n for n, m in model.named_modules() if type(m).__name__.endswith("MoE")} or \
+        {n.rsplit(".", 2)[0] for n, _ in model.named_modules() if ".experts." in n}
+    targets = [n for n, m in model.named_modules() if isinstance(m, Linear)
+               and ".experts." not in n and any(n.startswith(b + ".") for b in moe)]
+    if family == "qwen3_next_moe":  # (Nemotron-H's router is no linear layer)
+        assert any(n.endswith("mlp.gate") for n in targets), targets
+    g = torch.Generator().manual_seed(1)
+    modules = dict(model.named_modules())
+    weights = {n: (torch.randn(4, modules[n].in_features, generator=g) * 0.3,
+                   torch.randn(modules[n].out_features, 4, generator=g) * 0.3) for n in targets}
+    folder = save_adapter(tmp_path / "adapter", weights, 8.0)
+    merged = load_model(tmp_path / "m")
+    with torch.no_grad():
+        merged_modules = dict(merged.named_modules())
+        for n, (a, b) in weights.items():
+            merged_modules[n].weight += 2.0 * (b @ a)  # alpha / r
+    prompt = _prompt(40, 5, model.config.vocab_size)
+    engine = make_engine(model, max_tokens_per_step=200)
+    engine.load_lora("moe", folder)
+    adapted = engine.generate(prompt, GREEDY, lora_name="moe").new_token_ids
+    assert adapted == make_engine(merged).generate(prompt, GREEDY).new_token_ids
+    assert adapted != engine.generate(prompt, GREEDY).new_token_ids
+    expert = next(n for n, m in model.named_modules() if isinstance(m, Linear)
+                  and ".experts." in n) if any(".experts." in n for n, _ in
+                                               model.named_modules()) else None
+    if expert is not None:
+        bad = save_adapter(tmp_path / "expert", {expert: (
+            torch.zeros(4, modules[expert].in_features),
+            torch.zeros(modules[expert].out_features, 4))}, 8.0)
+        with pytest.raises(AdapterError, match="MoE experts"):
+            engine.load_lora("expert", bad)
