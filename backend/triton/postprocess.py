@@ -102,13 +102,15 @@ class Postprocessor:
     def _shown_bytes(self, token_id: int) -> bytes:
         return self.tokenizer.shown_bytes(token_id, self.skip_special_tokens)
 
-    def _ids(self, ids: np.ndarray, name: str) -> list[int]:
-        vocab_size = self.tokenizer.vocab_size
-        bad = ids[(ids < 0) | (ids >= vocab_size)]
+    @staticmethod
+    def _ids(ids: np.ndarray, name: str) -> list[int]:
+        """Ids >= the tokenizer's vocabulary decode to nothing, as the tokenizer decodes them:
+        a model's embedding table is often padded past its tokenizer (Qwen's 151936 rows for
+        151665 tokens) and may sample such an id; an error here, mid-stream, would leave the
+        ensemble's request open for good (backend/triton/cancel.py)."""
+        bad = ids[(ids < 0) | (ids > np.iinfo(np.int32).max)]
         if bad.size:
-            raise RequestError(
-                f"{name} holds ids outside the vocabulary [0, {vocab_size}): {bad[:8].tolist()}"
-            )
+            raise RequestError(f"{name} holds ids that are no token ids: {bad[:8].tolist()}")
         return ids.tolist()
 
     @staticmethod

@@ -70,6 +70,12 @@ def test_any_output_streams_as_it_decodes_whole(post, ids):
     assert "".join(streamed(post, ids)) == texts(post(tokens(ids)))[0][0] == TOK.decode(ids)
 
 
+def test_ids_past_the_tokenizer_decode_to_nothing(post):
+    """(A model's padded vocabulary: an error mid-stream left the ensemble request open.)"""
+    ids = [0xE4, 999, 0xB8, 0xAD, 300, 65]
+    assert "".join(streamed(post, ids)) == texts(post(tokens(ids)))[0][0] == "中A"
+
+
 def test_unflushed_response_holds_back_a_split_character(post):
     step = tokens([65, 0xE4, 0xB8])
     step["FLUSH"] = np.array([[False]])
@@ -83,7 +89,7 @@ def test_unflushed_response_holds_back_a_split_character(post):
         ({}, "missing required input TOKENS_BATCH"),
         ({**tokens([65]), "SEQUENCE_LENGTH": np.array([[5]], np.int32)}, r"in \[0, 1\]"),
         ({**tokens([65]), "SEQUENCE_LENGTH": np.array([[1, 1]], np.int32)}, "does not match"),
-        (tokens([65, 999]), r"outside the vocabulary \[0, 260\): \[999\]"),
+        (tokens([65, -3]), r"TOKENS_BATCH holds ids that are no token ids: \[-3\]"),
         ({**tokens([65]), "FLUSH": np.array([[True, False]])}, r"FLUSH must have shape \[1, 1\]"),
     ],
     ids=["rank", "missing", "length-range", "length-shape", "bad-id", "flush-shape"],
