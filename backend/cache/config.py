@@ -77,6 +77,9 @@ class CacheConfig:
             )
         if self.num_checkpoint_slots < 0:
             raise ValueError(f"num_checkpoint_slots must be >= 0, got {self.num_checkpoint_slots}")
+        if self.policy == "checkpoint" and self.num_checkpoint_slots < 1:
+            raise ValueError("policy 'checkpoint' resumes from the states it keeps in "
+                             "num_checkpoint_slots: it must be >= 1 (0 never hits)")
         if self.max_cached_pages is not None and self.max_cached_pages < 0:
             raise ValueError(f"max_cached_pages must be >= 0, got {self.max_cached_pages}")
         if self.lookahead_window < 0:

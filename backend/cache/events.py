@@ -228,7 +228,11 @@ class KvEventPublisher:
         if kind == zmq.ROUTER:  # a replay of every kept message at once: a ROUTER drops
             sock.setsockopt(zmq.SNDHWM, 0)  # what passes its send limit (1000) silently
         try:
+            _check_port(name, endpoint)
             sock.bind(endpoint)
+        except ValueError:
+            self._context.destroy(linger=0)
+            raise
         except zmq.ZMQError as exc:
             self._context.destroy(linger=0)
             raise ValueError(f"{name} {endpoint!r} cannot be bound: {exc}") from None
@@ -285,3 +289,12 @@ class KvEventPublisher:
                 self._replay.send_multipart([peer, b"", seq.to_bytes(8, "big", signed=True),
                                              payload])
         self._replay.send_multipart([peer, b"", END, self.instance])
+
+
+def _check_port(name: str, endpoint: str) -> None:
+    """A tcp endpoint's port is * or 0..65535 (ZeroMQ took tcp://*:99999 as port 34463)."""
+    if not endpoint.startswith("tcp://"):
+        return
+    port = endpoint.rpartition(":")[2]
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        raise ValueError(f"{name} {endpoint!r}: the port must be * or 0..65535, got {port!r}")

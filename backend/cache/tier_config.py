@@ -13,6 +13,9 @@ from pathlib import Path
 DEFAULT_PREFETCH_WINDOW = 6  # PCR's look-ahead window W
 
 
+MAX_IO_THREADS = 256  # (a million failed at start: "can't start new thread")
+
+
 @dataclass(frozen=True)
 class TierConfig:
     """host_pages: DRAM slots, one per page (its KV and its anchor block, each in its own
@@ -58,8 +61,8 @@ class TierConfig:
         if self.ssd_checkpoint_slots and self.uses_ssd and not self.host_checkpoint_slots:
             raise ValueError("SSD checkpoint states are staged through DRAM: "
                              "host_checkpoint_slots must be >= 1 with ssd_checkpoint_slots")
-        if self.io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {self.io_threads}")
+        if not 1 <= self.io_threads <= MAX_IO_THREADS:
+            raise ValueError(f"io_threads must be in 1..{MAX_IO_THREADS}, got {self.io_threads}")
         if self.uses_ssd and not self.model_fingerprint:
             raise ValueError("an SSD tier needs a model_fingerprint (it guards the SSD cache)")
         if self.uses_ssd and self.host_pages < 1:

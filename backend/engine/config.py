@@ -25,6 +25,9 @@ MIN_PRIORITY_AGING_S = 0.001  # a priority level per millisecond at the most
 FINGERPRINT_FROM_MODEL_DIR = "from-model-dir"
 
 
+MAX_JSON_WHITESPACE = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_num_seqs: int = 16
@@ -131,9 +134,11 @@ class EngineConfig:
             raise ValueError(f"session_retention_s must be >= 0 seconds, got "
                              f"{self.session_retention_s}")
         ws = self.guided_json_whitespace
-        if ws not in ("compact", "any") and not (ws.isdigit() and int(ws) >= 1):
-            raise ValueError("guided_json_whitespace must be 'compact', 'any' or a number >= 1, "
-                             f"got {ws!r}")
+        if ws not in ("compact", "any") and not (
+                ws.isascii() and ws.isdigit() and 1 <= int(ws) <= MAX_JSON_WHITESPACE):
+            # (XGrammar counts in a C int: 2**31 failed every guided request, blaming it)
+            raise ValueError("guided_json_whitespace must be 'compact', 'any' or a number in "
+                             f"1..{MAX_JSON_WHITESPACE}, got {ws!r}")
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS}, got "
                              f"{self.speculative_method!r}")
@@ -229,6 +234,16 @@ class EngineConfig:
                                         ("anchor_sampling", "sampling", replay)):
             if key in params and field_name in source:
                 _check_alias(key, field_name, source)
+        if tiers and "host_pages" not in tiers and not tiers.get("ssd_path"):
+            # The tiers are on where host_pages or ssd_path is set; another tier key alone
+            # turned on 1024 DRAM pages (host_checkpoint_slots=0 among them). Left at its
+            # default it is ignored, set otherwise it is a mistake.
+            defaults = TierConfig()
+            changed = sorted(k for k, v in tiers.items() if v != getattr(defaults, k))
+            if changed:
+                raise ValueError(f"{', '.join(changed)} configure the tiers below the device, "
+                                 "which are off: set host_pages (DRAM) or ssd_path (SSD) too")
+            tiers = {}
         try:
             if tiers.get("ssd_path") and not tiers.get("model_fingerprint"):
                 tiers["model_fingerprint"] = FINGERPRINT_FROM_MODEL_DIR

@@ -380,6 +380,10 @@ class Engine:
                 f"the request needs {pages} KV pages, the pool holds "
                 f"{self.config.cache.num_kv_pages}"
             )
+        anchors = self.config.cache.anchor_pool_size
+        if self.config.cache.uses_anchors and pages > anchors:  # (one block a page, as KV)
+            raise ValueError(f"the request needs {pages} anchor blocks, the pool holds "
+                             f"{anchors} (num_anchor_blocks)")
 
     def _check_adapter(self, name: str) -> None:
         if name not in self.adapters:

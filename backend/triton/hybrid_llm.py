@@ -460,4 +460,17 @@ def build_engine(settings: ServingSettings, params: dict[str, str]) -> Engine:
     try:
         return Engine.from_model_dir(settings.model_path, config, settings.calibration_path)
     except (FileNotFoundError, ValueError) as exc:
-        raise ConfigError(f"parameter model_path={str(settings.model_path)!r}: {exc}") from exc
+        # (the model, the engine folder, the SSD path, an adapter...: the message names it)
+        raise ConfigError(f"cannot start the engine on model_path="
+                          f"{str(settings.model_path)!r}: {exc}") from exc
+    except (MemoryError, RuntimeError) as exc:
+        if not isinstance(exc, MemoryError) and "alloc" not in str(exc):
+            raise
+        sizes = {k: params[k] for k in POOL_PARAMETERS if params.get(k, "").strip()}
+        raise ConfigError(f"the engine's pools do not fit in memory ({exc!s:.200}); make "
+                          f"them smaller: {sizes or 'the defaults'}") from exc
+
+
+# What a pool's size comes from (named when they do not fit in memory).
+POOL_PARAMETERS = ("num_kv_pages", "num_anchor_blocks", "num_checkpoint_slots", "max_num_seqs",
+                   "max_tokens_per_step", "host_pages", "host_checkpoint_slots")

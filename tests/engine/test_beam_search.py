@@ -316,6 +316,12 @@ def test_searches_the_engine_cannot_hold_are_refused(family_model):
     with pytest.raises(ValueError, match="the pool holds 16"):
         engine.submit(Request("long", prompt, SamplingParams(max_tokens=60, beam_width=4)))
     assert_no_leak(engine)
+    # an anchor pool smaller than a request's pages: it failed inside the step, every time
+    small = make_engine(family_model, num_kv_pages=16, num_anchor_blocks=1)
+    with pytest.raises(ValueError, match=r"needs 2 anchor blocks, the pool holds 1 "
+                                         r"\(num_anchor_blocks\)"):
+        small.submit(Request("anchors", prompt, SamplingParams(max_tokens=8)))
+    assert_no_leak(small)
 
 
 @pytest.mark.parametrize("penalty", [1100.0, 300.0, -1e30])

@@ -185,11 +185,15 @@ def test_a_step_is_not_cut_for_a_checkpoint_without_a_free_slot(model):
 
 @pytest.mark.parametrize("policy", ["checkpoint", "suffixreplay"])
 def test_no_checkpoint_slots_keeps_no_states_and_serves_every_prompt(model, policy):
-    """`num_checkpoint_slots=0` (a pool of no saved states): prompts longer than a page are
-    served with greedy's tokens, as with `policy none`; the checkpoint policy can then resume
-    nothing, suffix replay still resumes from its anchors."""
+    """`num_checkpoint_slots=0` (a pool of no saved states): suffix replay serves prompts
+    longer than a page with greedy's tokens and still resumes from its anchors; the
+    checkpoint policy could resume nothing (a cache that never hit): a config error."""
     from backend.model.generate import greedy_generate
 
+    if policy == "checkpoint":
+        with pytest.raises(ValueError, match="num_checkpoint_slots: it must be >= 1"):
+            make_engine(model, policy=policy, interval=64, num_checkpoint_slots=0)
+        return
     V = model.config.vocab_size
     prompt = random_prompt(200, V, seed=43)
     branches = [prompt + random_prompt(9, V, seed=44), prompt[:150] + random_prompt(5, V, seed=45)]
@@ -199,6 +203,6 @@ def test_no_checkpoint_slots_keeps_no_states_and_serves_every_prompt(model, poli
     want = greedy_generate(model, [prompt] + branches, 12, PAGE)
     assert [first.new_token_ids] + [g.new_token_ids for g in got] == want
     hits = [g.cached_tokens for g in got]
-    assert hits == ([0, 0] if policy == "checkpoint" else [192, 144])
+    assert hits == [192, 144]
     assert engine.store.state_pool.capacity == 0
     assert_no_leak(engine)

@@ -85,3 +85,40 @@ def test_set_and_read_parameters_round_trip(tmp_path):
     params = read_parameters(config)
     assert params["page_size"] == "32" and params["brand_new"] == "x"
     assert params["cache_policy"] == "suffixreplay" and params["ssd_path"] == ""
+
+
+def test_engine_parameters_that_cannot_work_fail_the_load_naming_them(tmp_path):
+    """Each was accepted: a tier key alone turned on 1024 DRAM pages; a checkpoint cache
+    without slots never hit; a whitespace count past XGrammar's C int failed every guided
+    request; a million I/O threads or pools past memory failed with torch's or the thread
+    module's words; a port past 65535 bound another port; an engine-stage error (an SSD path
+    that is a file) blamed model_path."""
+    from backend.engine.config import EngineConfig
+    from backend.triton.hybrid_llm import build_engine
+    from backend.triton.repo import DEFAULT_MODEL, MODEL_REPO
+
+    for params, message in (
+            ({"host_checkpoint_slots": "4"}, "host_checkpoint_slots configure the tiers below "
+                                             "the device, which are off: set host_pages"),
+            ({"prefetch_window": "2", "io_threads": "4"}, "io_threads, prefetch_window"),
+            ({"cache_policy": "checkpoint", "num_checkpoint_slots": "0"},
+             "num_checkpoint_slots: it must be >= 1"),
+            ({"guided_json_whitespace": str(2**31)}, r"number in 1..2147483647, got '2147483648'"),
+            ({"guided_json_whitespace": "²"}, "guided_json_whitespace must be"),
+            ({"host_pages": "8", "io_threads": "1000000"}, r"io_threads must be in 1..256")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig.from_params(params)
+    # left at their defaults (host_checkpoint_slots=0: "empty = 0"), they change nothing
+    assert EngineConfig.from_params({"host_checkpoint_slots": "0", "ssd_bytes": ""}).tiers is None
+    assert EngineConfig.from_params({"host_pages": "8"}).tiers.host_pages == 8
+    settings = serving_settings(config(model_path=str(MODEL_REPO / DEFAULT_MODEL)), tmp_path)
+    for params, message in (
+            ({"num_kv_pages": str(10**12)}, r"pools do not fit in memory .*num_kv_pages"),
+            ({"kv_events_endpoint": "tcp://127.0.0.1:99999"},
+             r"kv_events_endpoint 'tcp://127.0.0.1:99999': the port must be \* or 0..65535")):
+        with pytest.raises(ConfigError, match=message):
+            build_engine(settings, params)
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="cannot start the engine on model_path=.*afile") as e:
+        build_engine(settings, {"ssd_path": str(tmp_path / "afile")})
+    assert "parameter model_path" not in str(e.value)
