@@ -16,6 +16,7 @@ Generated text goes to stdout as it arrives; TTFT and token counts go to stderr.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import uuid
 from collections.abc import Iterator
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the first message wanted (default 0); one that came later has "
                              "\"gap\": true (without --replay, the first live one)")
     events.add_argument("--count", type=_positive_int, help="stop after this many messages")
-    events.add_argument("--idle-s", type=float,
+    events.add_argument("--idle-s", type=_seconds,
                         help="stop when no message came for this many seconds")
     for sub in (gen, chat, health):
         sub.add_argument(
@@ -186,6 +187,17 @@ def _positive_int(value: str) -> int:
         number = 0
     if number < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return number
+
+
+def _seconds(value: str) -> float:
+    """A time in seconds: a finite number > 0 (NaN waited for ever, -1 read as 0)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {value!r}")
     return number
 
 

@@ -348,7 +348,63 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="context bytes of the retrieval probe")
     p.add_argument("--phases", default=None,
                    help='sequence-length schedule, e.g. "0:512,0.5:1024" (default: 512..4096)')
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    problem = check_args(args)
+    if problem:
+        p.error(problem)  # (exit 2 with the usage, not a traceback mid-run)
+    return args
+
+
+TASK_KINDS = ("kv", "needle", "vars", "copy", "recall")
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments (None: nothing): values that failed deep in a run,
+    or ran it wrongly without a word (--steps 0 wrote an untrained model)."""
+    def finite(v: float) -> bool:
+        return math.isfinite(v)
+
+    for name, ok, want in (
+            ("steps", args.steps >= 1, ">= 1"), ("batch_tokens", args.batch_tokens >= 1, ">= 1"),
+            ("lr", finite(args.lr) and args.lr > 0, "a number > 0"),
+            ("warmup", args.warmup >= 0, ">= 0"), ("hidden", args.hidden >= 32, ">= 32"),
+            ("layers", args.layers >= 1, ">= 1"), ("threads", args.threads >= 1, ">= 1"),
+            ("checkpoint_every", args.checkpoint_every >= 1, ">= 1"),
+            ("max_minutes", finite(args.max_minutes) and args.max_minutes > 0, "a number > 0"),
+            ("max_corpus_bytes", args.max_corpus_bytes is None or args.max_corpus_bytes >= 1,
+             ">= 1"),
+            ("task_fraction", 0 <= args.task_fraction <= 1, "in [0, 1]"),
+            ("answer_weight", finite(args.answer_weight) and args.answer_weight >= 0, ">= 0"),
+            ("text_weight", finite(args.text_weight) and args.text_weight >= 0, ">= 0"),
+            ("extra_queries", args.extra_queries >= 0, ">= 0"),
+            ("qk_gain", finite(args.qk_gain) and args.qk_gain > 0, "a number > 0"),
+            ("qk_norm_lr_mult", finite(args.qk_norm_lr_mult) and args.qk_norm_lr_mult >= 0,
+             ">= 0"),
+            ("eval_every", args.eval_every >= 0, ">= 0"),
+            ("eval_context", args.eval_context >= 1, ">= 1")):
+        if not ok:
+            return f"--{name.replace('_', '-')} must be {want}, got {getattr(args, name)}"
+    kinds = args.tasks.split(",")
+    if not all(k in TASK_KINDS for k in kinds):
+        return f"--tasks must be a comma-separated list of {', '.join(TASK_KINDS)}, got " \
+               f"{args.tasks!r}"
+    try:
+        context = _range(args.task_context)
+        phases = parse_phases(args.phases)
+    except ValueError:
+        return f'--task-context must be "MIN:MAX" and --phases "FRACTION:LENGTH,...", got ' \
+               f"{args.task_context!r} and {args.phases!r}"
+    if context is not None and not 1 <= context[0] <= context[1]:
+        return f"--task-context must be MIN:MAX with 1 <= MIN <= MAX, got {args.task_context!r}"
+    if phases is not None and not all(0 <= f <= 1 and n >= 2 for f, n in phases):
+        return f"--phases holds FRACTION:LENGTH with FRACTION in [0, 1] and LENGTH >= 2, got " \
+               f"{args.phases!r}"
+    if not args.init_from:
+        try:
+            tiny_config(args.hidden, args.layers, args.family)
+        except ValueError as e:
+            return f"--hidden {args.hidden} / --layers {args.layers}: {e}"
+    return None
 
 
 if __name__ == "__main__":

@@ -700,3 +700,23 @@ def test_simulator_counts_the_decode_state_a_request_leaves_as_the_engine(model)
               for req, r in zip(wl.requests, records)}
     assert engine["A2"][0] == 128 and engine["A2"][1] > 0  # replayed
     assert round(out["ttft_by_tag_s"]["A2"]) == engine["A2"][1] * shapes.groups
+
+
+def test_a_bad_model_is_a_usage_error_before_any_work(tmp_path, capsys):
+    """`run --model` / `report --model` naming no checkpoint ended in a traceback, `run`
+    after making its results folder; now exit 2 saying so."""
+    from client.bench.run_suite import RESULTS_ROOT, main, report_main
+
+    for command, argv in ((main, ["--in-process", "--model", str(tmp_path / "none"),
+                                  "--out", "bad-model-test"]),
+                          (report_main, ["some_run", "--model", str(tmp_path / "none")])):
+        with pytest.raises(SystemExit) as exit_:
+            command(argv)
+        assert exit_.value.code == 2
+        assert "no model folder (config.json) there" in capsys.readouterr().err
+    assert not (RESULTS_ROOT / "bad-model-test").exists()
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(SystemExit):
+        main(["--model", str(tmp_path / "odd"), "--out", "bad-model-test"])
+    assert "--model " in capsys.readouterr().err

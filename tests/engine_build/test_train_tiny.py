@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 import torch
 
 from backend.model import load_model
@@ -81,3 +83,23 @@ def test_nemotron_h_family_trains_and_exports_what_transformers_loads(tmp_path, 
     with torch.no_grad():
         want = hf(ids).logits
     assert (ours.logits(ids) - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_arguments_that_cannot_train_are_usage_errors(tmp_path, capsys):
+    """Each failed deep in a run with a traceback (threads 0, an unknown task, NaN learning
+    rate, a malformed schedule) or ran wrongly without a word (--steps 0 wrote an untrained
+    model, a task fraction of 2): now exit 2 with what is wrong, before any work."""
+    base = ["--out", str(tmp_path / "m"), "--work-dir", str(tmp_path / "w")]
+    for extra, message in ((["--threads", "0"], "--threads must be >= 1"),
+                           (["--tasks", "kv,bogus"], "--tasks must be a comma-separated list"),
+                           (["--lr", "nan"], "--lr must be a number > 0, got nan"),
+                           (["--phases", "0.5"], '--phases "FRACTION:LENGTH,...", got'),
+                           (["--phases", "2:512"], r"FRACTION in \[0, 1\]"),
+                           (["--task-context", "90:10"], "1 <= MIN <= MAX"),
+                           (["--steps", "0"], "--steps must be >= 1, got 0"),
+                           (["--task-fraction", "2"], r"--task-fraction must be in \[0, 1\]")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(base + extra)
+        assert exit_.value.code == 2
+        assert re.search(message, capsys.readouterr().err), extra
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()

@@ -121,6 +121,17 @@ def test_generate_beam_options_become_ensemble_inputs():
     assert not {"beam_width", "length_penalty", "early_stopping"} & set(plain)
 
 
+@pytest.mark.parametrize("idle", ["nan", "-1", "0", "x"])
+def test_kv_events_idle_time_must_be_seconds(idle, capsys):
+    """--idle-s nan followed the events for ever; -1 read as 0."""
+    from client.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["kv-events", "--idle-s", idle])
+    assert f"expected a number of seconds > 0, got '{idle}'" in capsys.readouterr().err
+    assert parse_args(["kv-events", "--idle-s", "0.5"]).idle_s == 0.5
+
+
 def test_chat_resends_history_and_hits_the_cache(llm_server: ServerHandle):
     turns = "Hello, who are you?\nTell me more about it please.\n\n"
     result = run_client("chat", "--url", llm_server.urls.grpc, *GREEDY, stdin=turns)
