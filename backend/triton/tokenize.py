@@ -175,9 +175,9 @@ class Preprocessor:
         if words is not None:
             if weights.shape != (batch_size, len(words[0])) or weights.dtype.kind not in "fiu":
                 raise RequestError(
-                    f"EMBEDDING_BIAS_WEIGHTS must be a number tensor of EMBEDDING_BIAS_WORDS' "
-                    f"shape {[batch_size, len(words[0])]}, got {list(weights.shape)} "
-                    f"{weights.dtype}"
+                    f"EMBEDDING_BIAS_WEIGHTS shape {list(weights.shape)} {weights.dtype} does "
+                    f"not match EMBEDDING_BIAS_WORDS shape {[batch_size, len(words[0])]} (a "
+                    f"number per word)"
                 )
             if not np.all(np.isfinite(weights)):
                 raise RequestError("EMBEDDING_BIAS_WEIGHTS holds a value that is not finite")
