@@ -166,12 +166,16 @@ class Tokenizer:
     def decodes_bytes(self) -> bool:
         """Whether `decode(ids)` is the UTF-8 of the ids' `token_bytes` joined, invalid bytes
         as U+FFFD: a ByteLevel decoder alone (GPT-2, Llama 3, Qwen, the byte tokenizer)."""
-        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
-        return decoder.get("type") == "ByteLevel"
+        return self._decoder.get("type") == "ByteLevel"
+
+    @cached_property
+    def _decoder(self) -> dict:
+        """The tokenizer's decoder as tokenizer.json writes it ({} for none)."""
+        return json.loads(self.tok.to_str()).get("decoder") or {}
 
     @cached_property
     def _special_ids(self) -> frozenset[int]:
-        return frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        return frozenset(self.special_tokens.values())
 
     @cached_property
     def _added_ids(self) -> frozenset[int]:
@@ -180,7 +184,7 @@ class Tokenizer:
     @cached_property
     def _byte_level(self) -> bool:
         """Whether the decoder maps pieces through the byte alphabet (GPT-2, Llama 3, Qwen)."""
-        decoder = json.loads(self.tok.to_str()).get("decoder") or {}
+        decoder = self._decoder
         parts = decoder.get("decoders", [decoder]) if decoder.get("type") == "Sequence" \
             else [decoder]
         return any(isinstance(p, dict) and p.get("type") == "ByteLevel" for p in parts)

@@ -361,9 +361,7 @@ TASK_KINDS = ("kv", "needle", "vars", "copy", "recall")
 def check_args(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments (None: nothing): values that failed deep in a run,
     or ran it wrongly without a word (--steps 0 wrote an untrained model)."""
-    def finite(v: float) -> bool:
-        return math.isfinite(v)
-
+    finite = math.isfinite
     for name, ok, want in (
             ("steps", args.steps >= 1, ">= 1"), ("batch_tokens", args.batch_tokens >= 1, ">= 1"),
             ("lr", finite(args.lr) and args.lr > 0, "a number > 0"),

@@ -655,8 +655,8 @@ def report_main(argv: list[str] | None = None) -> dict:
     p.add_argument("run", help="the run's folder, or its name under client/bench/results/")
     p.add_argument("--model", help="the run's model folder (default: the one the run names)")
     args = p.parse_args(argv)
-    if args.model and not (Path(args.model) / "config.json").is_file():
-        p.error(f"--model {args.model}: no model folder (config.json) there")
+    if args.model:
+        _check_model_arg(p, args.model)
     out = Path(args.run)
     if not (out / "summary.json").exists():
         out = RESULTS_ROOT / args.run
@@ -679,22 +679,19 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--force", action="store_true",
                    help="replace a finished run already in --out")
     args = p.parse_args(argv)
-    try:  # (a bad --model failed with a traceback, after making the results folder)
-        load_checkpoint_config(args.model)
-    except ValueError as e:  # (CheckpointError)
-        p.error(f"--model {e}")
+    _check_model_arg(p, args.model)
     return run(args)
 
 
-def load_checkpoint_config(model: str) -> None:
-    """CheckpointError unless `model` is a checkpoint folder the engine can read."""
+def _check_model_arg(p: argparse.ArgumentParser, model: str) -> None:
+    """A usage error (exit 2) unless `model` is a checkpoint folder whose configuration the
+    engine reads (a bad --model failed with a traceback, `run` after making its folder)."""
     from backend.config import ModelConfig
-    from backend.model.loader import CheckpointError
 
-    path = Path(model)
-    if not (path / "config.json").is_file():
-        raise CheckpointError(f"{model}: no model folder (config.json) there")
+    config = Path(model) / "config.json"
+    if not config.is_file():
+        p.error(f"--model {model}: no model folder (config.json) there")
     try:
-        ModelConfig.from_file(path / "config.json")
+        ModelConfig.from_file(config)
     except (ValueError, OSError) as e:
-        raise CheckpointError(f"{model}: {e}") from None
+        p.error(f"--model {model}: {e}")
